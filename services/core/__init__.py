@@ -1,0 +1,1 @@
+"""Shared core of every Sluice service.  Imports no service package."""

@@ -1,0 +1,220 @@
+"""The only module that imports confluent_kafka.
+
+Everything else asks this module for producers, consumers and admin clients,
+and gets Sluice errors instead of ``KafkaException``: the translation happens
+once, here (``translate``), using librdkafka's own classification
+(``fatal()``, ``retriable()``, ``txn_requires_abort()``).
+
+Settings are passed explicitly: a service states the librdkafka options it
+relies on (idempotence, acks, offset storage) rather than leaning on defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+from confluent_kafka import (  # re-exported for the services
+    OFFSET_BEGINNING,
+    ConsumerGroupTopicPartitions,
+    OFFSET_END,
+    OFFSET_INVALID,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
+
+from .errors import BrokerUnavailable, KafkaFatal, SluiceError
+
+__all__ = [
+    "OFFSET_BEGINNING",
+    "OFFSET_END",
+    "OFFSET_INVALID",
+    "AdminClient",
+    "ConfigResource",
+    "Consumer",
+    "ConsumerGroupTopicPartitions",
+    "KafkaError",
+    "Message",
+    "NewTopic",
+    "Producer",
+    "ResourceType",
+    "TopicPartition",
+    "make_admin",
+    "make_consumer",
+    "make_producer",
+    "murmur2",
+    "partition_for_key",
+    "translate",
+]
+
+
+def translate(exc: BaseException, what: str) -> SluiceError:
+    """Turn a confluent-kafka exception into a Sluice error, keeping the cause."""
+    error = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
+    if isinstance(error, KafkaError):
+        if error.fatal():
+            out: SluiceError = KafkaFatal(f"{what}: {error.str()}")
+        else:
+            out = BrokerUnavailable(f"{what}: {error.str()}")
+            out.retriable = bool(error.retriable()) or error.code() in _TRANSIENT
+    else:
+        out = BrokerUnavailable(f"{what}: {exc}")
+    out.__cause__ = exc
+    return out
+
+
+_TRANSIENT = {
+    KafkaError._TRANSPORT,
+    KafkaError._ALL_BROKERS_DOWN,
+    KafkaError._TIMED_OUT,
+    KafkaError._MSG_TIMED_OUT,
+    KafkaError.REQUEST_TIMED_OUT,
+    KafkaError.NOT_LEADER_FOR_PARTITION,
+    KafkaError.LEADER_NOT_AVAILABLE,
+    KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+    KafkaError.COORDINATOR_NOT_AVAILABLE,
+    KafkaError.NOT_COORDINATOR,
+    KafkaError.REBALANCE_IN_PROGRESS,
+}
+
+
+def error_from_kafka_error(error: KafkaError, what: str) -> SluiceError:
+    """The same translation for a ``KafkaError`` handed to a callback."""
+    return translate(KafkaException(error), what)
+
+
+def make_producer(base: dict[str, Any], **settings: Any) -> Producer:
+    """An idempotent, acks=all producer: a delivered record is durable and in order.
+
+    ``base`` holds the connection settings of the site (bootstrap, TLS, SASL).
+    """
+    conf: dict[str, Any] = {
+        "enable.idempotence": True,
+        "acks": "all",
+        "max.in.flight.requests.per.connection": 5,
+        "linger.ms": 2,
+        "compression.type": "none",
+        "queue.buffering.max.messages": 1_000_000,
+        "queue.buffering.max.kbytes": 1_048_576,
+        "delivery.timeout.ms": 120_000,
+        "partitioner": "murmur2_random",
+    }
+    conf.update(base)
+    conf.update({k.replace("_", "."): v for k, v in settings.items()})
+    try:
+        return Producer(conf)
+    except KafkaException as exc:
+        raise translate(exc, "creating a producer") from exc
+
+
+def make_consumer(base: dict[str, Any], group_id: str | None = None, **settings: Any) -> Consumer:
+    """A consumer that never commits or stores offsets on its own.
+
+    With ``group_id=None`` the consumer is for ``assign()`` only (a random,
+    never-committed group id is set because librdkafka requires one).
+    """
+    conf: dict[str, Any] = {
+        "group.id": group_id or "sluice-reader",
+        "enable.auto.commit": False,
+        "enable.auto.offset.store": False,
+        "auto.offset.reset": "earliest",
+        "enable.partition.eof": False,
+        "isolation.level": "read_committed",
+        "partition.assignment.strategy": "range",
+    }
+    conf.update(base)
+    conf.update({k.replace("_", "."): v for k, v in settings.items()})
+    try:
+        return Consumer(conf)
+    except KafkaException as exc:
+        raise translate(exc, "creating a consumer") from exc
+
+
+def make_admin(base: dict[str, Any]) -> AdminClient:
+    try:
+        return AdminClient(dict(base))
+    except KafkaException as exc:
+        raise translate(exc, "creating an admin client") from exc
+
+
+def wait_futures(futures: dict[Any, Any], what: str, timeout_s: float = 30.0) -> dict[Any, Any]:
+    """Resolve an admin call's futures, translating each failure."""
+    results: dict[Any, Any] = {}
+    for key, fut in futures.items():
+        try:
+            results[key] = fut.result(timeout=timeout_s)
+        except KafkaException as exc:
+            raise translate(exc, f"{what} {key}") from exc
+    return results
+
+
+# --- murmur2, exactly as Kafka's default partitioner -----------------------
+#
+# DESIGN §1: the bucket of a key is murmur2(serialized key) mod buckets, as
+# the Java client's default partitioner computes it, so any Kafka producer
+# keyed the same way lands on the same partition as Sluice.
+
+_M = 0x5BD1E995
+_MASK = 0xFFFFFFFF
+
+
+def murmur2(data: bytes) -> int:
+    """Kafka's ``Utils.murmur2`` (seed 0x9747b28c), as a signed 32-bit int."""
+    length = len(data)
+    h = (0x9747B28C ^ length) & _MASK
+    n4 = length // 4
+    for i in range(n4):
+        k = int.from_bytes(data[4 * i : 4 * i + 4], "little")
+        k = (k * _M) & _MASK
+        k ^= k >> 24
+        k = (k * _M) & _MASK
+        h = (h * _M) & _MASK
+        h ^= k
+    rest = length % 4
+    tail = 4 * n4
+    if rest == 3:
+        h ^= data[tail + 2] << 16
+    if rest >= 2:
+        h ^= data[tail + 1] << 8
+    if rest >= 1:
+        h ^= data[tail]
+        h = (h * _M) & _MASK
+    h ^= h >> 13
+    h = (h * _M) & _MASK
+    h ^= h >> 15
+    return h - (1 << 32) if h & 0x80000000 else h
+
+
+def partition_for_key(key: bytes, partitions: int) -> int:
+    """Kafka's ``toPositive(murmur2(key)) % partitions``."""
+    return (murmur2(key) & 0x7FFFFFFF) % partitions
+
+
+def describe_group_members(admin: AdminClient, group_id: str, timeout_s: float = 5.0) -> list[tuple[str, list[tuple[str, int]]]]:
+    """(client_id, [(topic, partition), …]) for every member of a group."""
+    futures = admin.describe_consumer_groups([group_id], request_timeout=timeout_s)
+    desc = wait_futures(futures, "describing group", timeout_s)[group_id]
+    out = []
+    for member in desc.members:
+        tps = member.assignment.topic_partitions if member.assignment else []
+        out.append((member.client_id, [(tp.topic, tp.partition) for tp in tps]))
+    return out
+
+
+def iter_messages(consumer: Consumer, timeout_s: float, batch: int = 1000) -> Iterable[Message]:
+    """Yield messages from ``consume`` until a call returns none within ``timeout_s``."""
+    while True:
+        try:
+            msgs = consumer.consume(batch, timeout_s)
+        except KafkaException as exc:
+            raise translate(exc, "consuming") from exc
+        if not msgs:
+            return
+        yield from msgs
+
+
+Callback = Callable[[KafkaError | None, Message], None]

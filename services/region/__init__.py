@@ -1,0 +1,1 @@
+"""The region service: bucket owners that apply operations and fan them out."""

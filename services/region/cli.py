@@ -1,0 +1,101 @@
+"""``sluice region -c FILE``: run one region-service instance in the foreground."""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import logging
+import signal
+import sys
+import threading
+from typing import Any
+
+import uvicorn
+
+from ..core.config import load_config
+from ..core.errors import ConfigError, SluiceError
+from .http import create_app
+from .service import RegionService, ServiceState
+
+EXAMPLE = """\
+example:
+  sluice region -c deploy/sites/site-a.yaml --port 7071
+  curl -s -XPOST localhost:7071/regions/orders/put -d '{"key": "o-1", "value": {"qty": 3}}'
+  curl -s localhost:7071/regions/orders/entries/o-1
+  curl -s localhost:7071/buckets            # who owns which bucket
+  open http://localhost:7071/docs           # the API, from its OpenAPI document
+
+Start a second instance (another --port) and the buckets are shared between
+them through Kafka's consumer group; a request to either is served.
+"""
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "region",
+        help="run a region-service instance (bucket owner + HTTP API)",
+        description="Run one region-service instance: owns buckets through the consumer group, applies "
+        "operations in order, writes the region changelog and every attached queue.",
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("-c", "--config", required=True, help="site configuration file (YAML or TOML)")
+    p.add_argument("--host", help="address to listen on (default: region_service.host)")
+    p.add_argument("--port", type=int, help="port to listen on, 0 for any (default: region_service.port)")
+    p.add_argument("--bootstrap", help="override kafka.bootstrap_servers")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        cfg = load_config(args.config)
+        if args.bootstrap:
+            cfg = cfg.with_overrides({"kafka": {"bootstrap_servers": args.bootstrap}})
+    except ConfigError as exc:
+        print(f"sluice region: {exc}", file=sys.stderr)
+        return 2
+    service = RegionService(cfg, host=args.host, port=args.port)
+    try:
+        sock = service.bind()
+    except OSError as exc:
+        print(f"sluice region: cannot listen on {service.host}:{args.port}: {exc}", file=sys.stderr)
+        return 2
+    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning", access_log=False,
+                                           lifespan="off", timeout_graceful_shutdown=5))
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        server.should_exit = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    # `kill -USR1 PID` prints every thread's stack to stderr, for operators.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # uvicorn installs its own handlers in serve(); ours stay because we run
+    # the server in this thread with signals already routed to should_exit.
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+
+    def watch_crash() -> None:
+        while not server.should_exit:
+            if service.state is ServiceState.CRASHED:
+                server.should_exit = True
+                return
+            threading.Event().wait(0.2)
+
+    try:
+        service.start()
+    except SluiceError as exc:
+        print(f"sluice region: cannot start: {exc}", file=sys.stderr)
+        return 1
+    print(f"region service {service.instance_id} on {service.url} (site {cfg.site}, dsid {cfg.dsid})", flush=True)
+    threading.Thread(target=watch_crash, name="crash-watch", daemon=True).start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        service.stop()
+    if service.state is ServiceState.CRASHED:
+        print(f"sluice region: crashed: {service.crash!r}", file=sys.stderr)
+        return 1
+    return 0

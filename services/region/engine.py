@@ -1,0 +1,557 @@
+"""Bucket ownership and the ordered application of operations.
+
+Ownership is Kafka's: every region instance is a member of one consumer group
+subscribed to every region changelog, and the member assigned partition *b*
+of a changelog owns bucket *b* of that region (consumer-group leadership is
+the primary lock, DESIGN §1).  The engine does not read its assigned
+partitions through the group; it pauses them and keeps polling only to stay
+in the group and to hear about rebalances.
+
+Gaining a bucket (``on_assign``)::
+
+    LOADING ── load: read the changelog partition from its start, replay every
+       │       record into a fresh BucketState, re-enqueue every record at or
+       │       after the committed fan-out checkpoint (possibleDuplicate), wait
+       │       until those queue records are durable, commit the checkpoint
+       ▼
+    READY ──── requests are applied in arrival order (one lock, so bucket order
+       │       is the order of the changelog) and fanned out (fanout.py);
+       │       the checkpoint is committed every ``commit_interval_s``
+       ▼
+    gone ───── on_revoke: stop accepting, wait for in-flight records, commit
+               the checkpoint synchronously, drop the state.  on_lost: drop.
+
+A delivery failure in a READY bucket sends it back to LOADING: its in-memory
+state may be ahead of the changelog, so it is rebuilt from the changelog.
+
+Threads: the caller's (``submit``), the producer poll thread (delivery
+reports, fan-out), the group thread (membership, commits) and the loader.
+They share ``self._lock``-guarded bucket tables; everything else is owned by
+one thread.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..core.codec import Codec
+from ..core.errors import BrokerUnavailable, BucketUnavailable, CodecError, InvalidRequest, NotOwner, SluiceError
+from ..core.events import EntryEvent, EventID
+from ..core.kafka import (
+    OFFSET_BEGINNING,
+    AdminClient,
+    ConsumerGroupTopicPartitions,
+    Consumer,
+    KafkaException,
+    Producer,
+    TopicPartition,
+    make_admin,
+    make_consumer,
+    make_producer,
+    partition_for_key,
+    translate,
+)
+from .fanout import BucketProgress, FanoutWriter, Pending, QueueTarget
+from .state import BucketState, Duplicate, Op, Skipped
+
+log = logging.getLogger("sluice.region.engine")
+
+
+class BucketStatus(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+
+
+@dataclass(slots=True)
+class OwnedBucket:
+    region: str
+    bucket: int
+    epoch: int
+    status: BucketStatus = BucketStatus.LOADING
+    state: BucketState | None = None
+    progress: BucketProgress | None = None
+    committed: int = -1
+    inflight: dict[EventID, Pending] = field(default_factory=dict)
+    # A server-assigned EventID stream (member = this instance, thread = bucket).
+    next_sequence: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Operation:
+    """One requested operation on one key (value already serialized)."""
+
+    op: Op
+    region: str
+    key: str
+    value: bytes | None = None
+    event_id: EventID | None = None
+    callback_argument: str | None = None
+
+
+@dataclass(slots=True)
+class OpResult:
+    """What happened to one operation: an event, a duplicate, a skip or an error."""
+
+    event: EntryEvent | None = None
+    duplicate: bool = False
+    skipped: bool = False
+    error: SluiceError | None = None
+
+
+class RegionEngine:
+    """The bucket owner of one region-service instance."""
+
+    def __init__(
+        self,
+        *,
+        site: str,
+        dsid: int,
+        member_id: str,
+        client_id: str,
+        kafka_settings: dict[str, Any],
+        group_settings: dict[str, Any],
+        producer_settings: dict[str, Any],
+        group_id: str,
+        regions: dict[str, int],
+        changelog_topics: dict[str, str],
+        targets: dict[str, list[QueueTarget]],
+        codec: Codec,
+        commit_interval_s: float = 0.2,
+        load_timeout_s: float = 60.0,
+        on_crash: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self.site = site
+        self.dsid = dsid
+        self.member_id = member_id
+        self.client_id = client_id
+        self.group_id = group_id
+        self.regions = regions
+        self.changelog_topics = changelog_topics
+        self._topic_region = {t: r for r, t in changelog_topics.items()}
+        self._kafka_settings = kafka_settings
+        self._group_settings = group_settings
+        self._producer_settings = producer_settings
+        self._codec = codec
+        self._targets = targets
+        self._commit_interval_s = commit_interval_s
+        self._load_timeout_s = load_timeout_s
+        self._on_crash = on_crash
+
+        self._lock = threading.Lock()
+        self._owned: dict[tuple[str, int], OwnedBucket] = {}
+        self._epoch = 0
+        self._loads: queue.Queue[tuple[str, int, int] | None] = queue.Queue(maxsize=100_000)
+        self._stopping = threading.Event()
+        self._poll_stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._producer: Producer | None = None
+        self._group: Consumer | None = None
+        self._admin: AdminClient | None = None
+        self._writer: FanoutWriter | None = None
+        self.assigned_once = threading.Event()
+        self.stats = {"applied": 0, "duplicates": 0, "loads": 0, "refanned_out": 0, "bucket_failures": 0}
+
+    # --- lifecycle -----------------------------------------------------------
+
+    def start(self) -> None:
+        self._producer = make_producer(self._kafka_settings, **{"client.id": self.client_id}, **self._producer_settings)
+        self._admin = make_admin(self._kafka_settings)
+        self._writer = FanoutWriter(self._producer, self._codec, self.changelog_topics, self._targets, self._bucket_failed)
+        self._group = make_consumer(
+            self._kafka_settings,
+            self.group_id,
+            **{"client.id": self.client_id},
+            **self._group_settings,
+        )
+        for name, target in (("poll", self._poll_loop), ("group", self._group_loop), ("loader", self._load_loop)):
+            t = threading.Thread(target=self._guard(target), name=f"region-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self, deadline_s: float = 10.0) -> None:
+        """Stop loading, leave the group (revoking cleanly), then flush and stop polling.
+
+        The poll thread keeps serving delivery reports while the group
+        thread's revoke waits for in-flight records, so it stops last.
+        """
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        self._loads.put_nowait(None)
+        end = time.monotonic() + deadline_s
+        for t in self._threads:
+            if t.name != "region-poll":
+                t.join(max(0.1, end - time.monotonic()))
+        if self._producer is not None:
+            self._producer.flush(max(0.1, end - time.monotonic()))
+        self._poll_stopping.set()
+        for t in self._threads:
+            if t.name == "region-poll":
+                t.join(max(0.1, end - time.monotonic()))
+
+    def _guard(self, fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                fn()
+            except Exception as exc:  # top of a thread: record the crash, hand it to the owner
+                log.exception("region engine thread %s crashed", threading.current_thread().name)
+                self._stopping.set()
+                self._poll_stopping.set()
+                if self._on_crash is not None:
+                    self._on_crash(exc)
+
+        return run
+
+    # --- reads of ownership --------------------------------------------------
+
+    def bucket_of(self, region: str, key: str) -> int:
+        return partition_for_key(key.encode("utf-8"), self.regions[region])
+
+    def owned_buckets(self) -> dict[str, list[tuple[int, str]]]:
+        with self._lock:
+            out: dict[str, list[tuple[int, str]]] = {}
+            for (region, bucket), ob in sorted(self._owned.items()):
+                out.setdefault(region, []).append((bucket, ob.status.value))
+            return out
+
+    def owns(self, region: str, bucket: int) -> bool:
+        with self._lock:
+            return (region, bucket) in self._owned
+
+    def is_ready(self, region: str, bucket: int) -> bool:
+        with self._lock:
+            ob = self._owned.get((region, bucket))
+            return ob is not None and ob.status is BucketStatus.READY
+
+    # --- writes --------------------------------------------------------------
+
+    def submit(self, ops: list[Operation], on_done: Callable[[list[OpResult]], None]) -> None:
+        """Apply ``ops`` in order; ``on_done(results)`` runs (in the poll thread,
+        or here) once every applied event is durable in the changelog and in
+        every queue it goes to.
+
+        Every op must be for a bucket this instance owns; others get a
+        ``NotOwner`` or ``BucketUnavailable`` result and are not applied.
+        """
+        assert self._writer is not None
+        results = [OpResult() for _ in ops]
+
+        def finished(error: SluiceError | None) -> None:
+            if error is not None:
+                for r in results:
+                    if r.event is not None and r.error is None:
+                        r.error = error
+                        r.event = None
+            with self._lock:
+                for r in results:
+                    if r.event is not None:
+                        ob = self._owned.get((r.event.region, r.event.bucket))
+                        if ob is not None:
+                            ob.inflight.pop(r.event.event_id, None)
+            on_done(results)
+
+        pending = Pending(finished)
+        pending.add(1)  # held until every op is produced, so it cannot fire early
+        now_ms = int(time.time() * 1000)
+        with self._lock:
+            for op, result in zip(ops, results):
+                bucket = self.bucket_of(op.region, op.key)
+                ob = self._owned.get((op.region, bucket))
+                if ob is None:
+                    result.error = NotOwner(op.region, bucket)
+                    continue
+                if ob.status is not BucketStatus.READY or ob.state is None or ob.progress is None:
+                    result.error = BucketUnavailable(op.region, bucket, "the owner is loading the bucket")
+                    continue
+                event_id = op.event_id
+                if event_id is None:
+                    event_id = EventID(self.member_id, bucket, ob.next_sequence)
+                    ob.next_sequence += 1
+                try:
+                    outcome = ob.state.prepare(op.op, op.key, op.value, event_id, now_ms, op.callback_argument)
+                except InvalidRequest as exc:
+                    result.error = exc
+                    continue
+                if isinstance(outcome, Duplicate):
+                    result.duplicate = True
+                    self.stats["duplicates"] += 1
+                    original = ob.inflight.get(event_id)
+                    if original is not None:
+                        # The first attempt is still being written: answer
+                        # this retry when that one is durable.
+                        original.then(pending)
+                    continue
+                if isinstance(outcome, Skipped):
+                    result.skipped = True
+                    continue
+                result.event = outcome
+                ob.inflight[event_id] = pending
+                self.stats["applied"] += 1
+                self._writer.write(outcome, pending, ob.progress)
+        pending.arm()
+        pending.done()
+
+    def read(self, region: str, bucket: int) -> BucketState:
+        """The state of a READY bucket (callers read under ``read_lock``)."""
+        with self._lock:
+            ob = self._owned.get((region, bucket))
+            if ob is None:
+                raise NotOwner(region, bucket)
+            if ob.status is not BucketStatus.READY or ob.state is None:
+                raise BucketUnavailable(region, bucket, "the owner is loading the bucket")
+            return ob.state
+
+    @property
+    def read_lock(self) -> threading.Lock:
+        return self._lock
+
+    def wait_ready(self, region: str, bucket: int, timeout_s: float) -> bool:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            with self._lock:
+                ob = self._owned.get((region, bucket))
+                if ob is None:
+                    return False
+                if ob.status is BucketStatus.READY:
+                    return True
+            time.sleep(0.01)
+        return False
+
+    # --- producer poll thread -----------------------------------------------
+
+    def _poll_loop(self) -> None:
+        assert self._producer is not None
+        while not self._poll_stopping.is_set():
+            self._producer.poll(0.05)
+
+    def _bucket_failed(self, region: str, bucket: int, error: SluiceError) -> None:
+        """A write of the bucket failed: its memory may be ahead of the changelog."""
+        log.warning("bucket %s[%d] failed (%s); reloading it from the changelog", region, bucket, error)
+        self.stats["bucket_failures"] += 1
+        with self._lock:
+            ob = self._owned.get((region, bucket))
+            if ob is None or ob.status is BucketStatus.LOADING:
+                return
+            self._epoch += 1
+            ob.epoch = self._epoch
+            ob.status = BucketStatus.LOADING
+            ob.state = None
+            epoch = ob.epoch
+        self._loads.put((region, bucket, epoch))
+
+    # --- group thread ---------------------------------------------------------
+
+    def _group_loop(self) -> None:
+        consumer = self._group
+        assert consumer is not None
+        consumer.subscribe(
+            list(self.changelog_topics.values()),
+            on_assign=self._on_assign,
+            on_revoke=self._on_revoke,
+            on_lost=self._on_lost,
+        )
+        next_commit = time.monotonic() + self._commit_interval_s
+        try:
+            while not self._stopping.is_set():
+                msg = consumer.poll(0.1)
+                if msg is not None and msg.error() is not None:
+                    log.debug("group consumer: %s", msg.error())
+                if time.monotonic() >= next_commit:
+                    self._commit_checkpoints(asynchronous=True)
+                    next_commit = time.monotonic() + self._commit_interval_s
+        finally:
+            # Leaving the group revokes every bucket through _on_revoke,
+            # which waits for in-flight records and commits synchronously.
+            try:
+                consumer.close()
+            except (KafkaException, RuntimeError) as exc:
+                log.warning("closing the group consumer: %s", exc)
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        consumer.assign(partitions)
+        if partitions:
+            consumer.pause(partitions)
+        loads = []
+        with self._lock:
+            for tp in partitions:
+                region = self._topic_region[tp.topic]
+                self._epoch += 1
+                self._owned[(region, tp.partition)] = OwnedBucket(region, tp.partition, self._epoch)
+                loads.append((region, tp.partition, self._epoch))
+        log.info("assigned %s", ", ".join(f"{r}[{b}]" for r, b, _ in loads) or "nothing")
+        for item in loads:
+            self._loads.put(item)
+        self.assigned_once.set()
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        with self._lock:
+            revoked = [self._owned.pop((self._topic_region[tp.topic], tp.partition), None) for tp in partitions]
+        # Wait for the records already produced (of any bucket) to be acknowledged,
+        # so the checkpoint committed below covers every write we answered.
+        end = time.monotonic() + 10.0
+        while self._producer is not None and len(self._producer) > 0 and time.monotonic() < end:
+            time.sleep(0.01)
+        offsets = [
+            TopicPartition(self.changelog_topics[ob.region], ob.bucket, ob.progress.checkpoint)
+            for ob in revoked
+            if ob is not None and ob.progress is not None and ob.status is BucketStatus.READY
+        ]
+        if offsets:
+            try:
+                consumer.commit(offsets=offsets, asynchronous=False)
+            except KafkaException as exc:
+                log.warning("committing checkpoints on revoke: %s", exc)
+        log.info("revoked %s", ", ".join(f"{ob.region}[{ob.bucket}]" for ob in revoked if ob) or "nothing")
+
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        with self._lock:
+            for tp in partitions:
+                self._owned.pop((self._topic_region[tp.topic], tp.partition), None)
+        log.warning("lost %d buckets (session expired)", len(partitions))
+
+    def _commit_checkpoints(self, asynchronous: bool) -> None:
+        consumer = self._group
+        assert consumer is not None
+        offsets = []
+        with self._lock:
+            for ob in self._owned.values():
+                if ob.status is BucketStatus.READY and ob.progress is not None and ob.progress.checkpoint > ob.committed:
+                    offsets.append(TopicPartition(self.changelog_topics[ob.region], ob.bucket, ob.progress.checkpoint))
+                    ob.committed = ob.progress.checkpoint
+        if offsets:
+            try:
+                consumer.commit(offsets=offsets, asynchronous=asynchronous)
+            except KafkaException as exc:
+                # A failed commit only widens what a next owner re-enqueues.
+                log.warning("committing fan-out checkpoints: %s", exc)
+
+    # --- loader thread -----------------------------------------------------------
+
+    def _load_loop(self) -> None:
+        reader = make_consumer(self._kafka_settings, None, **{"client.id": f"{self.client_id}-loader"})
+        try:
+            while not self._stopping.is_set():
+                item = self._loads.get()
+                if item is None:
+                    return
+                region, bucket, epoch = item
+                try:
+                    self._load(reader, region, bucket, epoch)
+                except SluiceError as exc:
+                    log.warning("loading %s[%d] failed (%s); retrying", region, bucket, exc)
+                    time.sleep(0.5)
+                    self._loads.put(item)
+        finally:
+            reader.close()
+
+    def _committed(self, topic: str, bucket: int) -> int:
+        """The fan-out checkpoint committed for a changelog partition (-1: none)."""
+        assert self._admin is not None
+        request = ConsumerGroupTopicPartitions(self.group_id, [TopicPartition(topic, bucket)])
+        futures = self._admin.list_consumer_group_offsets([request], request_timeout=10)
+        result = futures[self.group_id].result(timeout=15)
+        for tp in result.topic_partitions:
+            if tp.topic == topic and tp.partition == bucket:
+                if tp.error is not None:
+                    raise BrokerUnavailable(f"committed offset of {topic}[{bucket}]: {tp.error}")
+                return tp.offset
+        return -1
+
+    def _current(self, region: str, bucket: int, epoch: int) -> OwnedBucket | None:
+        ob = self._owned.get((region, bucket))
+        return ob if ob is not None and ob.epoch == epoch else None
+
+    def _load(self, reader: Consumer, region: str, bucket: int, epoch: int) -> None:
+        with self._lock:
+            if self._current(region, bucket, epoch) is None:
+                return
+        started = time.monotonic()
+        topic = self.changelog_topics[region]
+        tp = TopicPartition(topic, bucket)
+        group = self._group
+        assert group is not None and self._writer is not None
+        try:
+            low, high = reader.get_watermark_offsets(tp, timeout=10.0)
+            # The group consumer belongs to the group thread; ask the
+            # coordinator through the admin client instead.
+            committed = self._committed(topic, bucket)
+        except KafkaException as exc:
+            raise translate(exc, f"reading the changelog bounds of {region}[{bucket}]") from exc
+        replay_from = committed if committed >= 0 else low
+        state = BucketState(region, bucket, self.dsid, self.member_id)
+        refanout: list[tuple[EntryEvent, int]] = []
+        if high > low:
+            reader.assign([TopicPartition(topic, bucket, OFFSET_BEGINNING if low == 0 else low)])
+            last = low - 1
+            idle_polls = 0
+            while last < high - 1:
+                msgs = reader.consume(1000, 0.5)
+                if not msgs:
+                    idle_polls += 1
+                    if idle_polls > 40:
+                        raise BrokerUnavailable(f"changelog {topic}[{bucket}] stopped at {last} before {high - 1}")
+                    continue
+                idle_polls = 0
+                for msg in msgs:
+                    if msg.error() is not None:
+                        continue
+                    last = msg.offset()
+                    try:
+                        event = EntryEvent.from_record(self._codec.decode_as("EntryEvent", msg.value()))
+                    except CodecError as exc:
+                        log.error("changelog %s[%d]@%d unreadable, skipped: %s", topic, bucket, last, exc)
+                        continue
+                    state.replay(event)
+                    if last >= replay_from:
+                        refanout.append((event, last))
+                if last >= high - 1:
+                    # Some brokers report a high watermark below the last
+                    # record under load: ask again before calling it the end.
+                    try:
+                        high = max(high, reader.get_watermark_offsets(tp, timeout=10.0)[1])
+                    except KafkaException as exc:
+                        raise translate(exc, f"reading the changelog bounds of {region}[{bucket}]") from exc
+            reader.unassign()
+            high = max(high, last + 1)
+
+        done = threading.Event()
+        failure: list[SluiceError | None] = [None]
+
+        def refanned(error: SluiceError | None) -> None:
+            failure[0] = error
+            done.set()
+
+        with self._lock:
+            ob = self._current(region, bucket, epoch)
+            if ob is None:
+                return
+            ob.state = state
+            ob.progress = BucketProgress(replay_from)
+            ob.committed = committed
+            ob.next_sequence = 0
+            pending = Pending(refanned)
+            for event, offset in refanout:
+                self._writer.refanout(event, offset, pending, ob.progress)
+            pending.arm()
+        if not done.wait(self._load_timeout_s):
+            raise BrokerUnavailable(f"re-enqueueing {len(refanout)} events of {region}[{bucket}] timed out")
+        if failure[0] is not None:
+            raise failure[0]
+        with self._lock:
+            ob = self._current(region, bucket, epoch)
+            if ob is None:
+                return
+            ob.status = BucketStatus.READY
+        self.stats["loads"] += 1
+        self.stats["refanned_out"] += len(refanout)
+        log.info(
+            "loaded %s[%d]: %d keys from offsets %d..%d, %d re-enqueued, %.2fs",
+            region, bucket, state.size(), low, high, len(refanout), time.monotonic() - started,
+        )
+

@@ -1,0 +1,273 @@
+"""Fan-out of applied events: the changelog record first, then the queues.
+
+The story of one write, step by step:
+
+1. The owner of the bucket prepares the event (``state.py``) and produces it
+   to the region changelog, partition = bucket.  The changelog is the
+   write-ahead truth: an operation is applied when its record is durable.
+2. When the broker acknowledges the changelog record (delivery report, in
+   partition order because the producer is idempotent), its offset is known
+   and the event is produced to every attached queue that takes it.  So no
+   queue ever holds an event whose changelog record is not durable.
+3. When every queue record of the event is acknowledged, the request's
+   ``Pending`` counts it done; the caller is answered when all its events are.
+4. Per bucket, ``BucketProgress`` keeps the fan-out checkpoint: the changelog
+   offset below which every record reached every queue.  It is committed as
+   the consumer-group offset of the changelog partition.  A new owner re-enqueues
+   everything from that offset on, marked possibleDuplicate; consumers drop
+   the repeats by EventID.
+
+A queue record is a ``QueuedEvent``.  Its Avro body is the queue fields
+followed by the ``EntryEvent`` body, so it is built by prefixing the
+changelog record's body instead of encoding the event a second time.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..core.codec import HEADER_BYTES, MARKER, Codec
+from ..core.errors import SluiceError
+from ..core.events import EntryEvent, Operation, goes_to_async_queue, goes_to_gateway
+from ..core.kafka import KafkaError, Message, Producer, error_from_kafka_error, murmur2, partition_for_key
+
+
+def _varint(n: int) -> bytes:
+    """Avro's zig-zag varint of a long."""
+    z = (n << 1) ^ (n >> 63)
+    out = bytearray()
+    while z > 0x7F:
+        out.append((z & 0x7F) | 0x80)
+        z >>= 7
+    out.append(z)
+    return bytes(out)
+
+
+def _avro_string(s: str) -> bytes:
+    b = s.encode("utf-8")
+    return _varint(len(b)) + b
+
+
+@dataclass(frozen=True, slots=True)
+class QueueTarget:
+    """One attached queue: where and whether an event of a region goes."""
+
+    id: str
+    topic: str
+    kind: str  # "gateway-sender" | "async-event-queue"
+    parallel: bool
+    partitions: int
+    order_policy: str
+    forward_expiration_destroy: bool = False
+
+    def accepts(self, op: Operation) -> bool:
+        if self.kind == "gateway-sender":
+            return goes_to_gateway(op)
+        return goes_to_async_queue(op, self.forward_expiration_destroy)
+
+    def partition_for(self, event: EntryEvent, key_bytes: bytes) -> int:
+        """Parallel: the bucket.  Serial: by the order policy."""
+        if self.parallel:
+            return event.bucket
+        if self.order_policy == "THREAD":
+            stream = f"{event.event_id.member_id}:{event.event_id.thread_id}".encode()
+            return partition_for_key(stream, self.partitions)
+        if self.order_policy == "PARTITION":
+            return event.bucket % self.partitions
+        return partition_for_key(key_bytes, self.partitions)
+
+
+class Pending:
+    """Completion of one request: outstanding records, first error, callback.
+
+    Records are added by the caller's thread while delivery reports of the
+    same request already arrive in the poll thread, so the counter is locked.
+    ``on_done(error_or_None)`` is called exactly once, after ``arm()`` and
+    when nothing is outstanding; then every chained dependent counts one done.
+    """
+
+    __slots__ = ("remaining", "error", "on_done", "armed", "fired", "dependents", "_lock")
+
+    def __init__(self, on_done: Callable[[SluiceError | None], None]) -> None:
+        self.remaining = 0
+        self.error: SluiceError | None = None
+        self.on_done = on_done
+        self.armed = False
+        self.fired = False
+        self.dependents: list[Pending] = []
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.remaining += n
+
+    def arm(self) -> None:
+        """All records are produced; fire when they are all acknowledged."""
+        with self._lock:
+            self.armed = True
+        self._maybe_fire()
+
+    def done(self, n: int = 1) -> None:
+        with self._lock:
+            self.remaining -= n
+        self._maybe_fire()
+
+    def fail(self, error: SluiceError) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = error
+            self.remaining -= 1
+        self._maybe_fire()
+
+    def then(self, dependent: "Pending") -> None:
+        """Count one done on ``dependent`` once this fires (now, if it has)."""
+        dependent.add(1)
+        with self._lock:
+            if not self.fired:
+                self.dependents.append(dependent)
+                return
+        dependent.done()
+
+    def _maybe_fire(self) -> None:
+        with self._lock:
+            if not self.armed or self.remaining > 0 or self.fired:
+                return
+            self.fired = True
+            dependents = self.dependents
+        self.on_done(self.error)
+        for d in dependents:
+            d.done()
+
+
+class BucketProgress:
+    """The fan-out checkpoint of one owned bucket.
+
+    ``inflight`` holds ``[changelog offset, queue records outstanding]`` in
+    offset order (delivery reports of one partition arrive in order).  The
+    checkpoint is the offset of the oldest record still outstanding, or one
+    past the newest when none is.
+    """
+
+    __slots__ = ("checkpoint", "inflight", "failed")
+
+    def __init__(self, checkpoint: int) -> None:
+        self.checkpoint = checkpoint
+        self.inflight: collections.deque[list[int]] = collections.deque()
+        self.failed = False
+
+    def opened(self, offset: int, outstanding: int) -> list[int]:
+        slot = [offset, outstanding]
+        self.inflight.append(slot)
+        if outstanding == 0:
+            self._advance()
+        return slot
+
+    def closed_one(self, slot: list[int]) -> None:
+        slot[1] -= 1
+        if slot[1] == 0:
+            self._advance()
+
+    def _advance(self) -> None:
+        inflight = self.inflight
+        while inflight and inflight[0][1] <= 0:
+            self.checkpoint = inflight.popleft()[0] + 1
+
+
+class FanoutWriter:
+    """Produces changelog records and, once each is durable, its queue records."""
+
+    def __init__(
+        self,
+        producer: Producer,
+        codec: Codec,
+        changelog_topics: dict[str, str],
+        targets: dict[str, list[QueueTarget]],
+        on_bucket_failure: Callable[[str, int, SluiceError], None],
+    ) -> None:
+        self._producer = producer
+        self._codec = codec
+        self._changelog_topics = changelog_topics
+        self._targets = targets
+        self._on_bucket_failure = on_bucket_failure
+        self._queued_fp = MARKER + codec.fingerprint("QueuedEvent")
+        self._queue_id_bytes = {
+            t.id: _avro_string(t.id) for ts in targets.values() for t in ts
+        }
+
+    def write(self, event: EntryEvent, pending: Pending, progress: BucketProgress) -> None:
+        """Step 1: the changelog record.  Called in bucket order by the owner."""
+        key_bytes = event.key.encode("utf-8")
+        value = self._codec.encode("EntryEvent", event.to_record(), validate=False)
+        targets = [t for t in self._targets.get(event.region, ()) if t.accepts(event.operation)]
+        pending.add(1 + len(targets))
+
+        def on_changelog(err: KafkaError | None, msg: Message) -> None:
+            if err is not None:
+                failure = error_from_kafka_error(err, f"writing the changelog of {event.region}[{event.bucket}]")
+                progress.failed = True
+                pending.fail(failure)
+                pending.done(len(targets))
+                self._on_bucket_failure(event.region, event.bucket, failure)
+                return
+            pending.done()
+            self._fan_out(event, key_bytes, value, msg.offset(), targets, pending, progress)
+
+        self._produce(self._changelog_topics[event.region], key_bytes, value, event.bucket, on_changelog)
+
+    def refanout(self, event: EntryEvent, offset: int, pending: Pending, progress: BucketProgress) -> None:
+        """Re-enqueue a changelog record after a change of owner (possibleDuplicate)."""
+        event = event.as_possible_duplicate()
+        key_bytes = event.key.encode("utf-8")
+        value = self._codec.encode("EntryEvent", event.to_record(), validate=False)
+        targets = [t for t in self._targets.get(event.region, ()) if t.accepts(event.operation)]
+        pending.add(len(targets))
+        self._fan_out(event, key_bytes, value, offset, targets, pending, progress)
+
+    def _fan_out(
+        self,
+        event: EntryEvent,
+        key_bytes: bytes,
+        changelog_value: bytes,
+        offset: int,
+        targets: list[QueueTarget],
+        pending: Pending,
+        progress: BucketProgress,
+    ) -> None:
+        """Step 2: the queue records of one durable changelog record."""
+        slot = progress.opened(offset, len(targets))
+        if not targets:
+            return
+        body = changelog_value[HEADER_BYTES:]
+        now_ms = int(time.time() * 1000)
+        tail = _varint(event.bucket) + _varint(offset) + _varint(now_ms) + body
+
+        def on_queue(err: KafkaError | None, msg: Message) -> None:
+            if err is not None:
+                failure = error_from_kafka_error(err, f"writing queue {msg.topic()}")
+                progress.failed = True
+                pending.fail(failure)
+                self._on_bucket_failure(event.region, event.bucket, failure)
+                return
+            progress.closed_one(slot)
+            pending.done()
+
+        for target in targets:
+            value = self._queued_fp + self._queue_id_bytes[target.id] + tail
+            self._produce(target.topic, key_bytes, value, target.partition_for(event, key_bytes), on_queue)
+
+    def _produce(self, topic: str, key: bytes, value: bytes, partition: int, cb: Any) -> None:
+        while True:
+            try:
+                self._producer.produce(topic, value, key, partition=partition, on_delivery=cb)
+                return
+            except BufferError:
+                # Back-pressure: the local queue is full.  Serve delivery
+                # reports (which may produce more) until there is room.
+                self._producer.poll(0.05)
+
+
+__all__ = ["BucketProgress", "FanoutWriter", "Pending", "QueueTarget", "murmur2"]

@@ -1,0 +1,585 @@
+"""The region service: one instance of ``sluice region -c FILE``.
+
+An instance is a bucket owner (``engine.py``) behind an HTTP API (``http.py``).
+A request may reach any instance.  The instance splits it by bucket and
+routes each part: to its own engine for the buckets it owns, or to the
+owner's HTTP address for the others.  Owners are read from the consumer
+group itself (every member's ``client.id`` carries its URL), so Kafka is the
+only source of truth about who owns what.
+
+Lifecycle::
+
+    NEW ──start()──► RUNNING ──stop()──► STOPPING ──► STOPPED
+                        │
+                        └── a worker thread died ──► CRASHED (exit non-zero)
+
+Retries inside the service are limited to what is certainly not applied: an
+owner that answered "not mine" or "loading", or that could not be connected
+to.  A forwarded request whose outcome is unknown (timeout) is answered with
+a retriable 503; the caller retries with the same EventID and the owner's
+duplicate tracking makes the retry safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+
+from ..core.codec import get_codec
+from ..core.config import SiteConfig
+from ..core.errors import (
+    BrokerUnavailable,
+    BucketUnavailable,
+    EntryTooLarge,
+    InvalidRequest,
+    NotOwner,
+    SluiceError,
+    UnknownRegion,
+)
+from ..core.events import EntryEvent, EventID
+from ..core.kafka import AdminClient, KafkaException, make_admin, translate
+from .engine import Operation, OpResult, RegionEngine
+from .fanout import QueueTarget
+from .state import Op
+
+log = logging.getLogger("sluice.region")
+
+FORWARDED_HEADER = "x-sluice-forwarded"
+CLIENT_ID_PREFIX = "sluice-region@"
+
+
+class ServiceState(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    CRASHED = "crashed"
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One operation's answer as the HTTP API reports it."""
+
+    key: str
+    status: str  # ok | duplicate | skipped | error
+    operation: str | None = None
+    version: dict[str, Any] | None = None
+    event_id: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+    http_status: int = 200
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"key": self.key, "status": self.status}
+        if self.operation is not None:
+            d["operation"] = self.operation
+        if self.version is not None:
+            d["version"] = self.version
+        if self.event_id is not None:
+            d["event_id"] = self.event_id
+        if self.error is not None:
+            d["error"] = self.error
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Outcome":
+        status = d["status"]
+        http = 200
+        if status == "error":
+            http = int(d.get("error", {}).get("http_status", 500))
+        return cls(d["key"], status, d.get("operation"), d.get("version"), d.get("event_id"), d.get("error"), http)
+
+
+def outcome_of(op: Operation, result: OpResult) -> Outcome:
+    if result.error is not None:
+        err = result.error.to_dict()
+        err["http_status"] = result.error.http_status
+        return Outcome(op.key, "error", error=err, http_status=result.error.http_status)
+    if result.duplicate:
+        return Outcome(op.key, "duplicate", event_id=op.event_id.to_record() if op.event_id else None)
+    if result.skipped:
+        return Outcome(op.key, "skipped")
+    event = result.event
+    assert event is not None
+    return Outcome(
+        op.key,
+        "ok",
+        operation=event.operation.value,
+        version=event.version.to_record(),
+        event_id=event.event_id.to_record(),
+    )
+
+
+def _retry_routing(outcome: Outcome) -> bool:
+    """Certainly not applied, and likely to succeed soon: a bucket on the move."""
+    return outcome.status == "error" and outcome.error is not None and outcome.error.get("error") in (
+        "NotOwner",
+        "BucketUnavailable",
+    )
+
+
+class OwnerDirectory:
+    """Who owns which bucket, read from the consumer group's description."""
+
+    def __init__(self, admin: AdminClient, group_id: str, topic_region: dict[str, str], refresh_s: float = 0.5) -> None:
+        self._admin = admin
+        self._group_id = group_id
+        self._topic_region = topic_region
+        self._refresh_s = refresh_s
+        self._owners: dict[tuple[str, int], str] = {}
+        self._lock = threading.Lock()
+        self._fetched_at = 0.0
+
+    def refresh(self) -> None:
+        try:
+            futures = self._admin.describe_consumer_groups([self._group_id], request_timeout=5)
+            desc = futures[self._group_id].result(timeout=6)
+        except KafkaException as exc:
+            raise translate(exc, "describing the region group") from exc
+        owners: dict[tuple[str, int], str] = {}
+        for member in desc.members:
+            if not member.client_id.startswith(CLIENT_ID_PREFIX) or member.assignment is None:
+                continue
+            url = member.client_id[len(CLIENT_ID_PREFIX):]
+            for tp in member.assignment.topic_partitions:
+                region = self._topic_region.get(tp.topic)
+                if region is not None:
+                    owners[(region, tp.partition)] = url
+        with self._lock:
+            self._owners = owners
+            self._fetched_at = time.monotonic()
+
+    def owner(self, region: str, bucket: int) -> str | None:
+        with self._lock:
+            return self._owners.get((region, bucket))
+
+    def table(self) -> dict[tuple[str, int], str]:
+        with self._lock:
+            return dict(self._owners)
+
+    def stale(self) -> bool:
+        return time.monotonic() - self._fetched_at > self._refresh_s
+
+
+class RegionService:
+    """One region-service instance: engine, router and HTTP face."""
+
+    def __init__(self, cfg: SiteConfig, *, host: str | None = None, port: int | None = None) -> None:
+        self.cfg = cfg
+        self.state = ServiceState.NEW
+        self.crash: BaseException | None = None
+        self.host = host or cfg.region_service.host
+        self._port = cfg.region_service.port if port is None else port
+        self.instance_id = f"{cfg.site}-{uuid.uuid4().hex[:12]}"
+        self.token = cfg.region_service.token.get_secret_value() if cfg.region_service.token else None
+        self.request_timeout_s = cfg.region_service.request_timeout_s
+        self.regions = {r.name: r for r in cfg.regions}
+        names = cfg.topics
+        self.changelog_topics = {r.name: names.region_changelog(r.name) for r in cfg.regions}
+        self.group_id = f"{cfg.kafka.topic_prefix}region"
+        self._sock: socket.socket | None = None
+        self.url = ""
+        self.engine: RegionEngine | None = None
+        self.directory: OwnerDirectory | None = None
+        self._http: httpx.AsyncClient | None = None
+        self._stop_lock = threading.Lock()
+        self._directory_thread: threading.Thread | None = None
+        self._stopped = threading.Event()
+
+    # --- lifecycle -----------------------------------------------------------
+
+    def bind(self) -> socket.socket:
+        """Bind the listening socket (port 0 picks one) so the URL is known early."""
+        if self._sock is None:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, self._port))
+            sock.listen(512)
+            sock.set_inheritable(True)
+            self._sock = sock
+            port = sock.getsockname()[1]
+            self.url = self.cfg.region_service.advertised_url or f"http://{self.host}:{port}"
+        return self._sock
+
+    def start(self) -> None:
+        assert self.state is ServiceState.NEW, self.state
+        self.bind()
+        targets: dict[str, list[QueueTarget]] = {}
+        for region in self.cfg.regions:
+            targets[region.name] = [
+                QueueTarget(
+                    id=q.id,
+                    topic=q.topic,
+                    kind=q.kind,
+                    parallel=q.parallel,
+                    partitions=q.partitions,
+                    order_policy=q.order_policy,
+                    forward_expiration_destroy=(
+                        self.cfg.queue(q.id).forward_expiration_destroy if q.kind == "async-event-queue" else False
+                    ),
+                )
+                for q in self.cfg.attached_queues(region.name)
+            ]
+        kafka = self.cfg.kafka
+        self.engine = RegionEngine(
+            site=self.cfg.site,
+            dsid=self.cfg.dsid,
+            member_id=self.instance_id,
+            client_id=CLIENT_ID_PREFIX + self.url,
+            kafka_settings=kafka.client_settings(),
+            group_settings=kafka.group_settings(),
+            producer_settings=kafka.producer_settings(),
+            group_id=self.group_id,
+            regions={r.name: r.buckets for r in self.cfg.regions},
+            changelog_topics=self.changelog_topics,
+            targets=targets,
+            codec=get_codec(),
+            load_timeout_s=self.cfg.region_service.load_timeout_s,
+            on_crash=self._crashed,
+        )
+        self.directory = OwnerDirectory(
+            make_admin(kafka.client_settings()), self.group_id, {t: r for r, t in self.changelog_topics.items()}
+        )
+        self.engine.start()
+        self._directory_thread = threading.Thread(target=self._directory_loop, name="region-directory", daemon=True)
+        self._directory_thread.start()
+        self.state = ServiceState.RUNNING
+        log.info("region service %s listening on %s", self.instance_id, self.url)
+
+    def _directory_loop(self) -> None:
+        assert self.directory is not None
+        while not self._stopped.is_set():
+            try:
+                self.directory.refresh()
+            except SluiceError as exc:
+                log.debug("owner directory refresh failed: %s", exc)
+            self._stopped.wait(0.5)
+
+    def _crashed(self, exc: BaseException) -> None:
+        self.crash = exc
+        self.state = ServiceState.CRASHED
+
+    def stop(self) -> None:
+        """Idempotent: leave the group cleanly, flush, close."""
+        with self._stop_lock:
+            if self.state in (ServiceState.STOPPING, ServiceState.STOPPED):
+                return
+            crashed = self.state is ServiceState.CRASHED
+            self.state = ServiceState.STOPPING
+            self._stopped.set()
+            try:
+                if self.engine is not None:
+                    self.engine.stop()
+            finally:
+                if self._sock is not None:
+                    self._sock.close()
+                self.state = ServiceState.CRASHED if crashed else ServiceState.STOPPED
+
+    @property
+    def ready(self) -> bool:
+        """Connected and holding no bucket that is still loading."""
+        if self.state is not ServiceState.RUNNING or self.engine is None:
+            return False
+        if not self.engine.assigned_once.is_set():
+            return False
+        return all(status == "ready" for buckets in self.engine.owned_buckets().values() for _, status in buckets)
+
+    # --- request handling -----------------------------------------------------
+
+    def region_config(self, region: str) -> Any:
+        try:
+            return self.regions[region]
+        except KeyError:
+            raise UnknownRegion(region) from None
+
+    def encode_value(self, region: str, value: Any, field: str = "value") -> bytes:
+        if value is None:
+            raise InvalidRequest(field, None, "must not be null (use invalidate to clear a value)")
+        data = orjson.dumps(value)
+        limit = self.region_config(region).value_max_bytes
+        if len(data) > limit:
+            raise EntryTooLarge(field, f"{len(data)} bytes", f"larger than value_max_bytes={limit}")
+        return data
+
+    def check_key(self, region: str, key: Any, field: str = "key") -> str:
+        if not isinstance(key, str) or key == "":
+            raise InvalidRequest(field, key, "must be a non-empty string")
+        limit = self.region_config(region).key_max_bytes
+        n = len(key.encode("utf-8"))
+        if n > limit:
+            raise EntryTooLarge(field, key, f"{n} bytes, larger than key_max_bytes={limit}")
+        return key
+
+    def http_client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            headers = {FORWARDED_HEADER: "1"}
+            if self.token:
+                headers["authorization"] = f"Bearer {self.token}"
+            self._http = httpx.AsyncClient(timeout=self.request_timeout_s, headers=headers)
+        return self._http
+
+    async def execute(self, ops: list[Operation], forwarded: bool) -> list[Outcome]:
+        """Apply ``ops`` wherever their buckets are owned; one outcome per op, in order."""
+        outcomes: list[Outcome | None] = [None] * len(ops)
+        todo = list(range(len(ops)))
+        deadline = time.monotonic() + self.request_timeout_s
+        delay = 0.02
+        while todo:
+            await self._route(ops, todo, outcomes, forwarded)
+            retry = [i for i in todo if _retry_routing(outcomes[i])]  # type: ignore[arg-type]
+            if forwarded or not retry or time.monotonic() + delay > deadline:
+                break
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+            todo = retry
+        return [o for o in outcomes if o is not None]
+
+    async def _route(self, ops: list[Operation], todo: list[int], outcomes: list[Outcome | None], forwarded: bool) -> None:
+        engine, directory = self.engine, self.directory
+        assert engine is not None and directory is not None
+        local: list[int] = []
+        remote: dict[str, list[int]] = {}
+        for i in todo:
+            op = ops[i]
+            bucket = engine.bucket_of(op.region, op.key)
+            if engine.owns(op.region, bucket):
+                local.append(i)
+                continue
+            owner = directory.owner(op.region, bucket)
+            if forwarded or owner is None or owner == self.url:
+                outcomes[i] = outcome_of(op, OpResult(error=NotOwner(op.region, bucket, owner)))
+            else:
+                remote.setdefault(owner, []).append(i)
+        tasks = []
+        if local:
+            tasks.append(self._apply_local(ops, local, outcomes))
+        for url, idx in remote.items():
+            tasks.append(self._forward(url, ops, idx, outcomes))
+        await asyncio.gather(*tasks)
+
+    async def _apply_local(self, ops: list[Operation], idx: list[int], outcomes: list[Outcome | None]) -> None:
+        engine = self.engine
+        assert engine is not None
+        # Wait (bounded) for buckets that are loading rather than bouncing the caller.
+        for region, bucket in {(ops[i].region, engine.bucket_of(ops[i].region, ops[i].key)) for i in idx}:
+            if not engine.is_ready(region, bucket):
+                await asyncio.to_thread(engine.wait_ready, region, bucket, min(5.0, self.request_timeout_s))
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[list[OpResult]] = loop.create_future()
+
+        def done(results: list[OpResult]) -> None:
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(results))
+
+        mine = [ops[i] for i in idx]
+        engine.submit(mine, done)
+        try:
+            results = await asyncio.wait_for(fut, self.request_timeout_s)
+        except asyncio.TimeoutError:
+            err = BrokerUnavailable("the write was not acknowledged by Kafka in time; retry with the same EventID")
+            results = [OpResult(error=err) for _ in mine]
+        for i, op, res in zip(idx, mine, results):
+            outcomes[i] = outcome_of(op, res)
+
+    async def _forward(self, url: str, ops: list[Operation], idx: list[int], outcomes: list[Outcome | None]) -> None:
+        body = {"ops": [_op_to_json(ops[i]) for i in idx]}
+        try:
+            resp = await self.http_client().post(f"{url}/internal/ops", content=orjson.dumps(body),
+                                                 headers={"content-type": "application/json"})
+            data = resp.json()
+            if resp.status_code != 200:
+                raise BrokerUnavailable(f"owner {url} answered {resp.status_code}: {data}")
+            for i, d in zip(idx, data["outcomes"]):
+                outcomes[i] = Outcome.from_dict(d)
+        except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
+            # Not connected: certainly not applied.  Ask the directory again.
+            if self.directory is not None:
+                await asyncio.to_thread(self._refresh_quietly)
+            for i in idx:
+                op = ops[i]
+                err = BucketUnavailable(op.region, self.engine.bucket_of(op.region, op.key) if self.engine else -1,
+                                        f"owner {url} unreachable: {type(exc).__name__}")
+                outcomes[i] = outcome_of(op, OpResult(error=err))
+        except (httpx.HTTPError, ValueError, KeyError, BrokerUnavailable) as exc:
+            err = BrokerUnavailable(f"forwarding to {url} failed, outcome unknown ({exc}); retry with the same EventID")
+            for i in idx:
+                outcomes[i] = outcome_of(ops[i], OpResult(error=err))
+
+    def _refresh_quietly(self) -> None:
+        try:
+            if self.directory is not None:
+                self.directory.refresh()
+        except SluiceError:
+            pass
+
+    async def read(self, region: str, keys: list[str], forwarded: bool) -> dict[str, dict[str, Any] | None]:
+        """Entries of ``keys`` from their owners: {key: {value, version, invalid} or None}."""
+        engine = self.engine
+        assert engine is not None
+        out: dict[str, dict[str, Any] | None] = {}
+        deadline = time.monotonic() + self.request_timeout_s
+        todo = list(keys)
+        delay = 0.02
+        while todo:
+            retry: list[str] = []
+            remote: dict[str, list[str]] = {}
+            for key in todo:
+                bucket = engine.bucket_of(region, key)
+                if engine.owns(region, bucket):
+                    if not engine.is_ready(region, bucket):
+                        await asyncio.to_thread(engine.wait_ready, region, bucket, min(5.0, self.request_timeout_s))
+                    try:
+                        state = engine.read(region, bucket)
+                    except (NotOwner, BucketUnavailable):
+                        retry.append(key)
+                        continue
+                    with engine.read_lock:
+                        entry = state.get(key)
+                        out[key] = None if entry is None else _entry_json(entry)
+                    continue
+                owner = None if forwarded else self.directory.owner(region, bucket) if self.directory else None
+                if owner is None or owner == self.url:
+                    retry.append(key)
+                else:
+                    remote.setdefault(owner, []).append(key)
+            for url, ks in remote.items():
+                try:
+                    resp = await self.http_client().post(
+                        f"{url}/internal/read", content=orjson.dumps({"region": region, "keys": ks}),
+                        headers={"content-type": "application/json"},
+                    )
+                    if resp.status_code != 200:
+                        retry.extend(ks)
+                        continue
+                    data = resp.json()
+                    out.update(data["entries"])
+                    retry.extend(data.get("not_owned", []))
+                except httpx.HTTPError:
+                    retry.extend(ks)
+            if not retry:
+                break
+            if forwarded:
+                raise _NotOwnedKeys(retry, out)
+            if time.monotonic() + delay > deadline:
+                raise BucketUnavailable(region, engine.bucket_of(region, retry[0]), "no ready owner in time")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+            todo = retry
+        return out
+
+    async def keys(self, region: str, bucket: int | None, forwarded: bool) -> list[str]:
+        engine = self.engine
+        assert engine is not None
+        buckets = range(self.region_config(region).buckets) if bucket is None else [bucket]
+        out: list[str] = []
+        for b in buckets:
+            out.extend(await self._bucket_keys(region, b, forwarded))
+        return out
+
+    async def _bucket_keys(self, region: str, bucket: int, forwarded: bool) -> list[str]:
+        engine = self.engine
+        assert engine is not None
+        deadline = time.monotonic() + self.request_timeout_s
+        delay = 0.02
+        while True:
+            if engine.owns(region, bucket):
+                if not engine.is_ready(region, bucket):
+                    await asyncio.to_thread(engine.wait_ready, region, bucket, min(5.0, self.request_timeout_s))
+                try:
+                    state = engine.read(region, bucket)
+                    with engine.read_lock:
+                        return sorted(state.keys())
+                except (NotOwner, BucketUnavailable):
+                    pass
+            elif not forwarded and self.directory is not None:
+                owner = self.directory.owner(region, bucket)
+                if owner is not None and owner != self.url:
+                    try:
+                        resp = await self.http_client().get(f"{url_join(owner)}/regions/{region}/keys",
+                                                            params={"bucket": bucket})
+                        if resp.status_code == 200:
+                            return list(resp.json()["keys"])
+                    except httpx.HTTPError:
+                        pass
+            if forwarded:
+                raise NotOwner(region, bucket)
+            if time.monotonic() + delay > deadline:
+                raise BucketUnavailable(region, bucket, "no ready owner in time")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    def bucket_table(self) -> list[dict[str, Any]]:
+        """Per region and bucket: the owner's URL, and this instance's view of it."""
+        engine, directory = self.engine, self.directory
+        assert engine is not None and directory is not None
+        owners = directory.table()
+        mine = {(r, b): s for r, bs in engine.owned_buckets().items() for b, s in bs}
+        rows = []
+        for region in self.cfg.regions:
+            for b in range(region.buckets):
+                rows.append({
+                    "region": region.name,
+                    "bucket": b,
+                    "owner": self.url if (region.name, b) in mine else owners.get((region.name, b)),
+                    "status": mine.get((region.name, b), "remote" if (region.name, b) in owners else "unowned"),
+                })
+        return rows
+
+
+class _NotOwnedKeys(Exception):
+    def __init__(self, keys: list[str], found: dict[str, Any]) -> None:
+        self.keys = keys
+        self.found = found
+
+
+def url_join(base: str) -> str:
+    return base.rstrip("/")
+
+
+def _entry_json(entry: Any) -> dict[str, Any]:
+    return {
+        "value": None if entry.value is None else orjson.loads(entry.value),
+        "invalid": entry.value is None,
+        "version": entry.version.to_record(),
+        "event_id": entry.event_id.to_record(),
+    }
+
+
+def _op_to_json(op: Operation) -> dict[str, Any]:
+    return {
+        "op": op.op.value,
+        "region": op.region,
+        "key": op.key,
+        "value": None if op.value is None else op.value.decode("utf-8"),
+        "event_id": op.event_id.to_record() if op.event_id else None,
+        "callback_argument": op.callback_argument,
+    }
+
+
+def op_from_json(d: dict[str, Any]) -> Operation:
+    eid = d.get("event_id")
+    value = d.get("value")
+    return Operation(
+        op=Op(d["op"]),
+        region=d["region"],
+        key=d["key"],
+        value=None if value is None else value.encode("utf-8"),
+        event_id=EventID.from_record(eid) if eid else None,
+        callback_argument=d.get("callback_argument"),
+    )
+
+
+def default_host() -> str:
+    return os.environ.get("SLUICE_REGION_HOST", "127.0.0.1")
+
+
+__all__ = ["EntryEvent", "Outcome", "RegionService", "ServiceState", "op_from_json"]

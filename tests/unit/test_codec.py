@@ -1,0 +1,533 @@
+"""The codec: Avro single-object encoding of every schema in ``avro/`` (DESIGN §4).
+
+Three claims are checked here:
+
+1. Every schema round-trips: what ``Codec.encode`` writes, ``Codec.decode``
+   gives back unchanged, for any valid record (property-based).
+2. Any Avro library can read it: the Apache ``avro`` package (not fastavro)
+   decodes the body, and the 8 header bytes are the CRC-64-AVRO fingerprint
+   of the schema's Parsing Canonical Form, computed here independently.
+3. Bad input is refused with a ``CodecError`` that names the problem, and
+   nothing else ever escapes ``decode``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import avro.errors
+import avro.io
+import avro.name
+import avro.schema
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sluice.core.codec import HEADER_BYTES, MARKER, get_codec
+from sluice.core.errors import CodecError, MalformedRecord, UnknownSchema
+from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
+
+AVRO_DIR = Path(__file__).resolve().parents[2] / "avro"
+SCHEMA_FILES = {p.stem: json.loads(p.read_text()) for p in sorted(AVRO_DIR.glob("*.avsc"))}
+
+PROPERTY = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+FEW = settings(max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+
+# --- strategies for valid records -------------------------------------------------------
+
+INT_MIN, INT_MAX = -(2**31), 2**31 - 1
+LONG_MIN, LONG_MAX = -(2**63), 2**63 - 1
+
+# The millisecond range a datetime can hold (years 1 to 9999): the Apache reader turns
+# timestamp-millis into datetimes, so records read by it keep their timestamps in range.
+DATETIME_MILLIS = st.integers(-62_135_596_800_000, 253_402_300_799_999)
+
+texts = st.text(max_size=24)
+ints = st.integers(INT_MIN, INT_MAX)
+longs = st.integers(LONG_MIN, LONG_MAX)
+optional_bytes = st.none() | st.binary(max_size=32)
+OPERATION_SYMBOLS = next(
+    f["type"]["symbols"] for f in SCHEMA_FILES["EntryEvent"]["fields"] if f["name"] == "operation"
+)
+
+
+def record_strategies(millis: st.SearchStrategy[int] = longs) -> dict[str, st.SearchStrategy[dict[str, Any]]]:
+    """One strategy per schema, each drawing every field (defaults included)."""
+    event_id = st.fixed_dictionaries({"member_id": texts, "thread_id": longs, "sequence_id": longs})
+    version_tag = st.fixed_dictionaries(
+        {"dsid": ints, "timestamp": millis, "entry_version": longs, "member_id": texts}
+    )
+    entry_event = st.fixed_dictionaries(
+        {
+            "region": texts,
+            "key": texts,
+            "operation": st.sampled_from(OPERATION_SYMBOLS),
+            "value": optional_bytes,
+            "value_encoding": st.sampled_from(["json", "raw"]) | texts,
+            "callback_argument": st.none() | texts,
+            "possible_duplicate": st.booleans(),
+            "event_id": event_id,
+            "version": version_tag,
+            "origin_dsid": ints,
+            "visited_dsids": st.lists(ints, max_size=6),
+            "bucket": ints,
+            "event_time": millis,
+        }
+    )
+    batch_exception = st.fixed_dictionaries(
+        {"index": ints, "event_id": event_id, "exception_class": texts, "message": texts}
+    )
+    return {
+        "EventID": event_id,
+        "VersionTag": version_tag,
+        "EntryEvent": entry_event,
+        "QueuedEvent": st.fixed_dictionaries(
+            {
+                "queue_id": texts,
+                "changelog_partition": ints,
+                "changelog_offset": longs,
+                "enqueued_at": millis,
+                "event": entry_event,
+            }
+        ),
+        "GatewayBatch": st.fixed_dictionaries(
+            {
+                "sender_id": texts,
+                "source_dsid": ints,
+                "target_dsid": ints,
+                "queue_partition": ints,
+                "batch_id": longs,
+                "first_offset": longs,
+                "last_offset": longs,
+                "possible_duplicate": st.booleans(),
+                "created_at": millis,
+                "events": st.lists(entry_event, max_size=4),
+                "signature": optional_bytes,
+            }
+        ),
+        "GatewayAck": st.fixed_dictionaries(
+            {
+                "sender_id": texts,
+                "source_dsid": ints,
+                "receiver_dsid": ints,
+                "queue_partition": ints,
+                "batch_id": longs,
+                "last_applied_index": ints,
+                "last_applied_event_id": st.none() | event_id,
+                "duplicate_batch": st.booleans(),
+                "exceptions": st.lists(batch_exception, max_size=4),
+                "acked_at": millis,
+            }
+        ),
+        "RemovalRecord": st.fixed_dictionaries(
+            {
+                "queue_id": texts,
+                "queue_partition": ints,
+                "batch_id": longs,
+                "last_removed_offset": longs,
+                "last_event_id": st.none() | event_id,
+                "removed_count": longs,
+                "removed_at": millis,
+            }
+        ),
+        "DeadLetter": st.fixed_dictionaries(
+            {
+                "source_topic": texts,
+                "source_partition": ints,
+                "source_offset": longs,
+                "key": optional_bytes,
+                "value": optional_bytes,
+                "reason": texts,
+                "error_class": texts,
+                "event": st.none() | entry_event,
+                "service": texts,
+                "failed_at": millis,
+            }
+        ),
+    }
+
+
+RECORDS = record_strategies()
+RECORDS_IN_DATETIME_RANGE = record_strategies(DATETIME_MILLIS)
+SCHEMAS = sorted(SCHEMA_FILES)
+
+entry_events = st.builds(
+    EntryEvent,
+    region=texts,
+    key=texts,
+    operation=st.sampled_from(Operation),
+    value=optional_bytes,
+    event_id=st.builds(EventID, texts, longs, longs),
+    version=st.builds(VersionTag, ints, longs, longs, texts),
+    origin_dsid=ints,
+    bucket=ints,
+    event_time=longs,
+    callback_argument=st.none() | texts,
+    possible_duplicate=st.booleans(),
+    visited_dsids=st.lists(ints, max_size=6).map(tuple),
+    value_encoding=st.sampled_from(["json", "raw"]),
+)
+
+
+# Fixed, hand-written records of every schema, for the checks that need one record.
+
+EVENT_ID = {"member_id": "m-1", "thread_id": 7, "sequence_id": 42}
+VERSION_TAG = {"dsid": 1, "timestamp": 1_700_000_000_000, "entry_version": 3, "member_id": "m-1"}
+ENTRY_EVENT = {
+    "region": "orders",
+    "key": "k1",
+    "operation": "CREATE",
+    "value": b'{"qty": 1}',
+    "value_encoding": "json",
+    "callback_argument": None,
+    "possible_duplicate": False,
+    "event_id": EVENT_ID,
+    "version": VERSION_TAG,
+    "origin_dsid": 1,
+    "visited_dsids": [1, 2],
+    "bucket": 5,
+    "event_time": 1_700_000_000_000,
+}
+GATEWAY_BATCH = {
+    "sender_id": "site1-sender", "source_dsid": 1, "target_dsid": 2, "queue_partition": 0, "batch_id": 9,
+    "first_offset": 100, "last_offset": 101, "possible_duplicate": False, "created_at": 1_700_000_000_000,
+    "events": [ENTRY_EVENT, {**ENTRY_EVENT, "operation": "DESTROY", "value": None}], "signature": None,
+}
+SAMPLES: dict[str, dict[str, Any]] = {
+    "EventID": EVENT_ID,
+    "VersionTag": VERSION_TAG,
+    "EntryEvent": ENTRY_EVENT,
+    "QueuedEvent": {"queue_id": "q", "changelog_partition": 5, "changelog_offset": 77,
+                    "enqueued_at": 1_700_000_000_001, "event": ENTRY_EVENT},
+    "GatewayBatch": GATEWAY_BATCH,
+    "GatewayAck": {
+        "sender_id": "site1-sender", "source_dsid": 1, "receiver_dsid": 2, "queue_partition": 0, "batch_id": 9,
+        "last_applied_index": 0, "last_applied_event_id": EVENT_ID, "duplicate_batch": False,
+        "exceptions": [{"index": 1, "event_id": EVENT_ID, "exception_class": "EntryNotFound", "message": "k1"}],
+        "acked_at": 1_700_000_000_002,
+    },
+    "RemovalRecord": {"queue_id": "q", "queue_partition": 0, "batch_id": 9, "last_removed_offset": 101,
+                      "last_event_id": EVENT_ID, "removed_count": 2, "removed_at": 1_700_000_000_003},
+    "DeadLetter": {"source_topic": "t", "source_partition": 0, "source_offset": 3, "key": b"k1",
+                   "value": b"\x00", "reason": "missing marker", "error_class": "MalformedRecord",
+                   "event": ENTRY_EVENT, "service": "region", "failed_at": 1_700_000_000_004},
+}
+
+
+def test_every_schema_file_has_a_strategy_and_a_codec_entry() -> None:
+    """Every schema in avro/ is known to the codec, has a strategy and a sample, and the samples round-trip."""
+    assert set(SCHEMA_FILES) == set(get_codec().names) == set(RECORDS) == set(SAMPLES)
+    for name, record in SAMPLES.items():
+        assert get_codec().decode(get_codec().encode(name, record)) == (name, record)
+
+
+# --- 1. round trips ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+@PROPERTY
+@given(data=st.data())
+def test_encode_then_decode_returns_the_same_record(name: str, data: st.DataObject) -> None:
+    """Decoding what encode wrote gives back the record unchanged, under its own schema name."""
+    record = data.draw(RECORDS[name], label=name)
+    codec = get_codec()
+    encoded = codec.encode(name, record)
+    assert encoded[:2] == MARKER
+    assert encoded[2:HEADER_BYTES] == codec.fingerprint(name)
+    assert codec.schema_of(encoded) == name
+    assert codec.decode(encoded) == (name, record)
+    assert codec.decode_as(name, encoded) == record
+
+
+@PROPERTY
+@given(event=entry_events)
+def test_entry_event_survives_to_record_encode_decode_from_record(event: EntryEvent) -> None:
+    """An EntryEvent taken through to_record, the codec and from_record comes back equal."""
+    codec = get_codec()
+    decoded = codec.decode_as("EntryEvent", codec.encode("EntryEvent", event.to_record()))
+    assert EntryEvent.from_record(decoded) == event
+
+
+def test_operation_enum_matches_the_schema_symbols_in_order() -> None:
+    """Python's Operation and the Avro enum list the same symbols in the same order (the wire index)."""
+    assert [op.value for op in Operation] == OPERATION_SYMBOLS
+
+
+# --- 2. a plain Avro reader -------------------------------------------------------------
+#
+# CRC-64-AVRO, exactly as the specification's reference code ("Schema Fingerprints"):
+# a 64-bit Rabin fingerprint with EMPTY = 0xc15d213aa4d7a795.  Single-object encoding
+# puts it on the wire little-endian.
+
+EMPTY64 = 0xC15D213AA4D7A795
+
+
+def _fp_table() -> list[int]:
+    table = []
+    for i in range(256):
+        fp = i
+        for _ in range(8):
+            fp = (fp >> 1) ^ (EMPTY64 & -(fp & 1))
+        table.append(fp)
+    return table
+
+
+FP_TABLE = _fp_table()
+
+
+def rabin64(data: bytes) -> int:
+    fp = EMPTY64
+    for byte in data:
+        fp = (fp >> 8) ^ FP_TABLE[(fp ^ byte) & 0xFF]
+    return fp
+
+
+def strip_logical_types(node: Any) -> Any:
+    """The schema without logicalType attributes, which the canonical form drops anyway.
+
+    The canonical form keeps only name, type, fields, symbols, items, values and size
+    ([STRIP]) and writes primitives as bare names ([PRIMITIVES]).  avro 1.12.2 renders a
+    logical-typed long as {"type":"long"} instead of "long", so it is handed the schema
+    without logical types; that does not change what the specification's form is.
+    """
+    if isinstance(node, dict):
+        return {k: strip_logical_types(v) for k, v in node.items() if k != "logicalType"}
+    if isinstance(node, list):
+        return [strip_logical_types(v) for v in node]
+    return node
+
+
+def parse_all(transform: Any = lambda s: s) -> dict[str, avro.schema.Schema]:
+    """Every avro/ file parsed by the Apache package, named types resolved across files."""
+    names = avro.name.Names()
+    parsed: dict[str, avro.schema.Schema] = {}
+    pending = dict(SCHEMA_FILES)
+    while pending:
+        before = len(pending)
+        errors: dict[str, str] = {}
+        for stem, schema_json in list(pending.items()):
+            # A failed parse leaves half its names behind, so each attempt gets a copy.
+            trial = avro.name.Names()
+            trial.names = dict(names.names)
+            try:
+                parsed[stem] = avro.schema.make_avsc_object(transform(schema_json), trial)
+            except avro.errors.SchemaParseException as exc:
+                errors[stem] = str(exc)  # Perhaps a type from a file not parsed yet.
+                continue
+            names = trial
+            del pending[stem]
+        assert len(pending) < before, f"schemas that cannot be parsed: {errors}"
+    return parsed
+
+
+APACHE_SCHEMAS = parse_all()
+APACHE_SCHEMAS_WITHOUT_LOGICAL_TYPES = parse_all(strip_logical_types)
+
+
+@pytest.mark.parametrize(
+    ("schema_text", "canonical", "java_fingerprint"),
+    [
+        ('"null"', '"null"', 7195948357588979594),
+        ('{"type":"int"}', '"int"', 8247732601305521295),
+        ('{"fields":[], "type":"record", "name":"foo", "doc":"Useful info"}',
+         '{"name":"foo","type":"record","fields":[]}', -4824392279771201922),
+        ('{"namespace":"x.y.z", "type":"enum", "name":"foo", "doc":"foo bar", "symbols":["A1", "A2"]}',
+         '{"name":"x.y.z.foo","type":"enum","symbols":["A1","A2"]}', -4448647247586288245),
+        ('{"name":"PigValue","type":"record",'
+         ' "fields":[{"name":"value", "type":["null", "int", "long", "PigValue"]}]}',
+         '{"name":"PigValue","type":"record","fields":[{"name":"value","type":["null","int","long","PigValue"]}]}',
+         -1759257747318642341),
+    ],
+)
+def test_independent_fingerprint_matches_the_avro_project_vectors(
+    schema_text: str, canonical: str, java_fingerprint: int
+) -> None:
+    """The test's Rabin fingerprint and the avro package's canonical form agree with Avro's own test vectors."""
+    # Vectors from apache/avro share/test/data/schema-tests.txt, checked there against Java.
+    form = avro.schema.parse(schema_text).canonical_form
+    assert form == canonical
+    assert rabin64(form.encode()) == java_fingerprint & 0xFFFF_FFFF_FFFF_FFFF
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+def test_header_is_the_crc64_avro_fingerprint_of_the_parsing_canonical_form(name: str) -> None:
+    """The 8 bytes after C3 01 are the spec's CRC-64-AVRO of the self-contained schema, little-endian."""
+    encoded = get_codec().encode(name, SAMPLES[name])
+    schema = APACHE_SCHEMAS_WITHOUT_LOGICAL_TYPES[name]
+    # The canonical form of a schema that uses a type from another file spells that
+    # type out in full where it first appears, as Java's SchemaNormalization does.
+    canonical = schema.canonical_form
+    expected = rabin64(canonical.encode()).to_bytes(8, "little")
+    assert expected == schema.fingerprint("CRC-64-AVRO")
+    assert encoded[2:HEADER_BYTES].hex() == expected.hex(), f"canonical form: {canonical}"
+
+
+def millis_of(value: Any) -> Any:
+    """The Apache reader's datum with timestamp-millis datetimes turned back into ints."""
+    if isinstance(value, datetime.datetime):
+        epoch = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+        return (value - epoch) // datetime.timedelta(milliseconds=1)
+    if isinstance(value, dict):
+        return {k: millis_of(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [millis_of(v) for v in value]
+    return value
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+@FEW
+@given(data=st.data())
+def test_apache_avro_reader_decodes_the_body_sluice_wrote(name: str, data: st.DataObject) -> None:
+    """avro.io.DatumReader, given only the schema from avro/, reads back every field Sluice wrote."""
+    record = data.draw(RECORDS_IN_DATETIME_RANGE[name], label=name)
+    encoded = get_codec().encode(name, record)
+    assert encoded[:2] == b"\xc3\x01"
+    body = io.BytesIO(encoded[HEADER_BYTES:])
+    datum = avro.io.DatumReader(APACHE_SCHEMAS[name]).read(avro.io.BinaryDecoder(body))
+    assert body.tell() == len(encoded) - HEADER_BYTES, "the reader left bytes unread"
+    assert millis_of(datum) == record
+
+
+# --- 3. refusals ------------------------------------------------------------------------
+
+def test_empty_bytes_are_refused_as_shorter_than_the_header() -> None:
+    """Zero bytes are a MalformedRecord whose message says the header is missing."""
+    with pytest.raises(MalformedRecord, match="0 bytes.*header"):
+        get_codec().decode(b"")
+
+
+def test_none_is_refused_as_a_record_without_value() -> None:
+    """A tombstone (None value) is a MalformedRecord, not a TypeError."""
+    with pytest.raises(MalformedRecord, match="no value"):
+        get_codec().decode(None)
+
+
+@pytest.mark.parametrize(
+    "prefix",
+    [b"\x00\x00", b"\xc3\x00", b"\x01\xc3", b"Ob"],
+    ids=["zeros", "half-marker", "swapped-marker", "container-file-magic"],
+)
+def test_bytes_without_the_single_object_marker_are_refused(prefix: bytes) -> None:
+    """A record whose first two bytes are not C3 01 is a MalformedRecord that names the marker."""
+    encoded = get_codec().encode("EventID", EVENT_ID)
+    with pytest.raises(MalformedRecord, match="marker C3 01"):
+        get_codec().decode(prefix + encoded[2:])
+
+
+def test_unknown_fingerprint_is_refused_naming_the_fingerprint() -> None:
+    """A marker followed by a fingerprint of no known schema is an UnknownSchema quoting it in hex."""
+    codec = get_codec()
+    encoded = codec.encode("EventID", EVENT_ID)
+    unknown = bytes(b ^ 0xFF for b in encoded[2:HEADER_BYTES])
+    assert unknown not in {codec.fingerprint(n) for n in codec.names}
+    with pytest.raises(UnknownSchema, match=unknown.hex()):
+        codec.decode(MARKER + unknown + encoded[HEADER_BYTES:])
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+@settings(max_examples=20, deadline=None, database=None)
+@given(data=st.data())
+def test_every_strict_prefix_of_a_record_is_refused(name: str, data: st.DataObject) -> None:
+    """Truncating a real record anywhere raises a CodecError naming the cut; it never returns."""
+    codec = get_codec()
+    encoded = codec.encode(name, data.draw(RECORDS[name], label=name))
+    for length in range(len(encoded)):
+        with pytest.raises(CodecError) as info:
+            codec.decode(encoded[:length])
+        message = str(info.value)
+        if length < HEADER_BYTES:
+            assert "header" in message
+        else:
+            assert name in message and "cannot be read" in message
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+@settings(max_examples=20, deadline=None, database=None)
+@given(data=st.data(), extra=st.binary(min_size=1, max_size=16))
+def test_trailing_bytes_after_the_body_are_refused(name: str, data: st.DataObject, extra: bytes) -> None:
+    """Bytes after a complete body are a MalformedRecord that counts them, never silently ignored."""
+    encoded = get_codec().encode(name, data.draw(RECORDS[name], label=name))
+    with pytest.raises(MalformedRecord, match=f"{len(extra)} trailing bytes"):
+        get_codec().decode(encoded + extra)
+
+
+@pytest.mark.parametrize(("written", "expected"), [(w, e) for w in SCHEMAS for e in SCHEMAS if e != w])
+def test_decoding_with_another_expected_schema_is_refused(written: str, expected: str) -> None:
+    """decode(expected=X) of a record of schema Y is a MalformedRecord naming both schemas."""
+    encoded = get_codec().encode(written, SAMPLES[written])
+    with pytest.raises(MalformedRecord, match=f"expected a {expected} record, got a {written} record"):
+        get_codec().decode(encoded, expected=expected)
+    with pytest.raises(MalformedRecord):
+        get_codec().decode_as(expected, encoded)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(garbage=st.binary(max_size=64))
+def test_random_bytes_never_raise_anything_but_codec_error(garbage: bytes) -> None:
+    """decode of arbitrary bytes either returns a record of a known schema or raises a CodecError."""
+    codec = get_codec()
+    try:
+        name, record = codec.decode(garbage)
+    except CodecError:
+        return
+    assert name in codec.names and isinstance(record, dict)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(name=st.sampled_from(SCHEMAS), body=st.binary(max_size=96))
+def test_garbage_body_behind_a_valid_header_never_raises_anything_but_codec_error(
+    name: str, body: bytes
+) -> None:
+    """A valid marker and fingerprint followed by random bytes decodes or raises a CodecError, nothing else."""
+    codec = get_codec()
+    try:
+        decoded_name, record = codec.decode(MARKER + codec.fingerprint(name) + body)
+    except CodecError as exc:
+        assert name in str(exc)
+        return
+    assert decoded_name == name and isinstance(record, dict)
+
+
+def _without(record: dict[str, Any], field: str) -> dict[str, Any]:
+    return {k: v for k, v in record.items() if k != field}
+
+
+@pytest.mark.parametrize(
+    ("name", "record", "mentions"),
+    [
+        pytest.param("EventID", _without(EVENT_ID, "sequence_id"), "sequence_id", id="missing-long"),
+        pytest.param("EntryEvent", _without(ENTRY_EVENT, "event_id"), "event_id", id="missing-record"),
+        pytest.param("EventID", {**EVENT_ID, "member_id": 5}, "member_id", id="int-for-string"),
+        pytest.param("EventID", {**EVENT_ID, "thread_id": "7"}, "thread_id", id="string-for-long"),
+        pytest.param("EventID", {**EVENT_ID, "thread_id": None}, "thread_id", id="none-for-long"),
+        pytest.param("EntryEvent", {**ENTRY_EVENT, "operation": "UPSERT"}, "UPSERT", id="unknown-enum-symbol"),
+        pytest.param("EntryEvent", {**ENTRY_EVENT, "value": "text"}, "value", id="string-for-bytes"),
+        pytest.param("EntryEvent", {**ENTRY_EVENT, "visited_dsids": None}, "visited_dsids", id="none-for-array"),
+        pytest.param("EntryEvent", {**ENTRY_EVENT, "visited_dsids": ["a"]}, "visited_dsids", id="string-in-int-array"),
+        pytest.param("EntryEvent", {**ENTRY_EVENT, "event_id": None}, "event_id", id="none-for-record"),
+        # The cases below are accepted, or leak OverflowError, in the codec as it is today.
+        pytest.param("EventID", {**EVENT_ID, "sequence_id": 2**63}, "sequence_id", id="long-above-2**63-1"),
+        pytest.param("EventID", {**EVENT_ID, "sequence_id": -(2**63) - 1}, "sequence_id", id="long-below-minus-2**63"),
+        pytest.param("VersionTag", {**VERSION_TAG, "dsid": 2**31}, "dsid", id="int-above-2**31-1"),
+        pytest.param("EntryEvent", {**ENTRY_EVENT, "possible_duplicate": "no"}, "possible_duplicate",
+                     id="string-for-boolean"),
+        pytest.param("VersionTag", {**VERSION_TAG, "entry_version": 2.5}, "entry_version", id="float-for-long"),
+    ],
+)
+def test_encoding_a_record_with_a_missing_or_mistyped_field_is_refused(
+    name: str, record: dict[str, Any], mentions: str
+) -> None:
+    """encode refuses a missing or mistyped field with a CodecError naming the schema and the field."""
+    with pytest.raises(CodecError) as info:
+        get_codec().encode(name, record)
+    assert name in str(info.value) and mentions in str(info.value)
+
+
+def test_encoding_under_an_unknown_schema_name_is_refused() -> None:
+    """encode with a schema name not in avro/ is an UnknownSchema naming it."""
+    with pytest.raises(UnknownSchema, match="'Nope'"):
+        get_codec().encode("Nope", EVENT_ID)
