@@ -121,6 +121,10 @@ def create_app(service: RegionService) -> FastAPI:
         first = exc.errors()[0] if exc.errors() else {"loc": ("body",), "msg": "invalid", "input": None}
         field = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
         value = first.get("input")
+        if isinstance(value, bytes):
+            err = InvalidRequest("body", value[:80].decode("utf-8", "replace"),
+                                 "expected a JSON object; send it with content-type: application/json")
+            return JSONResponse(err.to_dict(), status_code=400)
         if first.get("type") == "json_invalid":
             err = InvalidRequest("body", None, f"not valid JSON ({first.get('ctx', {}).get('error', 'syntax error')} "
                                                f"at position {first.get('loc', ('', '?'))[-1]})")

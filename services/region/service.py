@@ -203,6 +203,9 @@ class RegionService:
         if self._sock is None:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            # Accepted connections inherit TCP_NODELAY; without it a keep-alive
+            # client waits ~40 ms per response (Nagle against delayed ACK).
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.bind((self.host, self._port))
             sock.listen(512)
             sock.set_inheritable(True)

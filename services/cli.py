@@ -1,0 +1,57 @@
+"""The ``sluice`` command: one sub-command per service, each thin.
+
+Every sub-command has ``--help`` with an example.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from . import __version__
+
+EXAMPLE = """\
+examples:
+  sluice broker --site a --port 9092           # an embedded Apache Kafka for site a
+  sluice config check deploy/sites/site-a.yaml  # validate a site file
+  sluice topics apply -c deploy/sites/site-a.yaml
+  sluice region -c deploy/sites/site-a.yaml --port 7071
+  sluice demo                                   # the whole thing on embedded brokers
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .broker import cli as broker_cli
+    from .core import configcli
+    from .region import cli as region_cli
+    from . import demo
+
+    parser = argparse.ArgumentParser(
+        prog="sluice",
+        description="Sluice: Apache Geode's event distribution (async event queues, gateway senders and "
+        "receivers, client subscriptions) on Kafka.",
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"sluice {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    broker_cli.add_parser(sub)
+    configcli.add_parsers(sub)
+    region_cli.add_parser(sub)
+    demo.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] | None = getattr(args, "func", None) or getattr(args, "run", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    return int(func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""``RegionClient``: the region service's Python client.
+
+Every write gets an EventID where it enters the system: this client's member
+id, the calling thread's id, and a sequence that increases per operation of
+that thread (a put_all of n entries takes n).  A retry keeps the EventID, so
+the owner applies the operation once however often it is sent; the answer
+to a repeat is ``status == "duplicate"``.
+
+Retries (tenacity) cover what may succeed later: a connection refused or
+reset, a timeout, and any answer the service marks ``retriable`` (503: the
+bucket is moving between owners, or Kafka did not acknowledge in time).  The
+client rotates through every URL it was given, so a dead instance is skipped.
+
+Example::
+
+    from sluice.client import RegionClient
+
+    with RegionClient(["http://127.0.0.1:7071", "http://127.0.0.1:7072"]) as c:
+        c.put("orders", "o-1", {"qty": 3})
+        c.get("orders", "o-1")          # {'qty': 3}
+        c.put_all("orders", {"o-2": 1, "o-3": 2})
+        c.destroy("orders", "o-1")
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import uuid
+from typing import Any, Iterable
+
+import httpx
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
+
+from ..core.errors import SluiceError
+from ..core.events import EventID
+
+
+class RegionError(SluiceError):
+    """The region service refused an operation (status, error name, reason)."""
+
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        self.status = status
+        self.body = body
+        self.error = body.get("error", "Error")
+        self.retriable = bool(body.get("retriable", False))
+        super().__init__(f"{status} {self.error}: {body.get('message', body)}")
+
+
+class _Transient(Exception):
+    """Internal: a failure worth another try (carries the last cause)."""
+
+
+class RegionClient:
+    """Thread-safe client of one site's region service (any of its instances)."""
+
+    def __init__(
+        self,
+        urls: str | Iterable[str],
+        *,
+        token: str | None = None,
+        member_id: str | None = None,
+        timeout_s: float = 30.0,
+        retry_for_s: float = 60.0,
+    ) -> None:
+        self.urls = [urls] if isinstance(urls, str) else list(urls)
+        if not self.urls:
+            raise ValueError("RegionClient needs at least one URL")
+        self.member_id = member_id or f"client-{uuid.uuid4().hex[:12]}"
+        headers = {"content-type": "application/json"}
+        if token:
+            headers["authorization"] = f"Bearer {token}"
+        self._http = httpx.Client(timeout=timeout_s, headers=headers)
+        self._retry_for_s = retry_for_s
+        self._rotation = itertools.cycle(range(len(self.urls)))
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._thread_ids = itertools.count(1)
+        self.retries = 0
+
+    # --- EventIDs -------------------------------------------------------------
+
+    def next_event_id(self, count: int = 1) -> EventID:
+        """The calling thread's next EventID (reserving ``count`` sequences)."""
+        local = self._local
+        if not hasattr(local, "thread_id"):
+            with self._lock:
+                local.thread_id = next(self._thread_ids)
+            local.sequence = 0
+        eid = EventID(self.member_id, local.thread_id, local.sequence)
+        local.sequence += count
+        return eid
+
+    # --- operations --------------------------------------------------------------
+
+    def create(self, region: str, key: str, value: Any, *, callback_argument: str | None = None,
+               event_id: EventID | None = None) -> dict[str, Any]:
+        return self._write(region, "create", {"key": key, "value": value, "callback_argument": callback_argument},
+                           event_id)
+
+    def put(self, region: str, key: str, value: Any, *, callback_argument: str | None = None,
+            event_id: EventID | None = None) -> dict[str, Any]:
+        return self._write(region, "put", {"key": key, "value": value, "callback_argument": callback_argument},
+                           event_id)
+
+    def destroy(self, region: str, key: str, *, event_id: EventID | None = None) -> dict[str, Any]:
+        return self._write(region, "destroy", {"key": key}, event_id)
+
+    def invalidate(self, region: str, key: str, *, event_id: EventID | None = None) -> dict[str, Any]:
+        return self._write(region, "invalidate", {"key": key}, event_id)
+
+    def put_all(self, region: str, entries: dict[str, Any], *, event_id: EventID | None = None) -> dict[str, Any]:
+        """Put many entries; raises RegionError if any failed after retries."""
+        eid = event_id or self.next_event_id(len(entries))
+        body = {"entries": entries, "event_id": eid.to_record()}
+        return self._request("POST", f"/regions/{region}/put_all", body, bulk=True)
+
+    def remove_all(self, region: str, keys: list[str], *, event_id: EventID | None = None) -> dict[str, Any]:
+        eid = event_id or self.next_event_id(len(keys))
+        return self._request("POST", f"/regions/{region}/remove_all", {"keys": keys, "event_id": eid.to_record()},
+                             bulk=True)
+
+    def get(self, region: str, key: str, default: Any = None) -> Any:
+        entry = self.get_entry(region, key)
+        return default if entry is None else entry["value"]
+
+    def get_entry(self, region: str, key: str) -> dict[str, Any] | None:
+        """The entry (value, invalid, version, event_id) or None when absent."""
+        try:
+            return self._request("GET", f"/regions/{region}/entries/{key}", None)
+        except RegionError as exc:
+            if exc.status == 404 and exc.error == "EntryNotFound":
+                return None
+            raise
+
+    def get_all(self, region: str, keys: list[str]) -> dict[str, dict[str, Any] | None]:
+        return self._request("POST", f"/regions/{region}/get_all", {"keys": keys})["entries"]
+
+    def contains(self, region: str, key: str) -> bool:
+        return bool(self._request("GET", f"/regions/{region}/contains/{key}", None)["contains"])
+
+    def keys(self, region: str, bucket: int | None = None) -> list[str]:
+        path = f"/regions/{region}/keys" + (f"?bucket={bucket}" if bucket is not None else "")
+        return list(self._request("GET", path, None)["keys"])
+
+    def buckets(self) -> list[dict[str, Any]]:
+        return list(self._request("GET", "/buckets", None)["buckets"])
+
+    # --- plumbing ------------------------------------------------------------------
+
+    def _write(self, region: str, op: str, body: dict[str, Any], event_id: EventID | None) -> dict[str, Any]:
+        eid = event_id or self.next_event_id()
+        body = {k: v for k, v in body.items() if v is not None or k == "value"}
+        body["event_id"] = eid.to_record()
+        return self._request("POST", f"/regions/{region}/{op}", body)
+
+    def _request(self, method: str, path: str, body: dict[str, Any] | None, bulk: bool = False) -> Any:
+        for attempt in Retrying(
+            retry=retry_if_exception(lambda e: isinstance(e, _Transient)),
+            stop=stop_after_delay(self._retry_for_s),
+            wait=wait_exponential(multiplier=0.05, max=1.0),
+            reraise=True,
+        ):
+            with attempt:
+                if attempt.retry_state.attempt_number > 1:
+                    self.retries += 1
+                return self._once(method, path, body, bulk)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _once(self, method: str, path: str, body: dict[str, Any] | None, bulk: bool) -> Any:
+        with self._lock:
+            url = self.urls[next(self._rotation)]
+        try:
+            resp = self._http.request(method, url + path, json=body)
+        except (httpx.TransportError,) as exc:
+            raise _Transient(f"{url}: {type(exc).__name__}: {exc}") from exc
+        try:
+            data = resp.json()
+        except ValueError:
+            raise _Transient(f"{url}: {resp.status_code} with a body that is not JSON") from None
+        if bulk and resp.status_code in (200, 207) or (bulk and resp.status_code >= 400 and "outcomes" in data):
+            failed = [o for o in data.get("outcomes", []) if o["status"] == "error"]
+            if failed:
+                if all(o["error"].get("retriable") for o in failed):
+                    # Retrying the whole bulk is safe: applied entries come back as duplicates.
+                    raise _Transient(f"{url}: {len(failed)} entries failed: {failed[0]['error'].get('message')}")
+                raise RegionError(resp.status_code, failed[0]["error"])
+            return data
+        if resp.status_code >= 400:
+            error = RegionError(resp.status_code, data if isinstance(data, dict) else {"message": str(data)})
+            if error.retriable or resp.status_code in (502, 503, 504):
+                raise _Transient(str(error)) from error
+            raise error
+        return data
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "RegionClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

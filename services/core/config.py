@@ -1,0 +1,1137 @@
+"""The site configuration: one declarative file per site (DESIGN §5).
+
+``load_config(path)`` reads a YAML (``.yaml``/``.yml``) or TOML (``.toml``)
+file and returns a frozen ``SiteConfig``; ``parse_config(data)`` does the same
+for a mapping already in memory.  A bad file never half-loads: the result is
+a ``ConfigError`` whose ``problems`` list *every* problem found, each as
+``(dotted field path, value, reason)``, for example::
+
+    gateway_senders[0].batch_size: must be >= 1 (got 0)
+
+Validation happens in three layers, and all three report in that shape:
+
+1. per field (types, ranges, patterns, unknown keys with a "did you mean"),
+   done by pydantic and translated by ``_problems_from_validation``;
+2. per section (Geode's own rules, e.g. a parallel sender cannot use the
+   THREAD order policy), raised by the section's model as a list of problems;
+3. across sections (unique ids, references from regions to senders and
+   queues, colocation of parallel queues, topic name collisions), done by
+   ``_site_problems`` on plain data, so it runs even when layer 1 failed
+   elsewhere in the file and the user sees everything at once.
+
+Defaults are Geode's (see GEODE-FACTS.md) except where Kafka needs its own
+(consumer-group timeouts tuned for fast failover).  Values are strict: a
+quoted ``"8"`` is not a number and ``yes`` is not a boolean, because a site
+file that says something other than what it means is worse than one that
+does not load.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import re
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from .errors import ConfigError, InvalidRequest, UnknownRegion
+from .topics import TopicNames
+
+__all__ = [
+    "AsyncEventQueueConfig",
+    "AttachedQueue",
+    "GatewaySenderConfig",
+    "KafkaConfig",
+    "KafkaConnection",
+    "ListenerConfig",
+    "OrderPolicy",
+    "Problem",
+    "ReceiverConfig",
+    "RegionConfig",
+    "RegionServiceConfig",
+    "RemoteSiteConfig",
+    "SiteConfig",
+    "SubscriptionsConfig",
+    "check_import_path",
+    "load_config",
+    "parse_config",
+]
+
+Problem = tuple[str, Any, str]
+"""(dotted field path, value, reason) — the shape ``ConfigError.problems`` holds."""
+
+OrderPolicy = Literal["KEY", "THREAD", "PARTITION"]
+SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
+SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
+
+SITE_PATTERN = r"^[a-z0-9][a-z0-9-]{0,40}$"
+NAME_PATTERN = r"^[A-Za-z][A-Za-z0-9_-]{0,100}$"
+# Kafka's legal topic characters; 100 keeps every derived name under Kafka's
+# 249-character limit (the longest suffix is "queue.<101 chars>.removals").
+TOPIC_PREFIX_PATTERN = r"^[A-Za-z0-9._-]{0,100}$"
+
+_PATTERN_REASONS = {
+    SITE_PATTERN: "must be 1 to 41 lowercase letters, digits or '-', starting with a letter or digit",
+    NAME_PATTERN: "must start with a letter and hold only letters, digits, '_' or '-' (at most 101 characters)",
+    TOPIC_PREFIX_PATTERN: "may hold only letters, digits, '.', '_' or '-' (legal Kafka topic characters), at most 100",
+}
+
+#: Fields whose values are never shown, not even in an error.
+_SECRET_FIELDS = frozenset({"sasl_password", "ssl_key_password", "token"})
+_HIDDEN = "**********"
+
+_IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
+# "pkg.mod:Class" (attribute path after the colon) or "pkg.mod.Class".
+_IMPORT_PATH = re.compile(rf"^{_IDENT}(\.{_IDENT})*(:{_IDENT}(\.{_IDENT})*|\.{_IDENT})$")
+_HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?)$")
+
+
+def _invalid(reason: str) -> PydanticCustomError:
+    """A field-level error whose text is ``reason`` (braces in it are safe)."""
+    return PydanticCustomError("sluice_invalid", "{reason}", {"reason": reason})
+
+
+def _raise_rules(problems: list[Problem]) -> None:
+    """Raise a section's rule problems, each naming a field relative to the section."""
+    if problems:
+        raise PydanticCustomError("sluice_problems", "{count} problem(s)", {"count": len(problems), "problems": problems})
+
+
+class _Model(BaseModel):
+    # strict: no "8" → 8 or "yes" → True coercion (see the module docstring).
+    # Sequence fields relax strictness for the container only (``_seq``) so a
+    # YAML list can fill a tuple; their items stay strict.
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, validate_default=False)
+
+
+def _seq(default: Any = (), **kwargs: Any) -> Any:
+    """A tuple field that accepts a list (YAML and TOML have no tuples)."""
+    return Field(default, strict=False, **kwargs)
+
+
+def check_import_path(value: str) -> str:
+    """Accept ``pkg.mod:Class`` or ``pkg.mod.Class``; the target is not imported here."""
+    if not _IMPORT_PATH.match(value):
+        raise _invalid("must be an import path like 'package.module:ClassName' or 'package.module.ClassName'")
+    return value
+
+
+# --- Kafka -----------------------------------------------------------------
+
+
+class KafkaConnection(_Model):
+    """How to reach a Kafka cluster, and the prefix of Sluice's topics on it."""
+
+    bootstrap_servers: str = Field(description="host:port[,host:port…] of the cluster's brokers")
+    security_protocol: SecurityProtocol = "PLAINTEXT"
+    sasl_mechanism: SaslMechanism | None = None
+    sasl_username: str | None = None
+    sasl_password: SecretStr | None = None
+    ssl_ca_location: str | None = Field(None, description="CA bundle (PEM) that signed the brokers' certificates")
+    ssl_certificate_location: str | None = Field(None, description="client certificate (PEM), for mutual TLS")
+    ssl_key_location: str | None = Field(None, description="client private key (PEM), for mutual TLS")
+    ssl_key_password: SecretStr | None = None
+    topic_prefix: str = Field("sluice.", pattern=TOPIC_PREFIX_PATTERN)
+
+    @field_validator("bootstrap_servers")
+    @classmethod
+    def _check_bootstrap(cls, value: str) -> str:
+        servers = [s.strip() for s in value.split(",")]
+        if not value.strip() or any(not s for s in servers):
+            raise _invalid("must be host:port, or several separated by commas")
+        for server in servers:
+            host, sep, port = server.rpartition(":")
+            if not sep or not host:
+                raise _invalid(f"{server!r} has no port: write host:port, e.g. 127.0.0.1:9092")
+            if not _HOST.match(host):
+                raise _invalid(f"{host!r} is not a host name or address")
+            if not port.isdigit() or not 1 <= int(port) <= 65535:
+                raise _invalid(f"port {port!r} of {server!r} must be a number from 1 to 65535")
+        return ",".join(servers)
+
+    @field_validator("ssl_ca_location", "ssl_certificate_location", "ssl_key_location")
+    @classmethod
+    def _check_file(cls, value: str | None, info: ValidationInfo) -> str | None:
+        # Relative paths are taken from the site file's folder, not from
+        # wherever the service happens to be started, and stored absolute
+        # because librdkafka would resolve them against the working directory.
+        if value is None:
+            return None
+        base = Path((info.context or {}).get("base_dir") or Path.cwd())
+        path = Path(value).expanduser()
+        if not path.is_absolute():
+            path = base / path
+        if not path.is_file():
+            raise _invalid(f"no such file: {path}")
+        return str(path.resolve())
+
+    @model_validator(mode="after")
+    def _check_connection(self) -> KafkaConnection:
+        _raise_rules(_connection_rules(self.model_dump()))
+        return self
+
+    def client_settings(self) -> dict[str, Any]:
+        """librdkafka connection settings; the only place secrets are revealed."""
+        settings: dict[str, Any] = {
+            "bootstrap.servers": self.bootstrap_servers,
+            "security.protocol": self.security_protocol,
+        }
+        if self.sasl_mechanism is not None:
+            settings["sasl.mechanism"] = self.sasl_mechanism
+        if self.sasl_username is not None:
+            settings["sasl.username"] = self.sasl_username
+        if self.sasl_password is not None:
+            settings["sasl.password"] = self.sasl_password.get_secret_value()
+        if self.ssl_ca_location is not None:
+            settings["ssl.ca.location"] = self.ssl_ca_location
+        if self.ssl_certificate_location is not None:
+            settings["ssl.certificate.location"] = self.ssl_certificate_location
+        if self.ssl_key_location is not None:
+            settings["ssl.key.location"] = self.ssl_key_location
+        if self.ssl_key_password is not None:
+            settings["ssl.key.password"] = self.ssl_key_password.get_secret_value()
+        return settings
+
+    @property
+    def topics(self) -> TopicNames:
+        return TopicNames(self.topic_prefix)
+
+
+class KafkaConfig(KafkaConnection):
+    """This site's cluster, plus the client tuning every service shares."""
+
+    replication_factor: int = Field(1, description=">= 1, or -1 for the broker's default.replication.factor")
+    # Tuned for fast failover (DESIGN §1: group membership is the primary
+    # lock): a dead member is noticed after session_timeout_ms.  6000 is the
+    # smallest session Kafka's default group.min.session.timeout.ms allows.
+    session_timeout_ms: int = Field(6000, ge=1)
+    heartbeat_interval_ms: int = Field(1000, ge=1)
+    max_poll_interval_ms: int = Field(30000, ge=1)
+    producer_linger_ms: int = Field(2, ge=0)
+    delivery_timeout_ms: int = Field(120000, ge=1)
+    request_timeout_ms: int = Field(30000, ge=1)
+
+    @field_validator("replication_factor")
+    @classmethod
+    def _check_replication(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise _invalid("must be >= 1, or -1 for the broker's default")
+        return value
+
+    @model_validator(mode="after")
+    def _check_timing(self) -> KafkaConfig:
+        _raise_rules(_timing_rules(self.model_dump()))
+        return self
+
+    def group_settings(self) -> dict[str, Any]:
+        """librdkafka consumer-group settings (failure detection and poll deadline)."""
+        return {
+            "session.timeout.ms": self.session_timeout_ms,
+            "heartbeat.interval.ms": self.heartbeat_interval_ms,
+            "max.poll.interval.ms": self.max_poll_interval_ms,
+        }
+
+    def producer_settings(self) -> dict[str, Any]:
+        """librdkafka producer timing settings from this file."""
+        return {
+            "linger.ms": self.producer_linger_ms,
+            "delivery.timeout.ms": self.delivery_timeout_ms,
+            "request.timeout.ms": self.request_timeout_ms,
+        }
+
+
+class RemoteSiteConfig(KafkaConnection):
+    """How a gateway sender reaches the remote site's Kafka cluster."""
+
+
+# --- regions and queues -----------------------------------------------------
+
+
+class RegionConfig(_Model):
+    """A region: a keyed map whose buckets are its topics' partitions."""
+
+    name: str = Field(pattern=NAME_PATTERN)
+    buckets: int = Field(113, ge=1, le=1024, description="Geode's total-num-buckets")
+    gateway_senders: tuple[str, ...] = _seq(description="ids of the gateway senders this region's events go to")
+    async_event_queues: tuple[str, ...] = _seq(description="ids of the async event queues this region's events go to")
+    key_max_bytes: int = Field(1024, ge=1)
+    value_max_bytes: int = Field(900_000, ge=1)
+
+
+class GatewaySenderConfig(_Model):
+    """A gateway sender (Geode defaults): a queue whose events go to a remote site."""
+
+    id: str = Field(pattern=NAME_PATTERN)
+    remote_dsid: int = Field(ge=1, le=255)
+    parallel: bool = False
+    batch_size: int = Field(100, ge=1)
+    batch_time_interval_ms: int = Field(1000, ge=0)
+    batch_conflation: bool = False
+    dispatcher_threads: int = Field(5, ge=1, le=1024)
+    order_policy: OrderPolicy = "KEY"
+    persistent: bool = False
+    maximum_queue_memory_mb: int = Field(100, ge=0)
+    alert_threshold_ms: int = Field(0, ge=0, description="0 = no alert")
+    socket_read_timeout_ms: int = Field(0, ge=0, description="0 = wait for an ack forever")
+    manual_start: bool = False
+    group_transaction_events: bool = False
+    retry_interval_ms: int = Field(5000, ge=1)
+    event_filters: tuple[str, ...] = _seq()
+    event_substitution_filter: str | None = None
+    remote: RemoteSiteConfig | None = None
+
+    @field_validator("event_filters")
+    @classmethod
+    def _check_filters(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [v for v in value if not _IMPORT_PATH.match(v)]
+        if bad:
+            raise _invalid(
+                f"{bad[0]!r} is not an import path like 'package.module:ClassName' or 'package.module.ClassName'"
+            )
+        return value
+
+    @field_validator("event_substitution_filter")
+    @classmethod
+    def _check_substitution(cls, value: str | None) -> str | None:
+        return None if value is None else check_import_path(value)
+
+    @model_validator(mode="after")
+    def _check_geode_rules(self) -> GatewaySenderConfig:
+        _raise_rules(_sender_rules(self.model_dump()))
+        return self
+
+
+class ListenerConfig(_Model):
+    """The async event listener an async event queue delivers batches to."""
+
+    type: Literal["sql", "kafka", "python"]
+    class_path: str | None = None
+    settings: dict[str, Any] = Field(default_factory=dict, strict=False)
+
+    @field_validator("class_path")
+    @classmethod
+    def _check_class_path(cls, value: str | None) -> str | None:
+        return None if value is None else check_import_path(value)
+
+    @model_validator(mode="after")
+    def _check_type(self) -> ListenerConfig:
+        _raise_rules(_listener_rules(self.model_dump()))
+        return self
+
+
+class AsyncEventQueueConfig(_Model):
+    """An async event queue (Geode defaults): a queue whose events go to a listener."""
+
+    id: str = Field(pattern=NAME_PATTERN)
+    parallel: bool = False
+    batch_size: int = Field(100, ge=1)
+    batch_time_interval_ms: int = Field(5, ge=0)
+    batch_conflation: bool = False
+    dispatcher_threads: int = Field(5, ge=1, le=1024)
+    order_policy: OrderPolicy = "KEY"
+    persistent: bool = False
+    maximum_queue_memory_mb: int = Field(100, ge=0)
+    pause_event_processing: bool = False
+    forward_expiration_destroy: bool = False
+    listener: ListenerConfig | None = None
+
+    @model_validator(mode="after")
+    def _check_geode_rules(self) -> AsyncEventQueueConfig:
+        _raise_rules(_queue_rules(self.model_dump()))
+        return self
+
+
+# --- receiver, subscriptions, region service ---------------------------------
+
+
+class ReceiverConfig(_Model):
+    """This site's gateway receiver: the only entry point for remote sites."""
+
+    inbound_partitions: int = Field(8, ge=1, le=1024)
+    accepted_dsids: tuple[Annotated[int, Field(ge=1, le=255)], ...] = _seq(
+        description="dsids whose batches are applied; batches from any other site are rejected and counted"
+    )
+    max_time_between_pings_ms: int = Field(60000, ge=1)
+    manual_start: bool = False
+
+
+class SubscriptionsConfig(_Model):
+    """Client subscription queues (Geode's client/server messaging defaults)."""
+
+    durable_client_timeout_s: int = Field(300, ge=1)
+    message_sync_interval_s: int = Field(1, ge=1)
+    message_time_to_live_s: int = Field(180, ge=1)
+    subscription_message_tracking_timeout_ms: int = Field(900000, ge=1)
+    subscription_ack_interval_ms: int = Field(100, ge=1)
+    maximum_message_count: int = Field(230000, ge=1)
+
+
+class RegionServiceConfig(_Model):
+    """The region service's HTTP face."""
+
+    host: str = Field("127.0.0.1", min_length=1)
+    port: int = Field(7070, ge=0, le=65535, description="0 = any free port")
+    advertised_url: str | None = Field(None, description="URL other members and clients use to reach this one")
+    token: SecretStr | None = None
+    load_timeout_s: float = Field(60, gt=0)
+    request_timeout_s: float = Field(30, gt=0)
+
+    @field_validator("advertised_url")
+    @classmethod
+    def _check_url(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^https?://[^/\s:]+(:\d{1,5})?(/\S*)?$", value):
+            raise _invalid("must be an http:// or https:// URL, e.g. http://orders-0.example:7070")
+        return value
+
+
+# --- the site ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttachedQueue:
+    """A gateway sender or async event queue as a region's events see it."""
+
+    id: str
+    kind: Literal["gateway-sender", "async-event-queue"]
+    parallel: bool
+    #: The queue topic's partitions: the region's buckets for a parallel
+    #: queue (co-partitioned), ``dispatcher_threads`` for a serial one.
+    partitions: int
+    order_policy: str
+    topic: str
+
+
+class SiteConfig(_Model):
+    """One site: its dsid, its Kafka cluster, regions, queues, receiver and services."""
+
+    site: str = Field(pattern=SITE_PATTERN)
+    dsid: int = Field(ge=1, le=255, description="Geode's distributed-system-id")
+    kafka: KafkaConfig
+    regions: tuple[RegionConfig, ...] = _seq(..., min_length=1)
+    gateway_senders: tuple[GatewaySenderConfig, ...] = _seq()
+    async_event_queues: tuple[AsyncEventQueueConfig, ...] = _seq()
+    receiver: ReceiverConfig | None = None
+    subscriptions: SubscriptionsConfig = Field(default_factory=SubscriptionsConfig)
+    region_service: RegionServiceConfig = Field(default_factory=RegionServiceConfig)
+
+    @model_validator(mode="after")
+    def _check_site(self) -> SiteConfig:
+        _raise_rules(_site_problems(self.model_dump()))
+        return self
+
+    # -- lookups --
+
+    @property
+    def topics(self) -> TopicNames:
+        return TopicNames(self.kafka.topic_prefix)
+
+    def region(self, name: str) -> RegionConfig:
+        for region in self.regions:
+            if region.name == name:
+                return region
+        raise UnknownRegion(name)
+
+    def sender(self, sender_id: str) -> GatewaySenderConfig:
+        for sender in self.gateway_senders:
+            if sender.id == sender_id:
+                return sender
+        raise InvalidRequest("gateway_sender", sender_id, "no such gateway sender in this site's configuration")
+
+    def queue(self, queue_id: str) -> AsyncEventQueueConfig:
+        """The async event queue ``queue_id``."""
+        for queue in self.async_event_queues:
+            if queue.id == queue_id:
+                return queue
+        raise InvalidRequest("async_event_queue", queue_id, "no such async event queue in this site's configuration")
+
+    def attached_queues(self, region_name: str) -> list[AttachedQueue]:
+        """The queues a region's events go to: its senders, then its async event queues, as listed."""
+        region = self.region(region_name)
+        names = self.topics
+        out: list[AttachedQueue] = []
+        for sender_id in region.gateway_senders:
+            sender = self.sender(sender_id)
+            out.append(
+                AttachedQueue(
+                    id=sender.id,
+                    kind="gateway-sender",
+                    parallel=sender.parallel,
+                    partitions=region.buckets if sender.parallel else sender.dispatcher_threads,
+                    order_policy=sender.order_policy,
+                    topic=names.queue(sender.id),
+                )
+            )
+        for queue_id in region.async_event_queues:
+            queue = self.queue(queue_id)
+            out.append(
+                AttachedQueue(
+                    id=queue.id,
+                    kind="async-event-queue",
+                    parallel=queue.parallel,
+                    partitions=region.buckets if queue.parallel else queue.dispatcher_threads,
+                    order_policy=queue.order_policy,
+                    topic=names.queue(queue.id),
+                )
+            )
+        return out
+
+    def all_attached_queues(self) -> list[AttachedQueue]:
+        """Every queue attached to at least one region, once: senders, then async event queues, in file order."""
+        attached = {q.id: q for region in self.regions for q in self.attached_queues(region.name)}
+        order = [s.id for s in self.gateway_senders] + [q.id for q in self.async_event_queues]
+        return [attached[queue_id] for queue_id in order if queue_id in attached]
+
+    def regions_of(self, queue_id: str) -> list[RegionConfig]:
+        """The regions whose events go to the sender or async event queue ``queue_id``."""
+        return [r for r in self.regions if queue_id in r.gateway_senders or queue_id in r.async_event_queues]
+
+    def with_overrides(self, overrides: Mapping[str, Any]) -> SiteConfig:
+        """A new, fully validated config with ``overrides`` deep-merged in.
+
+        For tests and ``sluice demo``, e.g.
+        ``cfg.with_overrides({"kafka": {"bootstrap_servers": broker.bootstrap}})``.
+        Mappings merge key by key; anything else (lists included) replaces.
+        """
+        data = _deep_merge(self.model_dump(exclude_unset=True), overrides)
+        return parse_config(data, source="<overrides>")
+
+
+# --- rules within a section, on plain data -------------------------------------
+#
+# Each takes a section as a mapping: the model's dump when the model validates
+# it, or the raw file data when something else in the file failed (then any
+# value of the wrong type is skipped; the field check reports it).
+
+
+def _get(section: Mapping[str, Any], model: type[BaseModel], name: str) -> Any:
+    if name in section:
+        return section[name]
+    return model.model_fields[name].get_default(call_default_factory=True)
+
+
+def _connection_rules(section: Mapping[str, Any]) -> list[Problem]:
+    protocol = _get(section, KafkaConnection, "security_protocol")
+    if not isinstance(protocol, str):
+        return []
+    problems: list[Problem] = []
+    sasl = ("sasl_mechanism", "sasl_username", "sasl_password")
+    ssl = ("ssl_ca_location", "ssl_certificate_location", "ssl_key_location", "ssl_key_password")
+    if protocol.startswith("SASL_"):
+        for name in sasl:
+            if section.get(name) is None:
+                problems.append((name, None, f"is required when security_protocol is {protocol}"))
+    else:
+        for name in sasl:
+            if section.get(name) is not None:
+                problems.append(
+                    (
+                        name,
+                        _shown(name, section[name]),
+                        f"is only used with SASL_PLAINTEXT or SASL_SSL, and security_protocol is {protocol}",
+                    )
+                )
+    if protocol not in ("SSL", "SASL_SSL"):
+        for name in ssl:
+            if section.get(name) is not None:
+                problems.append(
+                    (
+                        name,
+                        _shown(name, section[name]),
+                        f"is only used with SSL or SASL_SSL, and security_protocol is {protocol}",
+                    )
+                )
+        return problems
+    certificate = section.get("ssl_certificate_location")
+    key = section.get("ssl_key_location")
+    if certificate is not None and key is None:
+        problems.append(("ssl_key_location", None, "is required with ssl_certificate_location (mutual TLS needs both)"))
+    if key is not None and certificate is None:
+        problems.append(("ssl_certificate_location", None, "is required with ssl_key_location (mutual TLS needs both)"))
+    if section.get("ssl_key_password") is not None and key is None:
+        problems.append(("ssl_key_password", _HIDDEN, "is only used with ssl_key_location"))
+    return problems
+
+
+def _timing_rules(section: Mapping[str, Any]) -> list[Problem]:
+    def value(name: str) -> int | None:
+        return _as_int(_get(section, KafkaConfig, name))
+
+    session, heartbeat, max_poll = value("session_timeout_ms"), value("heartbeat_interval_ms"), value("max_poll_interval_ms")
+    linger, delivery, request = value("producer_linger_ms"), value("delivery_timeout_ms"), value("request_timeout_ms")
+    problems: list[Problem] = []
+    if session is not None and heartbeat is not None and heartbeat >= session:
+        problems.append(
+            (
+                "heartbeat_interval_ms",
+                heartbeat,
+                f"must be lower than session_timeout_ms ({session}); Kafka recommends at most a third of it",
+            )
+        )
+    if session is not None and max_poll is not None and max_poll < session:
+        problems.append(("max_poll_interval_ms", max_poll, f"must be at least session_timeout_ms ({session})"))
+    if None not in (linger, delivery, request) and delivery < linger + request:  # type: ignore[operator]
+        problems.append(
+            (
+                "delivery_timeout_ms",
+                delivery,
+                f"must be at least producer_linger_ms + request_timeout_ms ({linger + request})",  # type: ignore[operator]
+            )
+        )
+    return problems
+
+
+def _order_policy_rules(kind: str, model: type[BaseModel], section: Mapping[str, Any]) -> list[Problem]:
+    # Geode: "Parallel Gateway Sender / Async Event Queue can not be created
+    # with OrderPolicy THREAD": a parallel queue is ordered per bucket, and a
+    # thread's operations span buckets.
+    if _get(section, model, "parallel") is True and _get(section, model, "order_policy") == "THREAD":
+        return [
+            (
+                "order_policy",
+                "THREAD",
+                f"THREAD is not supported by a parallel {kind} (as in Geode): use KEY or PARTITION, or make it serial",
+            )
+        ]
+    return []
+
+
+def _sender_rules(section: Mapping[str, Any]) -> list[Problem]:
+    problems = _order_policy_rules("gateway sender", GatewaySenderConfig, section)
+    grouped = _get(section, GatewaySenderConfig, "group_transaction_events") is True
+    if grouped and _get(section, GatewaySenderConfig, "batch_conflation") is True:
+        problems.append(
+            (
+                "group_transaction_events",
+                True,
+                "cannot be combined with batch_conflation (as in Geode): conflation would drop events of a transaction",
+            )
+        )
+    # GEODE-7971: grouping needs one dispatcher on a serial sender, or the
+    # events of one transaction could leave through different threads.
+    threads = _as_int(_get(section, GatewaySenderConfig, "dispatcher_threads"))
+    if grouped and _get(section, GatewaySenderConfig, "parallel") is False and threads is not None and threads > 1:
+        problems.append(
+            (
+                "group_transaction_events",
+                True,
+                f"needs dispatcher_threads 1 on a serial sender (as in Geode), not {threads}",
+            )
+        )
+    return problems
+
+
+def _queue_rules(section: Mapping[str, Any]) -> list[Problem]:
+    return _order_policy_rules("async event queue", AsyncEventQueueConfig, section)
+
+
+def _listener_rules(section: Mapping[str, Any]) -> list[Problem]:
+    kind = section.get("type")
+    class_path = section.get("class_path")
+    if kind == "python" and class_path is None:
+        return [("class_path", None, "is required when type is python")]
+    if kind in ("sql", "kafka") and class_path is not None:
+        return [("class_path", class_path, f"is only used when type is python, not {kind}")]
+    return []
+
+
+def _all_rule_problems(data: Mapping[str, Any]) -> list[Problem]:
+    """Every rule of every section of raw file data, with full field paths."""
+
+    def under(prefix: str, problems: list[Problem]) -> list[Problem]:
+        return [(_join(prefix, field), value, reason) for field, value, reason in problems]
+
+    problems: list[Problem] = []
+    kafka = data.get("kafka")
+    if isinstance(kafka, Mapping):
+        problems += under("kafka", _connection_rules(kafka) + _timing_rules(kafka))
+    for i, sender in _entries(data, "gateway_senders"):
+        problems += under(f"gateway_senders[{i}]", _sender_rules(sender))
+        remote = sender.get("remote")
+        if isinstance(remote, Mapping):
+            problems += under(f"gateway_senders[{i}].remote", _connection_rules(remote))
+    for i, queue in _entries(data, "async_event_queues"):
+        problems += under(f"async_event_queues[{i}]", _queue_rules(queue))
+        listener = queue.get("listener")
+        if isinstance(listener, Mapping):
+            problems += under(f"async_event_queues[{i}].listener", _listener_rules(listener))
+    return problems + _site_problems(data)
+
+
+# --- rules across sections, on plain data --------------------------------------
+
+
+def _site_problems(data: Mapping[str, Any]) -> list[Problem]:
+    """Problems that span sections.
+
+    Works on raw, possibly invalid data (anything of the wrong shape is
+    skipped; layer 1 reports it), so these checks run even when a field
+    elsewhere is wrong.
+    """
+    problems: list[Problem] = []
+    dsid = _as_int(data.get("dsid"))
+    regions = _entries(data, "regions")
+    senders = _entries(data, "gateway_senders")
+    aeqs = _entries(data, "async_event_queues")
+
+    first_region: dict[str, int] = {}
+    for i, region in regions:
+        name = region.get("name")
+        if not isinstance(name, str):
+            continue
+        if name in first_region:
+            problems.append((f"regions[{i}].name", name, f"duplicate region name (regions[{first_region[name]}] has it)"))
+        else:
+            first_region[name] = i
+
+    # Sender and queue ids share one namespace: each becomes a topic name.
+    owner: dict[str, str] = {}
+    sender_ids: dict[str, Mapping[str, Any]] = {}
+    aeq_ids: dict[str, Mapping[str, Any]] = {}
+    for key, entries, by_id in (("gateway_senders", senders, sender_ids), ("async_event_queues", aeqs, aeq_ids)):
+        for i, entry in entries:
+            queue_id = entry.get("id")
+            if not isinstance(queue_id, str):
+                continue
+            if queue_id in owner:
+                problems.append(
+                    (
+                        f"{key}[{i}].id",
+                        queue_id,
+                        f"duplicate id ({owner[queue_id]} has it; sender and async event queue ids share "
+                        "one namespace because each names a topic)",
+                    )
+                )
+                continue
+            owner[queue_id] = f"{key}[{i}]"
+            by_id[queue_id] = entry
+
+    for i, sender in senders:
+        remote = _as_int(sender.get("remote_dsid"))
+        if remote is not None and remote == dsid:
+            problems.append(
+                (f"gateway_senders[{i}].remote_dsid", remote, f"must differ from this site's dsid ({dsid})")
+            )
+
+    # References from regions, and which regions each parallel queue spans.
+    spans: dict[str, list[tuple[int, str, int]]] = {}
+    for i, region in regions:
+        for key, known, other, kind, other_key in (
+            ("gateway_senders", sender_ids, aeq_ids, "gateway sender", "async_event_queues"),
+            ("async_event_queues", aeq_ids, sender_ids, "async event queue", "gateway_senders"),
+        ):
+            refs = region.get(key)
+            if not isinstance(refs, (list, tuple)):
+                continue
+            seen: set[str] = set()
+            for j, ref in enumerate(refs):
+                if not isinstance(ref, str):
+                    continue
+                where = f"regions[{i}].{key}[{j}]"
+                if ref in seen:
+                    problems.append((where, ref, "listed twice"))
+                    continue
+                seen.add(ref)
+                if ref in known:
+                    if known[ref].get("parallel") is True:
+                        buckets = region.get("buckets", RegionConfig.model_fields["buckets"].default)
+                        if _as_int(buckets) is not None:
+                            spans.setdefault(ref, []).append((i, str(region.get("name")), buckets))
+                elif ref in other:
+                    problems.append(
+                        (where, ref, f"is {_article(other_key)}, not {_article(key)}: list it under {other_key}")
+                    )
+                else:
+                    problems.append((where, ref, f"no {kind} has this id{_suggest(ref, list(known))}"))
+
+    # Geode's colocation rule: a parallel queue's buckets are its regions'
+    # buckets, so every region it serves must have the same number.
+    for queue_id, regions_using in spans.items():
+        first_i, first_name, first_buckets = regions_using[0]
+        for i, name, buckets in regions_using[1:]:
+            if buckets != first_buckets:
+                problems.append(
+                    (
+                        f"regions[{i}].buckets",
+                        buckets,
+                        f"parallel queue {queue_id!r} also serves region {first_name!r} with {first_buckets} "
+                        "buckets; regions sharing a parallel queue must have the same buckets (colocation, "
+                        "as in Geode)",
+                    )
+                )
+
+    receiver = data.get("receiver")
+    if isinstance(receiver, Mapping):
+        accepted = receiver.get("accepted_dsids")
+        if isinstance(accepted, (list, tuple)):
+            seen_dsids: set[int] = set()
+            for k, value in enumerate(accepted):
+                other_dsid = _as_int(value)
+                if other_dsid is None:
+                    continue
+                if other_dsid == dsid:
+                    problems.append((f"receiver.accepted_dsids[{k}]", other_dsid, "is this site's own dsid"))
+                elif other_dsid in seen_dsids:
+                    problems.append((f"receiver.accepted_dsids[{k}]", other_dsid, "listed twice"))
+                seen_dsids.add(other_dsid)
+
+    problems.extend(_topic_collisions(data, regions, senders, aeqs))
+    return problems
+
+
+def _topic_collisions(
+    data: Mapping[str, Any],
+    regions: list[tuple[int, Mapping[str, Any]]],
+    senders: list[tuple[int, Mapping[str, Any]]],
+    aeqs: list[tuple[int, Mapping[str, Any]]],
+) -> list[Problem]:
+    # Kafka refuses a topic whose name equals an existing one once '.' and
+    # '_' are made the same (they collide in metric names): queue "a_dlq"
+    # would clash with queue "a"'s dead-letter topic "…queue.a.dlq".
+    kafka = data.get("kafka")
+    prefix = kafka.get("topic_prefix", "sluice.") if isinstance(kafka, Mapping) else "sluice."
+    if not isinstance(prefix, str):
+        return []
+    names = TopicNames(prefix)
+    claimed: dict[str, tuple[str, str]] = {}
+    for fixed in (names.gateway_inbound(), names.gateway_acks(), names.region_dead_letter()):
+        claimed[fixed.replace(".", "_")] = (fixed, "Sluice itself")
+    problems: list[Problem] = []
+
+    def claim(topics: list[str], field: str, value: str) -> None:
+        for topic in topics:
+            normal = topic.replace(".", "_")
+            # Identical names are duplicates, reported as such above.
+            if normal in claimed and claimed[normal][1] != field and claimed[normal][0] != topic:
+                other_topic, other_field = claimed[normal]
+                problems.append(
+                    (
+                        field,
+                        value,
+                        f"its topic {topic!r} collides with {other_topic!r} of {other_field} "
+                        "(Kafka treats '.' and '_' in topic names as the same)",
+                    )
+                )
+                return
+            claimed.setdefault(normal, (topic, field))
+
+    for i, region in regions:
+        if isinstance(region.get("name"), str):
+            claim([names.region_changelog(region["name"])], f"regions[{i}].name", region["name"])
+    for key, entries in (("gateway_senders", senders), ("async_event_queues", aeqs)):
+        for i, entry in entries:
+            queue_id = entry.get("id")
+            if isinstance(queue_id, str):
+                topics = [names.queue(queue_id), names.removals(queue_id), names.dead_letter(queue_id)]
+                claim(topics, f"{key}[{i}].id", queue_id)
+    return problems
+
+
+def _entries(data: Mapping[str, Any], key: str) -> list[tuple[int, Mapping[str, Any]]]:
+    items = data.get(key)
+    if not isinstance(items, (list, tuple)):
+        return []
+    return [(i, item) for i, item in enumerate(items) if isinstance(item, Mapping)]
+
+
+def _as_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _article(key: str) -> str:
+    return {"async_event_queues": "an async event queue", "gateway_senders": "a gateway sender"}[key]
+
+
+def _suggest(word: str, choices: Sequence[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    if choices:
+        return "; configured: " + ", ".join(sorted(choices))
+    return " (none are configured)"
+
+
+def _shown(field: str, value: Any) -> Any:
+    if field in _SECRET_FIELDS or isinstance(value, SecretStr):
+        return _HIDDEN
+    return value
+
+
+# --- pydantic errors → problems ----------------------------------------------
+
+
+def _path(loc: Sequence[Any]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _join(prefix: str, field: str) -> str:
+    if not prefix:
+        return field
+    return prefix + field if field.startswith("[") else f"{prefix}.{field}"
+
+
+def _model_at(loc: Sequence[Any]) -> type[BaseModel] | None:
+    """The model class that the location ``loc`` (from SiteConfig) points into."""
+    model: type[BaseModel] | None = SiteConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if model is None or part not in model.model_fields:
+            return None
+        model = _model_in(model.model_fields[part].annotation)
+    return model
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _reason(error: Mapping[str, Any]) -> str:
+    kind = error["type"]
+    ctx = error.get("ctx") or {}
+    value = error.get("input")
+    if kind == "missing":
+        return "is required"
+    if kind == "sluice_invalid":
+        return ctx["reason"]
+    if value is None and kind.endswith("_type"):
+        return "has no value (an empty YAML value is null)"
+    simple = {
+        "greater_than_equal": lambda: f"must be >= {ctx['ge']}",
+        "greater_than": lambda: f"must be > {ctx['gt']}",
+        "less_than_equal": lambda: f"must be <= {ctx['le']}",
+        "less_than": lambda: f"must be < {ctx['lt']}",
+        "int_type": lambda: "must be a whole number" + (" (without quotes)" if isinstance(value, str) else ""),
+        "int_from_float": lambda: "must be a whole number",
+        "float_type": lambda: "must be a number" + (" (without quotes)" if isinstance(value, str) else ""),
+        "bool_type": lambda: "must be true or false" + (" (without quotes)" if isinstance(value, str) else ""),
+        "string_type": lambda: "must be text",
+        "string_pattern_mismatch": lambda: _PATTERN_REASONS.get(ctx.get("pattern"), f"must match {ctx.get('pattern')}"),
+        "string_too_short": lambda: "must not be empty" if ctx.get("min_length") == 1 else f"must have at least {ctx['min_length']} characters",
+        "string_too_long": lambda: f"must have at most {ctx['max_length']} characters",
+        "literal_error": lambda: f"must be one of {ctx['expected']}",
+        "enum": lambda: f"must be one of {ctx['expected']}",
+        "model_type": lambda: "must be a mapping of settings (key: value)",
+        "model_attributes_type": lambda: "must be a mapping of settings (key: value)",
+        "dict_type": lambda: "must be a mapping (key: value)",
+        "list_type": lambda: "must be a list",
+        "tuple_type": lambda: "must be a list",
+        "too_short": lambda: f"must have at least {ctx['min_length']} item{'s' if ctx.get('min_length') != 1 else ''}",
+        "too_long": lambda: f"must have at most {ctx['max_length']} items",
+    }
+    if kind in simple:
+        return simple[kind]()
+    return str(error.get("msg", kind))
+
+
+def _problems_from_validation(exc: ValidationError) -> list[Problem]:
+    problems: list[Problem] = []
+    for error in exc.errors(include_url=False):
+        loc = tuple(error["loc"])
+        kind = error["type"]
+        where = _path(loc)
+        if kind == "sluice_problems":
+            for field, value, reason in error["ctx"]["problems"]:
+                problems.append((_join(where, field), value, reason))
+            continue
+        value = error.get("input")
+        if kind == "missing":
+            value = None
+        if kind == "extra_forbidden":
+            model = _model_at(loc[:-1])
+            key = str(loc[-1])
+            known = list(model.model_fields) if model else []
+            reason = "unknown key"
+            if key.replace("-", "_") in known:
+                reason += f"; did you mean {key.replace('-', '_')!r}? (keys use '_', not '-')"
+            else:
+                reason += _suggest(key, known).replace("; configured: ", "; known keys: ")
+            problems.append((where, _shown(key, value), reason))
+            continue
+        if loc and isinstance(loc[-1], str):
+            value = _shown(loc[-1], value)
+        problems.append((where, value, _reason(error)))
+    return problems
+
+
+def _dedupe(problems: list[Problem]) -> list[Problem]:
+    out: list[Problem] = []
+    seen: set[tuple[str, str]] = set()
+    for field, value, reason in problems:
+        if (field, reason) not in seen:
+            seen.add((field, reason))
+            out.append((field, value, reason))
+    return out
+
+
+# --- loading -----------------------------------------------------------------
+
+
+def parse_config(
+    data: Any,
+    source: str = "",
+    *,
+    base_dir: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> SiteConfig:
+    """Validate ``data`` (a mapping, as read from a site file) into a ``SiteConfig``.
+
+    ``base_dir`` is where relative file paths (TLS material) are looked up:
+    the file's folder when loading a file, else the working directory.
+    ``overrides`` are deep-merged into ``data`` first (see ``with_overrides``).
+    Raises ``ConfigError`` listing every problem.
+    """
+    if not isinstance(data, Mapping):
+        what = "an empty file" if data is None else f"a {type(data).__name__}"
+        raise ConfigError([("", _short(data), f"must be a mapping of settings (site:, dsid:, …), not {what}")], source)
+    if overrides:
+        data = _deep_merge(data, overrides)
+    context = {"base_dir": str(base_dir) if base_dir is not None else None}
+    try:
+        return SiteConfig.model_validate(data, context=context)
+    except ValidationError as exc:
+        problems = _problems_from_validation(exc)
+        # A model's rules only run when all of its own fields are valid; run
+        # every rule on the raw data too, so the user sees everything at once.
+        problems.extend(_all_rule_problems(data))
+        raise ConfigError(_dedupe(problems), source) from None
+
+
+def load_config(path: str | Path, *, overrides: Mapping[str, Any] | None = None) -> SiteConfig:
+    """Read and validate a site file (``.yaml``, ``.yml`` or ``.toml``)."""
+    path = Path(path)
+    source = str(path)
+    suffix = path.suffix.lower()
+    if suffix not in (".yaml", ".yml", ".toml"):
+        raise ConfigError([("", source, "unknown file type: a site file ends in .yaml, .yml or .toml")], source)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError([("", source, "no such file")], source) from None
+    except OSError as exc:
+        raise ConfigError([("", source, f"cannot be read: {exc.strerror or exc}")], source) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError([("", f"byte {exc.start}", "is not UTF-8 text")], source) from None
+
+    if suffix == ".toml":
+        data = _read_toml(text, source)
+        problems: list[Problem] = []
+    else:
+        data, problems = _read_yaml(text, source)
+    try:
+        cfg = parse_config(data, source, base_dir=path.parent.resolve(), overrides=overrides)
+    except ConfigError as exc:
+        raise ConfigError(problems + exc.problems, source) from None
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg
+
+
+def _read_toml(text: str, source: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        message = str(exc)
+        match = re.search(r"\(at line (\d+), column (\d+)\)", message)
+        if match:
+            line = int(match.group(1))
+            reason = message[: match.start()].strip()
+            where = f"line {line}, column {match.group(2)}"
+            raise ConfigError([(where, _line(text, line), f"TOML syntax error: {reason}")], source) from None
+        raise ConfigError([("", None, f"TOML syntax error: {message}")], source) from None
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that records duplicate keys instead of keeping the last silently."""
+
+    duplicates: list[Problem]
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    self.duplicates.append(
+                        (f"line {line}", key, f"duplicate key (first on line {seen[key]}); a key may appear once")
+                    )
+                else:
+                    seen[key] = line
+            except TypeError:  # an unhashable key; construct_mapping reports it below
+                pass
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_yaml(text: str, source: str) -> tuple[Any, list[Problem]]:
+    loader = _Loader(text)
+    loader.duplicates = []
+    try:
+        data = loader.get_single_data()
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        reason = f"YAML syntax error: {exc.problem or exc.context or 'unreadable'}"
+        if exc.context and exc.problem:
+            # The context is where the broken construct began, often the
+            # line the user must fix (an unclosed quote found at the end).
+            began = f" that starts on line {exc.context_mark.line + 1}" if exc.context_mark else ""
+            reason = f"YAML syntax error: {exc.problem} ({exc.context}{began})"
+        if mark is None:
+            raise ConfigError([("", None, reason)], source) from None
+        line = mark.line + 1
+        shown = _line(text, line) or (_line(text, exc.context_mark.line + 1) if exc.context_mark else "")
+        raise ConfigError([(f"line {line}, column {mark.column + 1}", shown, reason)], source) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError([("", None, f"YAML syntax error: {exc}")], source) from None
+    finally:
+        loader.dispose()
+    return data, loader.duplicates
+
+
+def _line(text: str, line: int) -> str:
+    lines = text.splitlines()
+    return lines[line - 1].strip() if 0 < line <= len(lines) else ""
+
+
+def _short(value: Any) -> Any:
+    text = repr(value)
+    return value if len(text) <= 80 else text[:77] + "..."
+
+
+def _deep_merge(base: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(dict(base))
+    for key, value in changes.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
