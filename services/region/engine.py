@@ -244,10 +244,13 @@ class RegionEngine:
 
         def finished(error: SluiceError | None) -> None:
             if error is not None:
+                # Something this request waited for failed: nothing it did is
+                # reported as done.  The caller retries with the same EventIDs.
                 for r in results:
-                    if r.event is not None and r.error is None:
+                    if r.error is None and not r.skipped:
                         r.error = error
                         r.event = None
+                        r.duplicate = False
             with self._lock:
                 for r in results:
                     if r.event is not None:
@@ -534,7 +537,9 @@ class RegionEngine:
             ob.state = state
             ob.progress = BucketProgress(replay_from)
             ob.committed = committed
-            ob.next_sequence = 0
+            # Continue this instance's own EventID stream for the bucket, or a
+            # reload would reuse sequences the changelog already holds.
+            ob.next_sequence = state.streams.get((self.member_id, bucket), -1) + 1
             pending = Pending(refanned)
             for event, offset in refanout:
                 self._writer.refanout(event, offset, pending, ob.progress)

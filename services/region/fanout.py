@@ -140,7 +140,11 @@ class Pending:
             dependents = self.dependents
         self.on_done(self.error)
         for d in dependents:
-            d.done()
+            # A retry answered through this attempt learns its failure too.
+            if self.error is not None:
+                d.fail(self.error)
+            else:
+                d.done()
 
 
 class BucketProgress:

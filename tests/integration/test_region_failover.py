@@ -1,0 +1,157 @@
+"""The region service under a crash: nothing acknowledged is lost, nothing is applied twice.
+
+Two region-service instances share a region's buckets through the consumer
+group.  Writer threads send 10,000 entry operations (many updates per key,
+some destroys, some put_alls) through both instances with retrying clients,
+and one instance is killed with SIGKILL mid-stream.  Afterwards:
+
+* the region holds exactly the last acknowledged value of every key;
+* each attached queue (a parallel gateway sender queue and a serial async
+  event queue), after discarding repeats of an EventID, holds every applied
+  event exactly once, in per-key order, and nothing else.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sluice.client import RegionClient
+from sluice.core.codec import get_codec
+from sluice.core.events import EventID
+
+from regionkit import RegionProcess, read_queue, read_topic, write_site
+
+pytestmark = pytest.mark.timeout(400)
+
+WRITERS = 4
+OPS_PER_WRITER = 2500
+KEYS_PER_WRITER = 60
+
+
+class Writer(threading.Thread):
+    """Writes its own keys in order and logs every acknowledged operation."""
+
+    def __init__(self, index: int, urls: list[str], seed: int) -> None:
+        super().__init__(name=f"writer-{index}", daemon=True)
+        self.index = index
+        self.client = RegionClient(urls, retry_for_s=90)
+        self.rng = random.Random(seed)
+        self.keys = [f"w{index}-k{i:03d}" for i in range(KEYS_PER_WRITER)]
+        self.state: dict[str, Any] = {}  # last acknowledged value; absent = destroyed / never written
+        self.acked: list[tuple[str, EventID]] = []  # (key, EventID) in acknowledgement order
+        self.done = 0
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            while self.done < OPS_PER_WRITER:
+                roll = self.rng.random()
+                if roll < 0.08:
+                    batch = {k: {"w": self.index, "n": self.done, "k": k} for k in self.rng.sample(self.keys, 10)}
+                    eid = self.client.next_event_id(len(batch))
+                    self.client.put_all("orders", batch, event_id=eid)
+                    for i, (k, v) in enumerate(batch.items()):
+                        self.acked.append((k, EventID(eid.member_id, eid.thread_id, eid.sequence_id + i)))
+                        self.state[k] = v
+                    self.done += len(batch)
+                    continue
+                key = self.rng.choice(self.keys)
+                eid = self.client.next_event_id()
+                if roll < 0.15 and key in self.state:
+                    self.client.destroy("orders", key, event_id=eid)
+                    del self.state[key]
+                else:
+                    value = {"w": self.index, "n": self.done, "k": key}
+                    self.client.put("orders", key, value, event_id=eid)
+                    self.state[key] = value
+                self.acked.append((key, eid))
+                self.done += 1
+        except BaseException as exc:  # recorded for the test thread to raise
+            self.error = exc
+
+
+def test_kill_9_one_of_two_instances_mid_stream_loses_and_duplicates_nothing(site_a, unique_prefix, tmp_path: Path):
+    """A SIGKILLed owner's buckets move to the survivor; the region and both queues stay exact."""
+    prefix = site_a.topic_prefix(unique_prefix)
+    cfg = write_site(tmp_path / "site.yaml", site="a", bootstrap=site_a.bootstrap, prefix=prefix)
+    instances = [RegionProcess(tmp_path / "site.yaml", tmp_path / f"region-{i}.log") for i in range(2)]
+    try:
+        for inst in instances:
+            inst.wait_ready()
+        urls = [inst.url for inst in instances]
+        writers = [Writer(i, urls, seed=1000 + i) for i in range(WRITERS)]
+        started = time.monotonic()
+        for w in writers:
+            w.start()
+        # Kill one instance once about a third of the work is acknowledged.
+        total = WRITERS * OPS_PER_WRITER
+        while sum(w.done for w in writers) < total // 3:
+            assert all(w.error is None for w in writers), [w.error for w in writers]
+            time.sleep(0.05)
+        killed_at = sum(w.done for w in writers)
+        instances[0].kill()
+        for w in writers:
+            w.join(300)
+        elapsed = time.monotonic() - started
+        errors = [w.error for w in writers if w.error is not None]
+        assert not errors, errors
+        retries = sum(w.client.retries for w in writers)
+        print(f"\n{total} ops in {elapsed:.1f}s, instance 0 killed after {killed_at}; client retries {retries}")
+
+        survivor = RegionClient([instances[1].url])
+        # 1. The region holds exactly the last acknowledged value of every key.
+        expected: dict[str, Any] = {}
+        all_keys: list[str] = []
+        for w in writers:
+            expected.update(w.state)
+            all_keys.extend(w.keys)
+        entries = survivor.get_all("orders", all_keys)
+        wrong = {k: (entries.get(k), expected.get(k)) for k in all_keys
+                 if (entries.get(k) or {}).get("value") != expected.get(k)}
+        assert not wrong, f"{len(wrong)} keys differ, e.g. {list(wrong.items())[:3]}"
+        assert sorted(survivor.keys("orders")) == sorted(expected)
+
+        # 2. Each queue holds every applied event exactly once, in per-key order, nothing else.
+        acked_by_key: dict[str, list[EventID]] = defaultdict(list)
+        for w in writers:
+            for key, eid in w.acked:
+                acked_by_key[key].append(eid)
+        acked_ids = {eid for ids in acked_by_key.values() for eid in ids}
+        assert len(acked_ids) == sum(len(w.acked) for w in writers) >= total
+
+        for queue in cfg.attached_queues("orders"):
+            records = read_queue(site_a.bootstrap, queue.topic, queue.partitions)
+            seen: set[EventID] = set()
+            repeats = 0
+            by_key: dict[str, list[EventID]] = defaultdict(list)
+            for r in records:
+                eid = r.event.event_id
+                if eid in seen:
+                    repeats += 1
+                    assert r.event.possible_duplicate, f"repeat of {eid} in {queue.id} not marked possibleDuplicate"
+                    continue
+                seen.add(eid)
+                by_key[r.event.key].append(eid)
+            print(f"queue {queue.id}: {len(records)} records, {repeats} repeats discarded")
+            assert seen - acked_ids == set(), f"{queue.id} holds events nobody applied: {list(seen - acked_ids)[:3]}"
+            assert acked_ids - seen == set(), f"{queue.id} lost events: {list(acked_ids - seen)[:3]}"
+            for key, ids in acked_by_key.items():
+                assert by_key[key] == ids, f"{queue.id}: key {key} out of order"
+
+        # 3. The changelog agrees: every acknowledged EventID is in it.
+        codec = get_codec()
+        changelog_ids = {
+            EventID.from_record(codec.decode_as("EntryEvent", value)["event_id"])
+            for _, _, value in read_topic(site_a.bootstrap, cfg.topics.region_changelog("orders"), 8)
+        }
+        assert acked_ids <= changelog_ids
+    finally:
+        for inst in instances:
+            inst.stop()
