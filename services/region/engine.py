@@ -82,9 +82,12 @@ class OwnedBucket:
     next_sequence: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Operation:
-    """One requested operation on one key (value already serialized)."""
+    """One requested operation on one key (value already serialized).
+
+    ``bucket`` is computed once, by whoever routes the operation first.
+    """
 
     op: Op
     region: str
@@ -92,6 +95,7 @@ class Operation:
     value: bytes | None = None
     event_id: EventID | None = None
     callback_argument: str | None = None
+    bucket: int = -1
 
 
 @dataclass(slots=True)
@@ -264,7 +268,7 @@ class RegionEngine:
         now_ms = int(time.time() * 1000)
         with self._lock:
             for op, result in zip(ops, results):
-                bucket = self.bucket_of(op.region, op.key)
+                bucket = op.bucket if op.bucket >= 0 else self.bucket_of(op.region, op.key)
                 ob = self._owned.get((op.region, bucket))
                 if ob is None:
                     result.error = NotOwner(op.region, bucket)

@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, ORJSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -83,15 +83,32 @@ def _single(outcome: Outcome, created: bool = False) -> JSONResponse:
     return JSONResponse(outcome.to_dict(), status_code=status)
 
 
-def _bulk(outcomes: list[Outcome]) -> JSONResponse:
-    """A bulk operation is not atomic (as Geode's putAll): one outcome per key."""
-    failed = [o for o in outcomes if o.status == "error"]
+def _bulk(outcomes: list[Outcome], detail: str = "exceptions") -> JSONResponse:
+    """A bulk operation is not atomic (as Geode's putAll): a summary, and the
+    outcome of every key that was not simply applied (``detail=all``: of every key)."""
+    counts = {"ok": 0, "duplicate": 0, "skipped": 0, "error": 0}
+    listed = []
+    worst = 0
+    for o in outcomes:
+        counts[o.status] += 1
+        if detail == "all" or o.status != "ok":
+            listed.append(o.to_dict())
+        if o.status == "error":
+            worst = max(worst, o.http_status)
     status = 200
-    if failed and len(failed) == len(outcomes):
-        status = max(o.http_status for o in failed)
-    elif failed:
+    if counts["error"] and counts["error"] == len(outcomes):
+        status = worst
+    elif counts["error"]:
         status = 207
-    return JSONResponse({"outcomes": [o.to_dict() for o in outcomes], "failed": len(failed)}, status_code=status)
+    body = {
+        "count": len(outcomes),
+        "applied": counts["ok"],
+        "duplicates": counts["duplicate"],
+        "skipped": counts["skipped"],
+        "failed": counts["error"],
+        "outcomes": listed,
+    }
+    return ORJSONResponse(body, status_code=status)
 
 
 def create_app(service: RegionService) -> FastAPI:
@@ -218,7 +235,10 @@ def create_app(service: RegionService) -> FastAPI:
     # --- bulk --------------------------------------------------------------------
 
     @app.post("/regions/{region}/put_all", tags=["bulk"], summary="Put many entries (not atomic, as Geode's putAll)")
-    async def put_all(region: str, body: PutAllBody, request: Request) -> JSONResponse:
+    async def put_all(region: str, body: PutAllBody, request: Request,
+                      outcomes: str = Query("exceptions", pattern="^(exceptions|all)$",
+                                            description="all: one outcome per key; exceptions: only keys not applied")
+                      ) -> JSONResponse:
         service.region_config(region)
         ops = []
         for i, (key, value) in enumerate(body.entries.items()):
@@ -226,17 +246,18 @@ def create_app(service: RegionService) -> FastAPI:
             data = service.encode_value(region, value, f"entries.{key}")
             ops.append(Operation(Op.PUT_ALL, region, key, data,
                                  body.event_id.to_event_id(i) if body.event_id else None, body.callback_argument))
-        return _bulk(await service.execute(ops, forwarded(request)))
+        return _bulk(await service.execute(ops, forwarded(request)), outcomes)
 
     @app.post("/regions/{region}/remove_all", tags=["bulk"], summary="Destroy many entries; absent keys are skipped")
-    async def remove_all(region: str, body: KeysBody, request: Request) -> JSONResponse:
+    async def remove_all(region: str, body: KeysBody, request: Request,
+                         outcomes: str = Query("exceptions", pattern="^(exceptions|all)$")) -> JSONResponse:
         service.region_config(region)
         ops = []
         for i, key in enumerate(body.keys):
             service.check_key(region, key, f"keys[{i}]")
             ops.append(Operation(Op.REMOVE_ALL, region, key, None,
                                  body.event_id.to_event_id(i) if body.event_id else None, body.callback_argument))
-        return _bulk(await service.execute(ops, forwarded(request)))
+        return _bulk(await service.execute(ops, forwarded(request)), outcomes)
 
     @app.post("/regions/{region}/get_all", tags=["bulk"], summary="Get many entries: key → entry or null")
     async def get_all(region: str, body: KeysBody, request: Request) -> dict[str, Any]:
@@ -285,7 +306,7 @@ def create_app(service: RegionService) -> FastAPI:
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise InvalidRequest("ops", None, f"malformed forwarded operations: {exc}") from None
         outcomes = await service.execute(ops, forwarded=True)
-        return JSONResponse({"outcomes": [_with_status(o) for o in outcomes]})
+        return ORJSONResponse({"outcomes": [_with_status(o) for o in outcomes]})
 
     @app.post("/internal/read", tags=["internal"], summary="Read entries for another instance (owner only)")
     async def internal_read(request: Request) -> JSONResponse:

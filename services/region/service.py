@@ -354,7 +354,9 @@ class RegionService:
         remote: dict[str, list[int]] = {}
         for i in todo:
             op = ops[i]
-            bucket = engine.bucket_of(op.region, op.key)
+            if op.bucket < 0:
+                op.bucket = engine.bucket_of(op.region, op.key)
+            bucket = op.bucket
             if engine.owns(op.region, bucket):
                 local.append(i)
                 continue
@@ -374,7 +376,7 @@ class RegionService:
         engine = self.engine
         assert engine is not None
         # Wait (bounded) for buckets that are loading rather than bouncing the caller.
-        for region, bucket in {(ops[i].region, engine.bucket_of(ops[i].region, ops[i].key)) for i in idx}:
+        for region, bucket in {(ops[i].region, ops[i].bucket) for i in idx}:
             if not engine.is_ready(region, bucket):
                 await asyncio.to_thread(engine.wait_ready, region, bucket, min(5.0, self.request_timeout_s))
         loop = asyncio.get_running_loop()
@@ -409,7 +411,7 @@ class RegionService:
                 await asyncio.to_thread(self._refresh_quietly)
             for i in idx:
                 op = ops[i]
-                err = BucketUnavailable(op.region, self.engine.bucket_of(op.region, op.key) if self.engine else -1,
+                err = BucketUnavailable(op.region, op.bucket,
                                         f"owner {url} unreachable: {type(exc).__name__}")
                 outcomes[i] = outcome_of(op, OpResult(error=err))
         except (httpx.HTTPError, ValueError, KeyError, BrokerUnavailable) as exc:

@@ -54,11 +54,14 @@ def test_entry_operations_follow_geode(region):
     assert httpx.get(f"{url}/regions/orders/entries/a").status_code == 404
     assert httpx.get(f"{url}/regions/orders/contains/a").json()["contains"] is False
 
-    r = _post(url, "/regions/orders/put_all", {"entries": {f"k{i}": i for i in range(50)}})
-    assert r.status_code == 200 and r.json()["failed"] == 0
+    r = _post(url, "/regions/orders/put_all?outcomes=all", {"entries": {f"k{i}": i for i in range(50)}})
+    assert r.status_code == 200 and r.json()["failed"] == 0 and r.json()["applied"] == 50
     assert {o["operation"] for o in r.json()["outcomes"]} == {"PUTALL_CREATE"}
+    r = _post(url, "/regions/orders/put_all", {"entries": {"k0": 0, "k1": 1}})
+    assert r.json()["applied"] == 2 and r.json()["outcomes"] == []
     r = _post(url, "/regions/orders/remove_all", {"keys": ["k1", "k2", "absent"]})
-    assert [o["status"] for o in r.json()["outcomes"]] == ["ok", "ok", "skipped"]
+    assert (r.json()["applied"], r.json()["skipped"]) == (2, 1)
+    assert [(o["key"], o["status"]) for o in r.json()["outcomes"]] == [("absent", "skipped")]
     keys = httpx.get(f"{url}/regions/orders/keys").json()["keys"]
     assert sorted(keys) == sorted(f"k{i}" for i in range(50) if i not in (1, 2))
     per_bucket = [httpx.get(f"{url}/regions/orders/keys", params={"bucket": b}).json()["keys"] for b in range(8)]
@@ -69,7 +72,8 @@ def test_entry_operations_follow_geode(region):
         ops = [r.event.operation.value for r in read_queue(site.bootstrap, queue.topic, queue.partitions)]
         assert "INVALIDATE" not in ops
         assert ops.count("CREATE") == 1 and ops.count("UPDATE") == 1 and ops.count("DESTROY") == 1
-        assert ops.count("PUTALL_CREATE") == 50 and ops.count("REMOVEALL_DESTROY") == 2
+        assert ops.count("PUTALL_CREATE") == 50 and ops.count("PUTALL_UPDATE") == 2
+        assert ops.count("REMOVEALL_DESTROY") == 2
 
 
 @pytest.mark.tansu
