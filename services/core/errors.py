@@ -17,6 +17,7 @@
     ├── BrokerUnavailable               retriable: the world broke a Kafka call (__cause__ set)
     ├── KafkaFatal                      not retriable: a fatal librdkafka error
     ├── TopicMismatch                   an existing topic disagrees with the config
+    ├── TopicMissing                    a topic the config implies does not exist
     ├── BrokerStartError                an embedded broker did not come up
     └── ClosedError                     we closed it: the service or client is stopped
 
@@ -166,6 +167,14 @@ class TopicMismatch(SluiceError):
         self.expected = expected
         self.actual = actual
         super().__init__(f"topic {topic!r}: {field} is {actual!r}, configuration needs {expected!r}")
+
+
+class TopicMissing(SluiceError):
+    """A topic the configuration implies does not exist yet."""
+
+    def __init__(self, topic: str) -> None:
+        self.topic = topic
+        super().__init__(f"topic {topic!r} does not exist: create the site's topics with `sluice topics apply -c FILE`")
 
 
 class BrokerStartError(SluiceError):

@@ -45,6 +45,8 @@ from ..core.errors import (
     InvalidRequest,
     NotOwner,
     SluiceError,
+    TopicMismatch,
+    TopicMissing,
     UnknownRegion,
 )
 from ..core.events import EntryEvent, EventID
@@ -253,11 +255,28 @@ class RegionService:
         self.directory = OwnerDirectory(
             make_admin(kafka.client_settings()), self.group_id, {t: r for r, t in self.changelog_topics.items()}
         )
+        self._check_topics()
         self.engine.start()
         self._directory_thread = threading.Thread(target=self._directory_loop, name="region-directory", daemon=True)
         self._directory_thread.start()
         self.state = ServiceState.RUNNING
         log.info("region service %s listening on %s", self.instance_id, self.url)
+
+    def _check_topics(self) -> None:
+        """Refuse to start without the topics (and partition counts) the site implies."""
+        admin = make_admin(self.cfg.kafka.client_settings())
+        try:
+            metadata = admin.list_topics(timeout=self.cfg.kafka.request_timeout_ms / 1000)
+        except KafkaException as exc:
+            raise translate(exc, f"connecting to {self.cfg.kafka.bootstrap_servers}") from exc
+        needed = [(t, self.regions[r].buckets) for r, t in self.changelog_topics.items()]
+        needed += [(q.topic, q.partitions) for r in self.cfg.regions for q in self.cfg.attached_queues(r.name)]
+        for topic, partitions in needed:
+            found = metadata.topics.get(topic)
+            if found is None or found.error is not None:
+                raise TopicMissing(topic)
+            if len(found.partitions) != partitions:
+                raise TopicMismatch(topic, "partitions", partitions, len(found.partitions))
 
     def _directory_loop(self) -> None:
         assert self.directory is not None

@@ -164,3 +164,22 @@ def test_changelog_records_are_single_object_avro(region):
     for _, _, value in records:
         assert value[:2] == b"\xc3\x01"
         assert codec.schema_of(value) == "EntryEvent"
+
+
+def test_a_region_instance_refuses_to_start_without_its_topics(site_a, unique_prefix, tmp_path: Path):
+    """Without `sluice topics apply` the service exits non-zero naming the missing topic."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    site = {
+        "site": "a", "dsid": 1,
+        "kafka": {"bootstrap_servers": site_a.bootstrap, "topic_prefix": site_a.topic_prefix(unique_prefix)},
+        "regions": [{"name": "orders", "buckets": 4}],
+    }
+    (tmp_path / "site.yaml").write_text(yaml.safe_dump(site))
+    done = subprocess.run([sys.executable, "-m", "sluice.cli", "region", "-c", str(tmp_path / "site.yaml"),
+                           "--port", "0"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert "region.orders.changelog" in done.stderr and "sluice topics apply" in done.stderr
