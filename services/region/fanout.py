@@ -30,26 +30,16 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..core.avrowire import entry_event_body, string, varint
 from ..core.codec import HEADER_BYTES, MARKER, Codec
 from ..core.errors import SluiceError
 from ..core.events import EntryEvent, Operation, goes_to_async_queue, goes_to_gateway
 from ..core.kafka import KafkaError, Message, Producer, error_from_kafka_error, murmur2, partition_for_key
 
 
-def _varint(n: int) -> bytes:
-    """Avro's zig-zag varint of a long."""
-    z = (n << 1) ^ (n >> 63)
-    out = bytearray()
-    while z > 0x7F:
-        out.append((z & 0x7F) | 0x80)
-        z >>= 7
-    out.append(z)
-    return bytes(out)
-
-
-def _avro_string(s: str) -> bytes:
-    b = s.encode("utf-8")
-    return _varint(len(b)) + b
+# Avro primitives, shared with the hand-written EntryEvent encoder.
+_varint = varint
+_avro_string = string
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +188,7 @@ class FanoutWriter:
         self._targets = targets
         self._on_bucket_failure = on_bucket_failure
         self._queued_fp = MARKER + codec.fingerprint("QueuedEvent")
+        self._entry_fp = MARKER + codec.fingerprint("EntryEvent")
         self._queue_id_bytes = {
             t.id: _avro_string(t.id) for ts in targets.values() for t in ts
         }
@@ -205,7 +196,7 @@ class FanoutWriter:
     def write(self, event: EntryEvent, pending: Pending, progress: BucketProgress) -> None:
         """Step 1: the changelog record.  Called in bucket order by the owner."""
         key_bytes = event.key.encode("utf-8")
-        value = self._codec.encode("EntryEvent", event.to_record(), validate=False)
+        value = self._entry_fp + entry_event_body(event)
         targets = [t for t in self._targets.get(event.region, ()) if t.accepts(event.operation)]
         pending.add(1 + len(targets))
 
@@ -226,7 +217,7 @@ class FanoutWriter:
         """Re-enqueue a changelog record after a change of owner (possibleDuplicate)."""
         event = event.as_possible_duplicate()
         key_bytes = event.key.encode("utf-8")
-        value = self._codec.encode("EntryEvent", event.to_record(), validate=False)
+        value = self._entry_fp + entry_event_body(event)
         targets = [t for t in self._targets.get(event.region, ()) if t.accepts(event.operation)]
         pending.add(len(targets))
         self._fan_out(event, key_bytes, value, offset, targets, pending, progress)
