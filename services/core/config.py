@@ -391,6 +391,9 @@ class RegionServiceConfig(_Model):
     token: SecretStr | None = None
     load_timeout_s: float = Field(60, gt=0)
     request_timeout_s: float = Field(30, gt=0)
+    event_tracking_timeout_s: float = Field(
+        900, gt=0, description="how long a (member, thread) EventID stream is remembered after its last operation"
+    )
 
     @field_validator("advertised_url")
     @classmethod

@@ -128,6 +128,7 @@ class RegionEngine:
         codec: Codec,
         commit_interval_s: float = 0.2,
         load_timeout_s: float = 60.0,
+        event_tracking_timeout_s: float = 900.0,
         on_crash: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.site = site
@@ -145,6 +146,7 @@ class RegionEngine:
         self._targets = targets
         self._commit_interval_s = commit_interval_s
         self._load_timeout_s = load_timeout_s
+        self._tracking_timeout_ms = int(event_tracking_timeout_s * 1000)
         self._on_crash = on_crash
 
         self._lock = threading.Lock()
@@ -364,6 +366,7 @@ class RegionEngine:
             on_lost=self._on_lost,
         )
         next_commit = time.monotonic() + self._commit_interval_s
+        next_expiry = time.monotonic() + 30.0
         try:
             while not self._stopping.is_set():
                 msg = consumer.poll(0.1)
@@ -372,6 +375,9 @@ class RegionEngine:
                 if time.monotonic() >= next_commit:
                     self._commit_checkpoints(asynchronous=True)
                     next_commit = time.monotonic() + self._commit_interval_s
+                if time.monotonic() >= next_expiry:
+                    self._expire_streams()
+                    next_expiry = time.monotonic() + 30.0
         finally:
             # Leaving the group revokes every bucket through _on_revoke,
             # which waits for in-flight records and commits synchronously.
@@ -379,6 +385,17 @@ class RegionEngine:
                 consumer.close()
             except (KafkaException, RuntimeError) as exc:
                 log.warning("closing the group consumer: %s", exc)
+
+    def _expire_streams(self) -> None:
+        now_ms = int(time.time() * 1000)
+        with self._lock:
+            expired = sum(
+                ob.state.expire_streams(now_ms, self._tracking_timeout_ms)
+                for ob in self._owned.values()
+                if ob.state is not None
+            )
+        if expired:
+            log.info("forgot %d idle EventID streams", expired)
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         consumer.assign(partitions)

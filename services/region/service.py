@@ -250,6 +250,7 @@ class RegionService:
             targets=targets,
             codec=get_codec(),
             load_timeout_s=self.cfg.region_service.load_timeout_s,
+            event_tracking_timeout_s=self.cfg.region_service.event_tracking_timeout_s,
             on_crash=self._crashed,
         )
         self.directory = OwnerDirectory(

@@ -59,7 +59,7 @@ class Skipped:
 class BucketState:
     """Entries and duplicate tracking of one bucket of one region."""
 
-    __slots__ = ("region", "bucket", "dsid", "member_id", "entries", "streams")
+    __slots__ = ("region", "bucket", "dsid", "member_id", "entries", "streams", "stream_seen_ms")
 
     def __init__(self, region: str, bucket: int, dsid: int, member_id: str) -> None:
         self.region = region
@@ -68,6 +68,7 @@ class BucketState:
         self.member_id = member_id
         self.entries: dict[str, Entry] = {}
         self.streams: dict[tuple[str, int], int] = {}
+        self.stream_seen_ms: dict[tuple[str, int], int] = {}
 
     # --- reads -------------------------------------------------------------
 
@@ -159,3 +160,17 @@ class BucketState:
         stream = event.event_id.stream
         if event.event_id.sequence_id > self.streams.get(stream, -1):
             self.streams[stream] = event.event_id.sequence_id
+        self.stream_seen_ms[stream] = event.event_time
+
+    def expire_streams(self, now_ms: int, idle_ms: int) -> int:
+        """Forget EventID streams idle for longer than ``idle_ms`` (Geode's
+        EventTracker expiry), so tracking stays bounded; returns how many.
+
+        A retry arriving after its stream expired is applied again, as in Geode.
+        """
+        cutoff = now_ms - idle_ms
+        stale = [s for s, seen in self.stream_seen_ms.items() if seen < cutoff]
+        for stream in stale:
+            del self.stream_seen_ms[stream]
+            self.streams.pop(stream, None)
+        return len(stale)

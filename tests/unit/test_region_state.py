@@ -492,3 +492,15 @@ def test_new_owner_continues_exactly_like_the_old_one(before: list[Step], after:
         seqs[(step.member, step.thread)] = max(seq_old, seqs.get((step.member, step.thread), -1))
         assert outcome_new == outcome_old
     assert new.entries == old.entries and new.streams == old.streams
+
+
+def test_idle_event_id_streams_expire_and_busy_ones_stay():
+    """Streams idle longer than the tracking timeout are forgotten; a retry after that is applied again."""
+    state = BucketState("orders", 0, 1, "m")
+    old, busy = EventID("old", 1, 5), EventID("busy", 1, 7)
+    assert not isinstance(state.prepare(Op.PUT, "a", b"1", old, now_ms=1_000), Duplicate)
+    assert not isinstance(state.prepare(Op.PUT, "b", b"1", busy, now_ms=900_000), Duplicate)
+    assert state.expire_streams(now_ms=1_000_000, idle_ms=500_000) == 1
+    assert ("old", 1) not in state.streams and ("busy", 1) in state.streams
+    assert isinstance(state.prepare(Op.PUT, "b", b"2", busy, now_ms=1_000_001), Duplicate)
+    assert not isinstance(state.prepare(Op.PUT, "a", b"2", old, now_ms=1_000_002), Duplicate)
