@@ -14,6 +14,7 @@
     │   └── EntryNotFound               Geode's EntryNotFoundException (destroy, invalidate)
     ├── NotOwner                        retriable: the bucket is owned elsewhere or moving
     ├── BucketUnavailable               retriable: no owner yet, or the owner is loading
+    ├── OwnershipUnconfirmed            retriable: the writer could not prove it still owns the bucket
     ├── BrokerUnavailable               retriable: the world broke a Kafka call (__cause__ set)
     ├── KafkaFatal                      not retriable: a fatal librdkafka error
     ├── TopicMismatch                   an existing topic disagrees with the config
@@ -143,6 +144,19 @@ class BucketUnavailable(SluiceError):
         self.bucket = bucket
         self.reason = reason
         super().__init__(f"bucket {bucket} of region {region!r} unavailable: {reason}")
+
+
+class OwnershipUnconfirmed(SluiceError):
+    """A write may have reached the changelog, but its owner could not confirm
+    (by a group commit) that it still owned the bucket: not acknowledged.
+    Retry with the same EventID; the current owner answers it."""
+
+    retriable = True
+    http_status = 503
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"write not acknowledged: {reason}; retry with the same EventID")
 
 
 class BrokerUnavailable(SluiceError):

@@ -41,7 +41,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..core.codec import Codec
-from ..core.errors import BrokerUnavailable, BucketUnavailable, CodecError, InvalidRequest, NotOwner, SluiceError
+from ..core.errors import (
+    BrokerUnavailable,
+    BucketUnavailable,
+    CodecError,
+    InvalidRequest,
+    NotOwner,
+    OwnershipUnconfirmed,
+    SluiceError,
+)
 from ..core.events import EntryEvent, EventID
 from ..core.kafka import (
     OFFSET_BEGINNING,
@@ -155,6 +163,9 @@ class RegionEngine:
         self._loads: queue.Queue[tuple[str, int, int] | None] = queue.Queue(maxsize=100_000)
         self._stopping = threading.Event()
         self._poll_stopping = threading.Event()
+        self._fence_lock = threading.Lock()
+        self._fence_wanted = threading.Event()
+        self._awaiting_fence: list[tuple[list[OpResult], Callable[[list[OpResult]], None]]] = []
         self._threads: list[threading.Thread] = []
         self._producer: Producer | None = None
         self._group: Consumer | None = None
@@ -249,21 +260,21 @@ class RegionEngine:
         results = [OpResult() for _ in ops]
 
         def finished(error: SluiceError | None) -> None:
-            if error is not None:
-                # Something this request waited for failed: nothing it did is
-                # reported as done.  The caller retries with the same EventIDs.
-                for r in results:
-                    if r.error is None and not r.skipped:
-                        r.error = error
-                        r.event = None
-                        r.duplicate = False
             with self._lock:
                 for r in results:
                     if r.event is not None:
                         ob = self._owned.get((r.event.region, r.event.bucket))
                         if ob is not None:
                             ob.inflight.pop(r.event.event_id, None)
-            on_done(results)
+            if error is not None:
+                _fail_results(results, error)
+                on_done(results)
+            elif any(r.event is not None for r in results):
+                # New writes are answered only after a commit proves this
+                # member still holds its generation (see _fence).
+                self._await_fence(results, on_done)
+            else:
+                on_done(results)
 
         pending = Pending(finished)
         pending.add(1)  # held until every op is produced, so it cannot fire early
@@ -369,10 +380,14 @@ class RegionEngine:
         next_expiry = time.monotonic() + 30.0
         try:
             while not self._stopping.is_set():
-                msg = consumer.poll(0.1)
+                self._fence_wanted.wait(0.05)
+                msg = consumer.poll(0)
                 if msg is not None and msg.error() is not None:
                     log.debug("group consumer: %s", msg.error())
-                if time.monotonic() >= next_commit:
+                if self._fence_wanted.is_set():
+                    self._fence(consumer)
+                    next_commit = time.monotonic() + self._commit_interval_s
+                elif time.monotonic() >= next_commit:
                     self._commit_checkpoints(asynchronous=True)
                     next_commit = time.monotonic() + self._commit_interval_s
                 if time.monotonic() >= next_expiry:
@@ -385,6 +400,53 @@ class RegionEngine:
                 consumer.close()
             except (KafkaException, RuntimeError) as exc:
                 log.warning("closing the group consumer: %s", exc)
+            self._release_fenced(OwnershipUnconfirmed("the instance is stopping"))
+
+    # --- fencing -----------------------------------------------------------------
+    #
+    # A member that was paused (SIGSTOP, a long GC, a frozen VM) past its
+    # session timeout has lost its buckets without knowing it; a new owner may
+    # already serve them.  It must not acknowledge what it writes then.  So a
+    # write is answered only after a synchronous offset commit, issued after
+    # the write was durable, succeeds: the group coordinator rejects commits of
+    # a stale generation, so a success proves this member still held its
+    # buckets after the write.  One commit answers every write waiting for it.
+
+    def _await_fence(self, results: list[OpResult], on_done: Callable[[list[OpResult]], None]) -> None:
+        with self._fence_lock:
+            self._awaiting_fence.append((results, on_done))
+        self._fence_wanted.set()
+
+    def _release_fenced(self, error: SluiceError | None) -> None:
+        with self._fence_lock:
+            batch, self._awaiting_fence = self._awaiting_fence, []
+            self._fence_wanted.clear()
+        for results, on_done in batch:
+            if error is not None:
+                _fail_results(results, error)
+            on_done(results)
+
+    def _fence(self, consumer: Consumer) -> None:
+        with self._fence_lock:
+            batch, self._awaiting_fence = self._awaiting_fence, []
+            self._fence_wanted.clear()
+        if not batch:
+            return
+        offsets = self._checkpoint_offsets(force=True)
+        error: SluiceError | None = None
+        if not offsets:
+            error = OwnershipUnconfirmed("this instance no longer owns the bucket")
+        else:
+            try:
+                consumer.commit(offsets=offsets, asynchronous=False)
+            except KafkaException as exc:
+                log.warning("fencing commit failed (%s); answering %d requests with a retriable error",
+                            exc, len(batch))
+                error = OwnershipUnconfirmed(f"the group refused the fencing commit ({exc.args[0]})")
+        for results, on_done in batch:
+            if error is not None:
+                _fail_results(results, error)
+            on_done(results)
 
     def _expire_streams(self) -> None:
         now_ms = int(time.time() * 1000)
@@ -429,25 +491,37 @@ class RegionEngine:
         if offsets:
             try:
                 consumer.commit(offsets=offsets, asynchronous=False)
+                # Every write answered below was durable before this commit.
+                self._release_fenced(None)
             except KafkaException as exc:
                 log.warning("committing checkpoints on revoke: %s", exc)
+                self._release_fenced(OwnershipUnconfirmed("ownership moved"))
         log.info("revoked %s", ", ".join(f"{ob.region}[{ob.bucket}]" for ob in revoked if ob) or "nothing")
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         with self._lock:
             for tp in partitions:
                 self._owned.pop((self._topic_region[tp.topic], tp.partition), None)
+        # A lost member may be a zombie: nothing it wrote since is acknowledged.
+        self._release_fenced(OwnershipUnconfirmed("this instance lost its buckets (session expired)"))
         log.warning("lost %d buckets (session expired)", len(partitions))
+
+    def _checkpoint_offsets(self, force: bool) -> list[TopicPartition]:
+        """Fan-out checkpoints of READY buckets: those that advanced, or all (``force``)."""
+        offsets = []
+        with self._lock:
+            for ob in self._owned.values():
+                if ob.status is not BucketStatus.READY or ob.progress is None:
+                    continue
+                if force or ob.progress.checkpoint > ob.committed:
+                    offsets.append(TopicPartition(self.changelog_topics[ob.region], ob.bucket, ob.progress.checkpoint))
+                    ob.committed = max(ob.committed, ob.progress.checkpoint)
+        return offsets
 
     def _commit_checkpoints(self, asynchronous: bool) -> None:
         consumer = self._group
         assert consumer is not None
-        offsets = []
-        with self._lock:
-            for ob in self._owned.values():
-                if ob.status is BucketStatus.READY and ob.progress is not None and ob.progress.checkpoint > ob.committed:
-                    offsets.append(TopicPartition(self.changelog_topics[ob.region], ob.bucket, ob.progress.checkpoint))
-                    ob.committed = ob.progress.checkpoint
+        offsets = self._checkpoint_offsets(force=False)
         if offsets:
             try:
                 consumer.commit(offsets=offsets, asynchronous=asynchronous)
@@ -581,3 +655,12 @@ class RegionEngine:
             region, bucket, state.size(), low, high, len(refanout), time.monotonic() - started,
         )
 
+
+def _fail_results(results: list[OpResult], error: SluiceError) -> None:
+    """Nothing a failed request did is reported as done; the caller retries
+    with the same EventIDs and the owner's duplicate tracking keeps that safe."""
+    for r in results:
+        if r.error is None and not r.skipped:
+            r.error = error
+            r.event = None
+            r.duplicate = False

@@ -120,7 +120,10 @@ class Pending:
             if not self.fired:
                 self.dependents.append(dependent)
                 return
-        dependent.done()
+        if self.error is not None:
+            dependent.fail(self.error)
+        else:
+            dependent.done()
 
     def _maybe_fire(self) -> None:
         with self._lock:

@@ -116,8 +116,16 @@ class RegionProcess:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
 
+    def pause(self) -> None:
+        """SIGSTOP: the process keeps its sockets but answers nothing, heartbeats included."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
     def stop(self, timeout_s: float = 20.0) -> int:
         if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout_s)

@@ -155,3 +155,62 @@ def test_kill_9_one_of_two_instances_mid_stream_loses_and_duplicates_nothing(sit
     finally:
         for inst in instances:
             inst.stop()
+
+
+def test_a_paused_owner_that_wakes_up_never_acknowledges_a_lost_write(site_a, unique_prefix, tmp_path: Path):
+    """An owner SIGSTOPped past its session timeout may not answer a stale write with success unless it stuck."""
+    import httpx
+
+    from sluice.core.kafka import partition_for_key
+
+    prefix = site_a.topic_prefix(unique_prefix)
+    write_site(tmp_path / "site.yaml", site="a", bootstrap=site_a.bootstrap, prefix=prefix)
+    a, b = (RegionProcess(tmp_path / "site.yaml", tmp_path / f"region-{i}.log") for i in range(2))
+    try:
+        a.wait_ready()
+        b.wait_ready()
+        owned_by_a = {row["bucket"] for row in httpx.get(f"{a.url}/buckets").json()["buckets"]
+                      if row["owner"] == a.url}
+        assert owned_by_a, "instance a owns no bucket"
+        key = next(f"z{i}" for i in range(1000) if partition_for_key(f"z{i}".encode(), 8) in owned_by_a)
+        bucket = partition_for_key(key.encode(), 8)
+
+        a.pause()
+        stale: dict[str, object] = {}
+
+        def send_stale() -> None:
+            r = httpx.post(f"{a.url}/regions/orders/put", timeout=90,
+                           json={"key": key, "value": "stale",
+                                 "event_id": {"member_id": "zombie-test", "thread_id": 1, "sequence_id": 0}})
+            stale["status"], stale["body"] = r.status_code, r.json()
+
+        sender = threading.Thread(target=send_stale, daemon=True)
+        sender.start()
+        # b takes the bucket over once a's session times out.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            rows = httpx.get(f"{b.url}/buckets").json()["buckets"]
+            if any(r["bucket"] == bucket and r["owner"] == b.url and r["status"] == "ready" for r in rows):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("b never took the bucket over")
+        taken_over = time.monotonic()
+        fresh = RegionClient([b.url]).put("orders", key, "fresh")
+        assert fresh["status"] == "ok"
+
+        a.resume()
+        sender.join(90)
+        assert "status" in stale, "the stale request never completed"
+        value = RegionClient([b.url]).get("orders", key)
+        print(f"\nstale write answered {stale['status']} {stale['body']}; value now {value!r}; "
+              f"takeover {taken_over - deadline + 60:.1f}s after the pause")
+        if stale["status"] == 200:
+            # Acknowledged: it must have been applied after the fresh write, by the real owner.
+            assert value == "stale"
+        else:
+            assert stale["status"] in (421, 503) and stale["body"]["retriable"] is True
+            assert value == "fresh"
+    finally:
+        a.stop()
+        b.stop()
