@@ -150,7 +150,7 @@ class Context:
             self.progress.remove_task(task)
 
     @contextlib.contextmanager
-    def cpu_use(self, pids: dict[str, int | None]) -> Iterator[None]:
+    def cpu_use(self, label: str, pids: dict[str, int | None]) -> Iterator[None]:
         """Note the CPU (in cores) each named process used during the block.
 
         On a 2-core machine that says at once whether a figure is bound by
@@ -169,7 +169,7 @@ class Context:
             if start is not None and end is not None and wall > 0:
                 used.append(f"{name} {(end - start) / wall:.2f}")
         if used:
-            self.note(f"CPU in cores while timed ({os.cpu_count()} here): {', '.join(used)}")
+            self.note(f"{label}: CPU used, in cores of {os.cpu_count()}: {', '.join(used)}")
 
     @contextlib.contextmanager
     def profiling(self, pid: int, label: str) -> Iterator[None]:
@@ -333,7 +333,7 @@ def die_with_parent() -> None:
 # --- the machine ----------------------------------------------------------------
 
 
-def machine_info(engine_label: str) -> dict[str, Any]:
+def machine_info(engine_label: str, load_at_start: list[float] | None = None) -> dict[str, Any]:
     """What the figures depend on: CPU, memory, runtimes, broker."""
     cpu = platform.processor() or platform.machine()
     memory_bytes = None
@@ -355,7 +355,7 @@ def machine_info(engine_label: str) -> dict[str, Any]:
     try:
         import confluent_kafka
 
-        kafka_client = f"confluent-kafka {confluent_kafka.version()[0]}, librdkafka {confluent_kafka.libversion()[0]}"
+        kafka_client = f"confluent-kafka {confluent_kafka.__version__}, librdkafka {confluent_kafka.libversion()[0]}"
     except ImportError:  # pragma: no cover - a dependency of sluice
         kafka_client = None
     return {
@@ -368,6 +368,9 @@ def machine_info(engine_label: str) -> dict[str, Any]:
         "java": java,
         "broker": engine_label,
         "kafka_client": kafka_client,
+        # Other work on the machine skews every figure (ratios less so):
+        # the 1/5/15-minute load averages before the run started.
+        "load_average_at_start": load_at_start,
     }
 
 
@@ -430,6 +433,12 @@ def run(
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     started = time.monotonic()
+    load_at_start = None
+    with contextlib.suppress(OSError):
+        load_at_start = [round(x, 2) for x in os.getloadavg()]
+        if load_at_start[0] > 0.5:
+            console.log(f"[yellow]the machine is busy (load average {load_at_start[0]:.1f} on {os.cpu_count()} "
+                        "cores): figures will be low and noisy[/]")
     try:
         with console.status(f"starting an embedded broker ({engine})…"):
             broker = start_broker("bench", 0, engine, data_dir=workdir / "broker")
@@ -471,7 +480,7 @@ def run(
         for path in profiles:
             console.print(profile_table(path))
         document = {
-            "machine": machine_info(broker.engine_label),
+            "machine": machine_info(broker.engine_label, load_at_start),
             "time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "quick": quick,
             "durations_s": {**durations, "total": round(total_s, 1)},

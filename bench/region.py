@@ -35,6 +35,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -63,12 +64,16 @@ BUCKETS = 8
 VALUE_BYTES = 200
 BATCH_ENTRIES = 1000
 #: Client threads sending put_all batches.  Measured on a 2-core machine
-#: (client, service and broker sharing it), 2 threads were fastest: 1 leaves
-#: the service idle while the client encodes, more only add contention.
+#: (client, service and broker sharing it): 1 thread 9.7k–11.6k entries/s,
+#: 2 threads 9.9k–14.4k, 3 9.8k, 4 9.9k–12.9k.  With one thread the service
+#: idles while the client encodes and reads; from two on, the service's one
+#: GIL-bound process is the limit.
 INGEST_THREADS = 2
 #: The raw producer writes the records this many times and reports the median
-#: rate: one pass of 200k records takes well under a second and varies ±25 %.
+#: rate: one pass of 200k records takes well under a second and varies ±25 %
+#: (quick: more passes of its 20k records, which take under 0.1 s each).
 RAW_PASSES = 3
+RAW_PASSES_QUICK = 5
 #: Entries read back with get_all to check values (every key is counted).
 VERIFY_SAMPLE = 2000
 
@@ -214,7 +219,7 @@ class RawProducer:
 @dataclass
 class RegionSite:
     cfg: SiteConfig
-    config_path: Any
+    config_path: Path
 
     @classmethod
     def create(cls, ctx: Context) -> "RegionSite":
@@ -235,38 +240,46 @@ class RegionSite:
         return region
 
 
-def send_batches(url: str, batches: list[dict[str, Any]], threads: int, advance: Any) -> float:
-    """Send ``batches`` from ``threads`` client threads; seconds from first request to last answer."""
+def send_batches(url: str, batches: list[dict[str, Any]], threads: int, advance: Any) -> tuple[float, int]:
+    """Send ``batches`` from ``threads`` client threads, one ``RegionClient`` each.
+
+    Returns the seconds from the first request to the last answer, and how
+    many requests the clients retried (a retry keeps its EventIDs, so it is
+    applied once, but it is worth knowing about).
+    """
     shares = [batches[i::threads] for i in range(threads)]
     start = threading.Barrier(threads + 1)
     finished = [0.0] * threads
-    failures: list[BaseException] = []
+    retries = [0] * threads
+    failures: list[Exception] = []
 
     def worker(n: int) -> None:
-        client = RegionClient(url, timeout_s=60, retry_for_s=60)
         try:
-            start.wait()
-            for batch in shares[n]:
-                client.put_all(REGION, batch)
-                advance(len(batch))
-            finished[n] = time.perf_counter()
-        except BaseException as exc:  # noqa: BLE001 - handed to the main thread below
+            with RegionClient(url, timeout_s=60, retry_for_s=60) as client:
+                start.wait()
+                for batch in shares[n]:
+                    client.put_all(REGION, batch)
+                    advance(len(batch))
+                finished[n] = time.perf_counter()
+                retries[n] = client.retries
+        except Exception as exc:  # noqa: BLE001 - the top of a thread: handed to the caller below
             failures.append(exc)
             start.abort()
-        finally:
-            client.close()
 
     workers = [threading.Thread(target=worker, args=(n,), name=f"bench-client-{n}", daemon=True)
                for n in range(threads)]
     for w in workers:
         w.start()
-    start.wait()
+    try:
+        start.wait()
+    except threading.BrokenBarrierError:
+        pass  # a worker failed before the start; its exception is raised below
     t0 = time.perf_counter()
     for w in workers:
         w.join()
     if failures:
         raise RuntimeError(f"a client thread failed: {failures[0]!r}") from failures[0]
-    return max(finished) - t0
+    return max(finished) - t0, sum(retries)
 
 
 def verify_region(ctx: Context, url: str, expected: dict[str, Any], cfg: SiteConfig) -> None:
@@ -311,13 +324,14 @@ def put_all_ingest(ctx: Context) -> list[Result]:
     raw_topic = f"{site.cfg.kafka.topic_prefix}raw"
     create_topic(ctx.bootstrap, raw_topic, BUCKETS)
 
-    ctx.step(f"raw producer: {len(warm_records):,} warm-up records, then {RAW_PASSES} timed passes of {entries:,}")
+    passes = ctx.sized(RAW_PASSES, RAW_PASSES_QUICK)
+    ctx.step(f"raw producer: {len(warm_records):,} warm-up records, then {passes} timed passes of {entries:,}")
     raw = RawProducer(ctx.bootstrap, raw_topic)
     rates = []
     try:
         raw.write_all(warm_records)
-        with ctx.counting("raw producer", entries * RAW_PASSES) as advance, ctx.cpu_use({}):
-            for _ in range(RAW_PASSES):
+        with ctx.counting("raw producer", entries * passes) as advance, ctx.cpu_use("raw producer", {}):
+            for _ in range(passes):
                 rates.append(entries / raw.write_all(records, advance))
     finally:
         raw.close()
@@ -332,8 +346,10 @@ def put_all_ingest(ctx: Context) -> list[Result]:
                 client.put_all(REGION, batch)
         ctx.step(f"put_all: {entries:,} entries in batches of {BATCH_ENTRIES} from {INGEST_THREADS} threads")
         with ctx.counting("region put_all", entries) as advance, ctx.profiling(region.pid, "region"), \
-                ctx.cpu_use({"region": region.pid}):
-            region_s = send_batches(region.url, batches, INGEST_THREADS, advance)
+                ctx.cpu_use("put_all", {"region": region.pid}):
+            region_s, retries = send_batches(region.url, batches, INGEST_THREADS, advance)
+        if retries:
+            ctx.note(f"the clients retried {retries} put_all requests")
         region_rate = entries / region_s
         ctx.step(f"put_all: {region_rate:,.0f} entries/s ({region_s:.2f}s)")
         expected = {k: v for b in warm for k, v in b.items()}
