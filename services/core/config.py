@@ -223,7 +223,7 @@ class KafkaConfig(KafkaConnection):
     session_timeout_ms: int = Field(6000, ge=1)
     heartbeat_interval_ms: int = Field(1000, ge=1)
     max_poll_interval_ms: int = Field(30000, ge=1)
-    producer_linger_ms: int = Field(2, ge=0)
+    producer_linger_ms: int = Field(0, ge=0, description="0 sends at once: a write waits for two sequential records (changelog, then queues); batches still form under load")
     delivery_timeout_ms: int = Field(120000, ge=1)
     request_timeout_ms: int = Field(30000, ge=1)
 

@@ -34,20 +34,25 @@ class Operation(str, enum.Enum):
 
     @property
     def is_create(self) -> bool:
-        return self in (Operation.CREATE, Operation.PUTALL_CREATE)
+        return self in CREATES
 
     @property
     def is_update(self) -> bool:
-        return self in (Operation.UPDATE, Operation.PUTALL_UPDATE)
+        return self in UPDATES
 
     @property
     def is_destroy(self) -> bool:
-        return self in (Operation.DESTROY, Operation.REMOVEALL_DESTROY, Operation.EXPIRE_DESTROY, Operation.LOCAL_DESTROY)
+        return self in DESTROYS
 
     @property
     def removes_value(self) -> bool:
         """True when the entry has no value afterwards (destroyed or invalid)."""
-        return self.is_destroy or self in (Operation.INVALIDATE, Operation.EXPIRE_INVALIDATE)
+        return self in DESTROYS or self in (Operation.INVALIDATE, Operation.EXPIRE_INVALIDATE)
+
+
+CREATES = frozenset({Operation.CREATE, Operation.PUTALL_CREATE})
+UPDATES = frozenset({Operation.UPDATE, Operation.PUTALL_UPDATE})
+DESTROYS = frozenset({Operation.DESTROY, Operation.REMOVEALL_DESTROY, Operation.EXPIRE_DESTROY, Operation.LOCAL_DESTROY})
 
 
 _WAN = frozenset({Operation.CREATE, Operation.UPDATE, Operation.DESTROY,

@@ -80,11 +80,17 @@ class Outcome:
     event_id: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
     http_status: int = 200
+    #: The applied event; its version and EventID are rendered only when asked
+    #: (a bulk answer lists only the keys that were not simply applied).
+    event: EntryEvent | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"key": self.key, "status": self.status}
         if self.operation is not None:
             d["operation"] = self.operation
+        if self.event is not None:
+            d["version"] = self.event.version.to_record()
+            d["event_id"] = self.event.event_id.to_record()
         if self.version is not None:
             d["version"] = self.version
         if self.event_id is not None:
@@ -113,13 +119,7 @@ def outcome_of(op: Operation, result: OpResult) -> Outcome:
         return Outcome(op.key, "skipped")
     event = result.event
     assert event is not None
-    return Outcome(
-        op.key,
-        "ok",
-        operation=event.operation.value,
-        version=event.version.to_record(),
-        event_id=event.event_id.to_record(),
-    )
+    return Outcome(op.key, "ok", operation=event.operation.value, event=event)
 
 
 def _retry_routing(outcome: Outcome) -> bool:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from ..core.errors import EntryExists, EntryNotFound
-from ..core.events import EntryEvent, EventID, Operation, VersionTag
+from ..core.events import DESTROYS, EntryEvent, EventID, Operation, VersionTag
 
 
 class Op(str, enum.Enum):
@@ -152,8 +152,7 @@ class BucketState:
 
     def replay(self, event: EntryEvent) -> None:
         """Apply an event already in the changelog (load) or just prepared."""
-        op = event.operation
-        if op.is_destroy:
+        if event.operation in DESTROYS:
             self.entries[event.key] = Entry(None, event.version, event.event_id, destroyed=True)
         else:
             self.entries[event.key] = Entry(event.value, event.version, event.event_id)
