@@ -146,7 +146,7 @@ def test_kafka_defaults_and_settings() -> None:
         "heartbeat.interval.ms": 1000,
         "max.poll.interval.ms": 30000,
     }
-    assert cfg.kafka.producer_settings() == {"linger.ms": 2, "delivery.timeout.ms": 120000, "request.timeout.ms": 30000}
+    assert cfg.kafka.producer_settings() == {"linger.ms": 0, "delivery.timeout.ms": 120000, "request.timeout.ms": 30000}
     assert cfg.region_service.port == 7070 and cfg.region_service.host == "127.0.0.1"
 
 
