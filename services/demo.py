@@ -78,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
     from .core.topics import apply_topics
 
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=110)
     workdir = Path(tempfile.mkdtemp(prefix="sluice-demo-"))
     procs: list[subprocess.Popen[bytes]] = []
     broker = None
@@ -164,8 +166,8 @@ def run(args: argparse.Namespace) -> int:
         codec = get_codec()
         consumer = make_consumer({"bootstrap.servers": broker.bootstrap}, None)
         qtable = Table(title="what reached the queues")
-        for col in ("queue", "kind", "partitions", "records", "distinct EventIDs", "possibleDuplicate", "operations"):
-            qtable.add_column(col)
+        for col in ("queue", "kind", "partitions", "records", "EventIDs", "possibleDuplicate", "operations"):
+            qtable.add_column(col, no_wrap=col != "operations")
         problems = 0
         for q in cfg.attached_queues("orders"):
             ids: set[Any] = set()
@@ -185,8 +187,9 @@ def run(args: argparse.Namespace) -> int:
                         dup += ev.possible_duplicate
                         ids.add(ev.event_id)
                         ops[ev.operation.value] = ops.get(ev.operation.value, 0) + 1
-            qtable.add_row(q.id, q.kind, str(q.partitions), str(records), str(len(ids)), str(dup),
-                           ", ".join(f"{k} {v}" for k, v in sorted(ops.items())))
+            kind = ("parallel " if q.parallel else "serial ") + ("sender" if q.kind == "gateway-sender" else "AEQ")
+            qtable.add_row(q.id, kind, str(q.partitions), str(records), str(len(ids)), str(dup),
+                           " ".join(f"{k.lower()}={v}" for k, v in sorted(ops.items())))
             if len(ids) != applied:
                 problems += 1
         consumer.close()
