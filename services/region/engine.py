@@ -532,7 +532,10 @@ class RegionEngine:
     # --- loader thread -----------------------------------------------------------
 
     def _load_loop(self) -> None:
-        reader = make_consumer(self._kafka_settings, None, **{"client.id": f"{self.client_id}-loader"})
+        # A short fetch wait: the reader moves from partition to partition, and
+        # each new assignment otherwise waits out a fetch held at the broker.
+        reader = make_consumer(self._kafka_settings, None,
+                               **{"client.id": f"{self.client_id}-loader", "fetch.wait.max.ms": 10})
         try:
             while not self._stopping.is_set():
                 item = self._loads.get()
@@ -584,18 +587,20 @@ class RegionEngine:
         replay_from = committed if committed >= 0 else low
         state = BucketState(region, bucket, self.dsid, self.member_id)
         refanout: list[tuple[EntryEvent, int]] = []
+        read_s = 0.0
         if high > low:
             reader.assign([TopicPartition(topic, bucket, OFFSET_BEGINNING if low == 0 else low)])
             last = low - 1
-            idle_polls = 0
+            idle_since = time.monotonic()
             while last < high - 1:
-                msgs = reader.consume(1000, 0.5)
+                # consume() waits its whole timeout for a partial batch, so keep
+                # the timeout short: the records are usually prefetched already.
+                msgs = reader.consume(1000, 0.02)
                 if not msgs:
-                    idle_polls += 1
-                    if idle_polls > 40:
+                    if time.monotonic() - idle_since > self._load_timeout_s / 3:
                         raise BrokerUnavailable(f"changelog {topic}[{bucket}] stopped at {last} before {high - 1}")
                     continue
-                idle_polls = 0
+                idle_since = time.monotonic()
                 for msg in msgs:
                     if msg.error() is not None:
                         continue
@@ -617,6 +622,7 @@ class RegionEngine:
                         raise translate(exc, f"reading the changelog bounds of {region}[{bucket}]") from exc
             reader.unassign()
             high = max(high, last + 1)
+        read_s = time.monotonic() - started
 
         done = threading.Event()
         failure: list[SluiceError | None] = [None]
@@ -651,8 +657,8 @@ class RegionEngine:
         self.stats["loads"] += 1
         self.stats["refanned_out"] += len(refanout)
         log.info(
-            "loaded %s[%d]: %d keys from offsets %d..%d, %d re-enqueued, %.2fs",
-            region, bucket, state.size(), low, high, len(refanout), time.monotonic() - started,
+            "loaded %s[%d]: %d keys from offsets %d..%d (read in %.2fs), %d re-enqueued, %.2fs in all",
+            region, bucket, state.size(), low, high, read_s, len(refanout), time.monotonic() - started,
         )
 
 

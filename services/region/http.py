@@ -9,12 +9,13 @@ bad input (Geode's EntryExists is 409, EntryNotFound 404, unknown region 404,
 oversized key or value 413, malformed body 400) and 503 when a retry may help.
 """
 
-from __future__ import annotations
 
 from typing import Any
 
 import orjson
-from fastapi import FastAPI, Query, Request
+from typing import Annotated
+
+from fastapi import FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, ORJSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
@@ -112,6 +113,10 @@ def _bulk(outcomes: list[Outcome], detail: str = "exceptions") -> JSONResponse:
 
 
 def create_app(service: RegionService) -> FastAPI:
+    names = [r.name for r in service.cfg.regions]
+    # Every route's {region}: documented with this site's regions as examples;
+    # any other name is answered 404 UnknownRegion by the handler.
+    RegionName = Annotated[str, Path(description=f"a region of this site: {', '.join(names)}", examples=names)]
     app = FastAPI(
         title="Sluice region service",
         version="1",
@@ -177,26 +182,26 @@ def create_app(service: RegionService) -> FastAPI:
 
     @app.post("/regions/{region}/create", tags=["entries"], status_code=201,
               summary="Create an entry; 409 EntryExists when the key is present")
-    async def create(region: str, body: EntryBody, request: Request) -> JSONResponse:
+    async def create(region: RegionName, body: EntryBody, request: Request) -> JSONResponse:
         return await one(request, region, Op.CREATE, body.key, body.value, body.callback_argument, body.event_id, True)
 
     @app.post("/regions/{region}/put", tags=["entries"], summary="Create or update an entry")
-    async def put(region: str, body: EntryBody, request: Request) -> JSONResponse:
+    async def put(region: RegionName, body: EntryBody, request: Request) -> JSONResponse:
         return await one(request, region, Op.PUT, body.key, body.value, body.callback_argument, body.event_id)
 
     @app.post("/regions/{region}/destroy", tags=["entries"],
               summary="Destroy an entry; 404 EntryNotFound when absent")
-    async def destroy(region: str, body: KeyBody, request: Request) -> JSONResponse:
+    async def destroy(region: RegionName, body: KeyBody, request: Request) -> JSONResponse:
         return await one(request, region, Op.DESTROY, body.key, None, body.callback_argument, body.event_id)
 
     @app.post("/regions/{region}/invalidate", tags=["entries"],
               summary="Invalidate an entry (the key stays, the value goes); 404 when absent")
-    async def invalidate(region: str, body: KeyBody, request: Request) -> JSONResponse:
+    async def invalidate(region: RegionName, body: KeyBody, request: Request) -> JSONResponse:
         return await one(request, region, Op.INVALIDATE, body.key, None, body.callback_argument, body.event_id)
 
     @app.get("/regions/{region}/entries/{key:path}", tags=["entries"],
              summary="Get an entry: its value (null when invalid) and version; 404 when absent")
-    async def get(region: str, key: str, request: Request) -> JSONResponse:
+    async def get(region: RegionName, key: str, request: Request) -> JSONResponse:
         service.region_config(region)
         service.check_key(region, key)
         entries = await _read(request, region, [key])
@@ -207,7 +212,7 @@ def create_app(service: RegionService) -> FastAPI:
         return JSONResponse({"key": key, **entry})
 
     @app.put("/regions/{region}/entries/{key:path}", tags=["entries"], summary="Put (REST form): the body is the value")
-    async def put_rest(region: str, key: str, request: Request) -> JSONResponse:
+    async def put_rest(region: RegionName, key: str, request: Request) -> JSONResponse:
         try:
             value = orjson.loads(await request.body())
         except orjson.JSONDecodeError as exc:
@@ -215,18 +220,18 @@ def create_app(service: RegionService) -> FastAPI:
         return await one(request, region, Op.PUT, key, value, None, None)
 
     @app.delete("/regions/{region}/entries/{key:path}", tags=["entries"], summary="Destroy (REST form)")
-    async def destroy_rest(region: str, key: str, request: Request) -> JSONResponse:
+    async def destroy_rest(region: RegionName, key: str, request: Request) -> JSONResponse:
         return await one(request, region, Op.DESTROY, key, None, None, None)
 
     @app.get("/regions/{region}/contains/{key:path}", tags=["entries"], summary="Whether the key is present")
-    async def contains(region: str, key: str, request: Request) -> dict[str, Any]:
+    async def contains(region: RegionName, key: str, request: Request) -> dict[str, Any]:
         service.region_config(region)
         service.check_key(region, key)
         entries = await _read(request, region, [key])
         return {"key": key, "contains": entries.get(key) is not None}
 
     @app.get("/regions/{region}/keys", tags=["entries"], summary="Keys of one bucket, or of the whole region")
-    async def keys(region: str, request: Request, bucket: int | None = Query(None, ge=0)) -> dict[str, Any]:
+    async def keys(region: RegionName, request: Request, bucket: int | None = Query(None, ge=0)) -> dict[str, Any]:
         cfg = service.region_config(region)
         if bucket is not None and bucket >= cfg.buckets:
             raise InvalidRequest("bucket", bucket, f"region {region!r} has buckets 0..{cfg.buckets - 1}")
@@ -235,7 +240,7 @@ def create_app(service: RegionService) -> FastAPI:
     # --- bulk --------------------------------------------------------------------
 
     @app.post("/regions/{region}/put_all", tags=["bulk"], summary="Put many entries (not atomic, as Geode's putAll)")
-    async def put_all(region: str, body: PutAllBody, request: Request,
+    async def put_all(region: RegionName, body: PutAllBody, request: Request,
                       outcomes: str = Query("exceptions", pattern="^(exceptions|all)$",
                                             description="all: one outcome per key; exceptions: only keys not applied")
                       ) -> JSONResponse:
@@ -249,7 +254,7 @@ def create_app(service: RegionService) -> FastAPI:
         return _bulk(await service.execute(ops, forwarded(request)), outcomes)
 
     @app.post("/regions/{region}/remove_all", tags=["bulk"], summary="Destroy many entries; absent keys are skipped")
-    async def remove_all(region: str, body: KeysBody, request: Request,
+    async def remove_all(region: RegionName, body: KeysBody, request: Request,
                          outcomes: str = Query("exceptions", pattern="^(exceptions|all)$")) -> JSONResponse:
         service.region_config(region)
         ops = []
@@ -260,7 +265,7 @@ def create_app(service: RegionService) -> FastAPI:
         return _bulk(await service.execute(ops, forwarded(request)), outcomes)
 
     @app.post("/regions/{region}/get_all", tags=["bulk"], summary="Get many entries: key → entry or null")
-    async def get_all(region: str, body: KeysBody, request: Request) -> dict[str, Any]:
+    async def get_all(region: RegionName, body: KeysBody, request: Request) -> dict[str, Any]:
         service.region_config(region)
         for i, key in enumerate(body.keys):
             service.check_key(region, key, f"keys[{i}]")
