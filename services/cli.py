@@ -17,15 +17,19 @@ examples:
   sluice config check deploy/sites/site-a.yaml  # validate a site file
   sluice topics apply -c deploy/sites/site-a.yaml
   sluice region -c deploy/sites/site-a.yaml --port 7071
+  sluice dispatcher -c deploy/sites/site-a.yaml --queue orders-jdbc
+  sluice admin -c deploy/sites/site-a.yaml status
   sluice demo                                   # the whole thing on embedded brokers
 """
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import demo
+    from .admin import cli as admin_cli
     from .broker import cli as broker_cli
     from .core import configcli
+    from .dispatcher import cli as dispatcher_cli
     from .region import cli as region_cli
-    from . import demo
 
     parser = argparse.ArgumentParser(
         prog="sluice",
@@ -39,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     broker_cli.add_parser(sub)
     configcli.add_parsers(sub)
     region_cli.add_parser(sub)
+    dispatcher_cli.add_parser(sub)
+    admin_cli.add_parser(sub)
     demo.add_parser(sub)
     return parser
 

@@ -45,6 +45,8 @@ SCHEMA_ORDER = (
     "GatewayAck",
     "RemovalRecord",
     "DeadLetter",
+    "ControlRecord",
+    "QueueStatus",
 )
 
 

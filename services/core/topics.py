@@ -109,6 +109,14 @@ class TopicNames:
     def region_dead_letter(self) -> str:
         return f"{self.prefix}region.dlq"
 
+    def control(self) -> str:
+        """Desired state of queues (``sluice admin pause|resume|stop|start``)."""
+        return f"{self.prefix}control"
+
+    def status(self) -> str:
+        """What each queue partition's primary reports (``sluice admin status``)."""
+        return f"{self.prefix}status"
+
 
 @dataclass(frozen=True)
 class TopicSpec:
@@ -225,6 +233,9 @@ def plan_topics(cfg: SiteConfig) -> list[TopicSpec]:
             purpose="region operations that could not be read or applied",
         )
     )
+    for name, purpose in ((names.control(), "desired state of each queue, set by sluice admin"),
+                          (names.status(), "per-partition status reported by queue primaries")):
+        specs.append(TopicSpec(name=name, partitions=1, compacted=True, config=_compacted(), purpose=purpose))
     return specs
 
 

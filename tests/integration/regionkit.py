@@ -136,6 +136,60 @@ class RegionProcess:
         return self.proc.returncode
 
 
+def write_aeq_site(path: Path, *, site: str, bootstrap: str, prefix: str, queue: dict[str, Any],
+                   buckets: int = 8) -> SiteConfig:
+    """A site file with region ``orders`` feeding one async event queue ``queue``."""
+    data: dict[str, Any] = {
+        "site": site,
+        "dsid": 1,
+        "kafka": {"bootstrap_servers": bootstrap, "topic_prefix": prefix, "session_timeout_ms": 3000,
+                  "heartbeat_interval_ms": 500, "max_poll_interval_ms": 30000},
+        "regions": [{"name": "orders", "buckets": buckets, "async_event_queues": [queue["id"]]}],
+        "async_event_queues": [queue],
+        "region_service": {"request_timeout_s": 20, "load_timeout_s": 30},
+    }
+    path.write_text(yaml.safe_dump(data))
+    cfg = load_config(path)
+    report = apply_topics(cfg)
+    assert report.ok, report
+    return cfg
+
+
+class DispatcherProcess:
+    """One dispatcher of an async event queue in its own process."""
+
+    def __init__(self, config_path: Path, queue_id: str, log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        here = str(Path(__file__).resolve().parent)
+        env = dict(os.environ, PYTHONUNBUFFERED="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sluice.cli", "dispatcher", "-c", str(config_path), "--queue", queue_id],
+            stdout=subprocess.PIPE, stderr=self._log, env=env, cwd=REPO,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().decode()
+        if not line.startswith("dispatcher "):
+            raise RuntimeError(f"dispatcher did not start; log:\n{log_path.read_text()[-3000:]}")
+        self.member_id = line.split()[1]
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log.close()
+        return self.proc.returncode
+
+
 @dataclass(frozen=True)
 class QueueRecord:
     partition: int

@@ -148,6 +148,32 @@ def record_strategies(millis: st.SearchStrategy[int] = longs) -> dict[str, st.Se
                 "failed_at": millis,
             }
         ),
+        "ControlRecord": st.fixed_dictionaries(
+            {
+                "kind": texts,
+                "target_id": texts,
+                "state": st.sampled_from(["RUNNING", "PAUSED", "STOPPED"]),
+                "issued_by": texts,
+                "issued_at": millis,
+            }
+        ),
+        "QueueStatus": st.fixed_dictionaries(
+            {
+                "kind": texts,
+                "queue_id": texts,
+                "partition": ints,
+                "primary": texts,
+                "state": texts,
+                "batches_dispatched": longs,
+                "events_dispatched": longs,
+                "redeliveries": longs,
+                "events_conflated": longs,
+                "dead_lettered": longs,
+                "last_removed_offset": longs,
+                "in_flight": ints,
+                "updated_at": millis,
+            }
+        ),
     }
 
 
@@ -215,6 +241,12 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "DeadLetter": {"source_topic": "t", "source_partition": 0, "source_offset": 3, "key": b"k1",
                    "value": b"\x00", "reason": "missing marker", "error_class": "MalformedRecord",
                    "event": ENTRY_EVENT, "service": "region", "failed_at": 1_700_000_000_004},
+    "ControlRecord": {"kind": "async-event-queue", "target_id": "q", "state": "PAUSED", "issued_by": "admin",
+                      "issued_at": 1_700_000_000_005},
+    "QueueStatus": {"kind": "async-event-queue", "queue_id": "q", "partition": 3, "primary": "m-1",
+                    "state": "running", "batches_dispatched": 10, "events_dispatched": 1000, "redeliveries": 2,
+                    "events_conflated": 0, "dead_lettered": 1, "last_removed_offset": 999, "in_flight": 1,
+                    "updated_at": 1_700_000_000_006},
 }
 
 

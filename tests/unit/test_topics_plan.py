@@ -46,6 +46,8 @@ SITE_A = [
     ("site-a.gateway.inbound", 8, False),
     ("site-a.gateway.acks", 8, False),
     ("site-a.region.dlq", 1, False),
+    ("site-a.control", 1, True),
+    ("site-a.status", 1, True),
 ]
 
 SITE_B = [
@@ -60,6 +62,8 @@ SITE_B = [
     ("site-b.gateway.inbound", 8, False),
     ("site-b.gateway.acks", 8, False),
     ("site-b.region.dlq", 1, False),
+    ("site-b.control", 1, True),
+    ("site-b.status", 1, True),
 ]
 
 
@@ -110,6 +114,8 @@ def test_unattached_queue_and_no_receiver_plan_no_topics() -> None:
         "x.queue.serial1.removals",
         "x.queue.serial1.dlq",
         "x.region.dlq",
+        "x.control",
+        "x.status",
     ]
 
 

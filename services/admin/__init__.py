@@ -1,0 +1,1 @@
+"""Operator commands: status and control of queues."""

@@ -1,0 +1,206 @@
+"""``sluice admin -c FILE {status|pause|resume|stop|start} [QUEUE]``.
+
+Commands travel through Kafka: pause, resume, stop and start write the
+queue's desired state to the site's compacted control topic, which every
+dispatcher of the queue follows.  Status is computed from Kafka too: the
+queue head from the removals topic, the queue's end offsets, the record at
+the head (its age), and what each partition's primary last reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from ..core.codec import get_codec
+from ..core.config import SiteConfig, load_config
+from ..core.errors import CodecError, ConfigError, InvalidRequest, SluiceError
+from ..core.kafka import OFFSET_BEGINNING, KafkaException, TopicPartition, make_consumer, make_producer, translate
+
+KIND = "async-event-queue"
+STATES = {"pause": "PAUSED", "resume": "RUNNING", "stop": "STOPPED", "start": "RUNNING"}
+
+EXAMPLE = """\
+examples:
+  sluice admin -c deploy/sites/site-a.yaml status                 # every queue, per partition
+  sluice admin -c deploy/sites/site-a.yaml pause orders-jdbc      # dispatch stops at a batch boundary
+  sluice admin -c deploy/sites/site-a.yaml resume orders-jdbc
+  sluice admin -c deploy/sites/site-a.yaml stop orders-jdbc       # also closes the listener; nothing is dropped
+  sluice admin -c deploy/sites/site-a.yaml start orders-jdbc
+"""
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "admin",
+        help="status of queues, and pause/resume/stop/start them",
+        description="Show the status of a site's async event queues per partition, or change their state.",
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("-c", "--config", required=True, help="site configuration file")
+    p.add_argument("--bootstrap", help="override kafka.bootstrap_servers")
+    p.add_argument("command", choices=("status", "pause", "resume", "stop", "start"))
+    p.add_argument("queue", nargs="?", help="queue id (status: all queues when left out)")
+    p.set_defaults(func=run)
+
+
+@dataclass
+class PartitionStatus:
+    queue_id: str
+    partition: int
+    primary: str
+    state: str
+    head: int
+    end: int
+    oldest_age_s: float | None
+    batches: int
+    events: int
+    redeliveries: int
+    dead_lettered: int
+    updated_age_s: float | None
+
+    @property
+    def size(self) -> int:
+        return max(0, self.end - self.head)
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console()
+    try:
+        cfg = load_config(args.config)
+        if args.bootstrap:
+            cfg = cfg.with_overrides({"kafka": {"bootstrap_servers": args.bootstrap}})
+        if args.command == "status":
+            queues = [args.queue] if args.queue else [q.id for q in cfg.async_event_queues if cfg.regions_of(q.id)]
+            for queue_id in queues:
+                cfg.queue(queue_id)
+            rows = [row for queue_id in queues for row in queue_status(cfg, queue_id)]
+            print_status(console, cfg, rows)
+            return 0
+        if not args.queue:
+            print(f"sluice admin {args.command}: name the queue", file=sys.stderr)
+            return 2
+        cfg.queue(args.queue)
+        set_state(cfg, args.queue, STATES[args.command], issued_by="sluice admin")
+        console.print(f"queue {args.queue}: {args.command} requested ({STATES[args.command]}); "
+                      f"its dispatchers follow within a poll")
+        return 0
+    except (ConfigError, InvalidRequest) as exc:
+        print(f"sluice admin: {exc}", file=sys.stderr)
+        return 2
+    except SluiceError as exc:
+        print(f"sluice admin: {exc}", file=sys.stderr)
+        return 1
+
+
+def set_state(cfg: SiteConfig, queue_id: str, state: str, issued_by: str = "") -> None:
+    """Write the queue's desired state to the control topic and wait until it is durable."""
+    producer = make_producer(cfg.kafka.client_settings())
+    record = {"kind": KIND, "target_id": queue_id, "state": state, "issued_by": issued_by,
+              "issued_at": int(time.time() * 1000)}
+    errors: list[Any] = []
+    producer.produce(cfg.topics.control(), get_codec().encode("ControlRecord", record),
+                     f"{KIND}/{queue_id}".encode(), on_delivery=lambda err, _m: errors.append(err))
+    if producer.flush(30) or errors != [None]:
+        raise SluiceError(f"control record for {queue_id} not acknowledged: {errors}")
+
+
+def _read_compacted(consumer: Any, topic: str) -> dict[bytes, bytes]:
+    """Latest value per key of a one-partition topic."""
+    tp = TopicPartition(topic, 0)
+    low, high = consumer.get_watermark_offsets(tp, timeout=10)
+    latest: dict[bytes, bytes] = {}
+    if high <= low:
+        return latest
+    consumer.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
+    last = low - 1
+    end = time.monotonic() + 20
+    while last < high - 1 and time.monotonic() < end:
+        for msg in consumer.consume(1000, 0.1):
+            if msg.error() is None:
+                last = msg.offset()
+                if msg.key() is not None and msg.value() is not None:
+                    latest[msg.key()] = msg.value()
+    consumer.unassign()
+    return latest
+
+
+def queue_status(cfg: SiteConfig, queue_id: str) -> list[PartitionStatus]:
+    """Per partition of the queue: head, end, size, oldest event age, and the primary's report."""
+    codec = get_codec()
+    names = cfg.topics
+    topic = names.queue(queue_id)
+    partitions = next(q.partitions for q in cfg.all_attached_queues() if q.id == queue_id)
+    consumer = make_consumer(cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 50})
+    now_ms = int(time.time() * 1000)
+    try:
+        removals = {}
+        for key, value in _read_compacted(consumer, names.removals(queue_id)).items():
+            try:
+                removals[int(key)] = codec.decode_as("RemovalRecord", value)
+            except (CodecError, ValueError):
+                continue
+        reports = {}
+        for key, value in _read_compacted(consumer, names.status()).items():
+            if key.startswith(f"{KIND}/{queue_id}/".encode()):
+                try:
+                    reports[int(key.rsplit(b"/", 1)[1])] = codec.decode_as("QueueStatus", value)
+                except (CodecError, ValueError):
+                    continue
+        rows = []
+        for p in range(partitions):
+            low, end = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+            removal = removals.get(p)
+            head = max(low, removal["last_removed_offset"] + 1 if removal else low)
+            oldest = None
+            if head < end:
+                consumer.assign([TopicPartition(topic, p, head)])
+                for msg in consumer.consume(1, 2.0):
+                    if msg.error() is None:
+                        try:
+                            enqueued = codec.decode_as("QueuedEvent", msg.value())["enqueued_at"]
+                            oldest = max(0.0, (now_ms - enqueued) / 1000)
+                        except CodecError:
+                            oldest = None
+                consumer.unassign()
+            report = reports.get(p)
+            fresh = report is not None and now_ms - report["updated_at"] < 30_000
+            rows.append(PartitionStatus(
+                queue_id=queue_id,
+                partition=p,
+                primary=report["primary"] if fresh else "—",
+                state=report["state"] if fresh else ("no primary" if report is None else "stale report"),
+                head=head,
+                end=end,
+                oldest_age_s=oldest,
+                batches=report["batches_dispatched"] if report else 0,
+                events=report["events_dispatched"] if report else 0,
+                redeliveries=report["redeliveries"] if report else 0,
+                dead_lettered=report["dead_lettered"] if report else 0,
+                updated_age_s=(now_ms - report["updated_at"]) / 1000 if report else None,
+            ))
+        return rows
+    except KafkaException as exc:
+        raise translate(exc, f"reading the status of {queue_id}") from exc
+    finally:
+        consumer.close()
+
+
+def print_status(console: Console, cfg: SiteConfig, rows: list[PartitionStatus]) -> None:
+    table = Table(title=f"async event queues of site {cfg.site} (dsid {cfg.dsid})")
+    for col, justify in (("queue", "left"), ("partition", "right"), ("primary", "left"), ("state", "left"),
+                         ("queue size", "right"), ("oldest event", "right"), ("batches", "right"),
+                         ("events", "right"), ("redeliveries", "right"), ("dead letters", "right")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for r in rows:
+        table.add_row(r.queue_id, str(r.partition), r.primary, r.state, str(r.size),
+                      "—" if r.oldest_age_s is None else f"{r.oldest_age_s:.1f}s",
+                      str(r.batches), str(r.events), str(r.redeliveries), str(r.dead_lettered))
+    console.print(table)

@@ -1,0 +1,148 @@
+"""What an async event queue's listener sees: ``AsyncEvent`` and the listener contract.
+
+Geode's ``AsyncEventListener.processEvents(List<AsyncEvent>)`` on Kafka::
+
+    class MyListener(AsyncEventListener):
+        def init(self, config: dict) -> None: ...          # once, before the first batch
+        def process_events(self, events: list[AsyncEvent]) -> bool:
+            ...                                            # True: the batch is removed
+        def close(self) -> None: ...                       # once, on stop
+
+``process_events`` returning ``False`` or raising means the very same batch is
+offered again (with backoff), and nothing after it is offered first.  A
+listener must therefore be idempotent: after a failover or restart, events
+after the last removal are offered again with ``possible_duplicate`` set.
+
+A listener is named in the site file by ``listener.type``: ``sql`` and
+``kafka`` are the ones shipped with Sluice; ``python`` loads
+``listener.class_path`` ("package.module:Class"), or an entry point of the
+group ``sluice.listeners`` when the path has no dot or colon.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any, Protocol, runtime_checkable
+
+import orjson
+
+from .errors import ConfigError
+from .events import UPDATES, EntryEvent, EventID, Operation, VersionTag
+
+LISTENER_ENTRY_POINT_GROUP = "sluice.listeners"
+
+BUILTIN_LISTENERS = {
+    "sql": "sluice.listeners.sql:SqlWriteBehindListener",
+    "kafka": "sluice.listeners.kafka_forwarder:KafkaForwarderListener",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class AsyncEvent:
+    """One event of a batch, as Geode's AsyncEvent shows it."""
+
+    event: EntryEvent
+    queue_id: str
+    partition: int
+    offset: int
+    #: Set when the event may have been offered before: re-enqueued by a new
+    #: region owner, or offered again after a dispatcher failover or restart.
+    possible_duplicate: bool
+
+    @property
+    def operation(self) -> Operation:
+        return self.event.operation
+
+    @property
+    def region(self) -> str:
+        return self.event.region
+
+    @property
+    def key(self) -> str:
+        return self.event.key
+
+    @property
+    def raw_value(self) -> bytes | None:
+        return self.event.value
+
+    @property
+    def value(self) -> Any:
+        """The deserialized value (None for destroy and invalidate)."""
+        data = self.event.value
+        if data is None:
+            return None
+        if self.event.value_encoding != "json":
+            return data
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return json.loads(data)  # integers beyond 64 bits
+
+    @property
+    def callback_argument(self) -> str | None:
+        return self.event.callback_argument
+
+    @property
+    def event_id(self) -> EventID:
+        return self.event.event_id
+
+    @property
+    def sequence_id(self) -> int:
+        return self.event.event_id.sequence_id
+
+    @property
+    def version(self) -> VersionTag:
+        return self.event.version
+
+    @property
+    def conflatable(self) -> bool:
+        """Updates may replace an earlier update of the key (batch conflation)."""
+        return self.event.operation in UPDATES
+
+    @property
+    def size_bytes(self) -> int:
+        return len(self.event.key) + (len(self.event.value) if self.event.value is not None else 0) + 64
+
+    def __repr__(self) -> str:
+        return (f"AsyncEvent({self.operation.value} {self.region}/{self.key} {self.event_id} "
+                f"@{self.queue_id}[{self.partition}]:{self.offset}{' possibleDuplicate' if self.possible_duplicate else ''})")
+
+
+@runtime_checkable
+class AsyncEventListener(Protocol):
+    """The listener contract (a class need not inherit from this)."""
+
+    def init(self, config: dict[str, Any]) -> None: ...
+
+    def process_events(self, events: list[AsyncEvent]) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+def load_listener_class(kind: str, class_path: str | None) -> type:
+    """The listener class for a site file's ``listener`` block."""
+    if kind in BUILTIN_LISTENERS:
+        path = BUILTIN_LISTENERS[kind]
+    elif class_path is None:
+        raise ConfigError([("listener.class_path", None, "required for a python listener")])
+    elif ":" not in class_path and "." not in class_path:
+        found = [ep for ep in entry_points(group=LISTENER_ENTRY_POINT_GROUP) if ep.name == class_path]
+        if not found:
+            raise ConfigError([("listener.class_path", class_path,
+                                f"no entry point named so in group {LISTENER_ENTRY_POINT_GROUP!r}")])
+        return found[0].load()  # type: ignore[no-any-return]
+    else:
+        path = class_path
+    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+        cls = getattr(module, attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError([("listener.class_path", path, f"cannot import: {exc}")]) from exc
+    for method in ("process_events",):
+        if not callable(getattr(cls, method, None)):
+            raise ConfigError([("listener.class_path", path, f"has no {method}() method")])
+    return cls  # type: ignore[no-any-return]

@@ -1,0 +1,209 @@
+"""Batch assembly for one queue partition: no I/O, no clock (callers pass ``now_ms``).
+
+The story of a partition's events, step by step:
+
+1. ``add`` appends an event read from the queue to the batch being assembled.
+   With conflation on, an update of a key replaces an earlier *update* of the
+   same key still waiting in that batch (Geode's batch conflation); creates,
+   destroys and everything else are never conflated away, and an update never
+   replaces a create.  The replaced event's offset is still covered by the
+   batch, so its removal removes both.
+2. ``take`` hands out the assembled batch when it is ready: ``batch_size``
+   events are waiting, or ``batch_time_interval_ms`` has passed since the
+   first of them, whichever comes first (or at once with ``force``, used for
+   a flush).  Records that could not be read (dead-lettered) still advance
+   the batch's offsets, so a batch may carry no event at all.
+3. While a batch is out, nothing else of the partition is handed out: the
+   listener gets the very same batch again until it accepts it (``offered``
+   stays set, ``redeliveries`` counts), and only ``accepted`` lets the next
+   batch go.  ``accepted`` returns the offset to commit (last + 1).
+
+Back-pressure is the caller's: ``buffered_bytes`` tells how much is held.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+
+class QueueItem(Protocol):
+    """What the batcher needs of an event."""
+
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def conflatable(self) -> bool:
+        """True for updates: they may replace an earlier update of the key."""
+        ...
+
+    @property
+    def size_bytes(self) -> int: ...
+
+
+T = TypeVar("T", bound=QueueItem)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPolicy:
+    batch_size: int = 100
+    batch_time_interval_ms: int = 5
+    conflation: bool = False
+
+
+@dataclass(slots=True)
+class Batch(Generic[T]):
+    """A batch handed to the listener; the same object is offered again on failure."""
+
+    partition: int
+    batch_id: int
+    events: list[T]
+    first_offset: int
+    #: The offset to commit once the batch is accepted: every record below it
+    #: is in this batch, in an earlier one, conflated away or dead-lettered.
+    commit_offset: int
+    conflated: int = 0
+    redeliveries: int = 0
+
+    @property
+    def last_offset(self) -> int:
+        return self.commit_offset - 1
+
+
+@dataclass(slots=True)
+class _Assembling(Generic[T]):
+    events: list[T] = field(default_factory=list)
+    by_key: dict[str, int] = field(default_factory=dict)  # key -> index of its conflatable event
+    first_offset: int = -1
+    last_offset: int = -1
+    first_added_ms: int = -1
+    conflated: int = 0
+    nbytes: int = 0
+
+    def covers_anything(self) -> bool:
+        return self.last_offset >= 0
+
+
+class PartitionBatcher(Generic[T]):
+    """Assembles and offers the batches of one queue partition, in order."""
+
+    def __init__(self, partition: int, policy: BatchPolicy, next_batch_id: int = 0) -> None:
+        self.partition = partition
+        self.policy = policy
+        self.next_batch_id = next_batch_id
+        self.offered: Batch[T] | None = None
+        self._assembling: _Assembling[T] = _Assembling()
+        self.events_conflated = 0
+        self.batches_accepted = 0
+        self.redeliveries = 0
+
+    # --- input -------------------------------------------------------------
+
+    def add(self, item: T, now_ms: int) -> None:
+        a = self._assembling
+        self._cover(item.offset, now_ms)
+        a.nbytes += item.size_bytes
+        if self.policy.conflation and item.conflatable:
+            index = a.by_key.get(item.key)
+            if index is not None:
+                a.nbytes -= a.events[index].size_bytes
+                a.events[index] = item
+                a.conflated += 1
+                self.events_conflated += 1
+                return
+            a.by_key[item.key] = len(a.events)
+        elif self.policy.conflation:
+            # A create or destroy ends the run of updates it could replace.
+            a.by_key.pop(item.key, None)
+        a.events.append(item)
+        if a.first_added_ms < 0:
+            a.first_added_ms = now_ms
+
+    def skip(self, offset: int, now_ms: int) -> None:
+        """A record that could not be read (it went to the dead-letter topic)."""
+        self._cover(offset, now_ms)
+
+    def _cover(self, offset: int, now_ms: int) -> None:
+        a = self._assembling
+        if a.first_offset < 0:
+            a.first_offset = offset
+        a.last_offset = max(a.last_offset, offset)
+        if a.first_added_ms < 0:
+            a.first_added_ms = now_ms
+
+    # --- output --------------------------------------------------------------
+
+    @property
+    def waiting(self) -> int:
+        """Events assembled but not yet handed out."""
+        return len(self._assembling.events)
+
+    @property
+    def buffered_bytes(self) -> int:
+        out = self._assembling.nbytes
+        if self.offered is not None:
+            out += sum(e.size_bytes for e in self.offered.events)
+        return out
+
+    def due_in_ms(self, now_ms: int) -> int | None:
+        """Milliseconds until the assembling batch is due by time (None: nothing waits)."""
+        a = self._assembling
+        if not a.covers_anything() or self.offered is not None:
+            return None
+        return max(0, a.first_added_ms + self.policy.batch_time_interval_ms - now_ms)
+
+    def ready(self, now_ms: int) -> bool:
+        a = self._assembling
+        if self.offered is not None or not a.covers_anything():
+            return False
+        if len(a.events) >= self.policy.batch_size:
+            return True
+        return now_ms - a.first_added_ms >= self.policy.batch_time_interval_ms
+
+    def take(self, now_ms: int, force: bool = False) -> Batch[T] | None:
+        """The next batch, when ready (or when anything waits, with ``force``)."""
+        if self.offered is not None:
+            return None
+        a = self._assembling
+        if not a.covers_anything() or not (force or self.ready(now_ms)):
+            return None
+        size = self.policy.batch_size
+        if len(a.events) > size:
+            # More than a batch waits (a burst while a batch was out): hand
+            # out the first batch_size events and keep the rest assembling.
+            # With conflation the list is not in offset order (a replacement
+            # takes its predecessor's place), so the commit stops below the
+            # lowest offset still waiting.
+            events, rest = a.events[:size], a.events[size:]
+            commit = min(item.offset for item in rest)
+            batch = Batch(self.partition, self.next_batch_id, events, a.first_offset, commit, a.conflated)
+            self._assembling = _Assembling()
+            for item in rest:
+                self.add(item, a.first_added_ms)
+            self._assembling.first_offset = commit
+            self._assembling.last_offset = max(self._assembling.last_offset, a.last_offset)
+        else:
+            batch = Batch(self.partition, self.next_batch_id, a.events, a.first_offset, a.last_offset + 1,
+                          a.conflated)
+            self._assembling = _Assembling()
+        self.next_batch_id += 1
+        self.offered = batch
+        return batch
+
+    def rejected(self) -> Batch[T]:
+        """The listener refused the batch: it stays out, to be offered again."""
+        assert self.offered is not None, "no batch is out"
+        self.offered.redeliveries += 1
+        self.redeliveries += 1
+        return self.offered
+
+    def accepted(self) -> int:
+        """The listener accepted the batch: the offset to commit."""
+        assert self.offered is not None, "no batch is out"
+        batch, self.offered = self.offered, None
+        self.batches_accepted += 1
+        return batch.commit_offset

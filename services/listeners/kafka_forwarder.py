@@ -1,0 +1,401 @@
+"""The Kafka forwarder: an async event listener that writes each batch to a downstream topic.
+
+Site file::
+
+    async_event_queues:
+      - id: orders-downstream
+        listener:
+          type: kafka
+          settings:
+            topic: "{topic_prefix}downstream.{region}"   # required
+            # bootstrap_servers: "other-cluster:9092"    # default: this site's cluster
+            # partitions_by: key                         # the only choice: keyed by entry key
+            # flush_timeout_s: 30                        # bound on one process_events call
+
+A batch goes out step by step:
+
+1. every event is encoded first (``EntryEvent`` in Avro single-object
+   encoding, DESIGN §4), so a record that cannot be encoded fails the offer
+   before anything is written;
+2. each record is produced to its topic (``{region}`` and ``{topic_prefix}``
+   filled in), keyed by the entry key in UTF-8 so Kafka's murmur2 partitioner
+   puts every event of a key in one partition, in the queue's order; headers
+   carry the queue, operation, region, EventID, possibleDuplicate flag and
+   origin dsid;
+3. the producer (idempotent, acks=all) is flushed with ``flush_timeout_s``;
+   the offer returns True only when every record of the batch was
+   acknowledged.  Anything else — a delivery error, a record still pending at
+   the deadline, a fatal producer error — returns False, and the dispatcher
+   offers the very same batch again.
+
+Delivery is at least once.  A failed offer may have written part of the batch
+(and a record pending at the deadline may still land later), so the re-offer
+can write some events twice.  The forwarder remembers the EventIDs of the last
+failed offer and marks those events possibleDuplicate (header and Avro record)
+when they come again; events the dispatcher re-offers after a failover carry
+the flag already.  **Downstream consumers deduplicate by EventID**: an event
+whose sequence is at or below the highest already seen for its (member,
+thread) on that entry key is a repeat (``deploy/downstream/faust_app.py`` does
+this).  The key matters: one key's events stay in order end to end, but one
+writer thread's events spread over partitions and arrive interleaved.
+
+Lifecycle::
+
+    NEW ──init()──► READY ──close()──► CLOSED
+                     │  ▲
+      process_events │  │ True / False (a fatal producer error rebuilds the
+                     └──┘ producer on the next offer)
+
+``close()`` is idempotent; ``process_events`` after it raises ``ClosedError``.
+All producer callbacks run inside ``flush``/``poll`` on the caller's thread,
+so the listener holds no locks.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import logging
+import math
+import re
+import string
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from sluice.core.asyncevent import AsyncEvent
+from sluice.core.codec import get_codec
+from sluice.core.errors import ClosedError, ConfigError, SluiceError
+from sluice.core.events import EventID
+from sluice.core.kafka import KafkaError, KafkaException, Message, Producer, error_from_kafka_error, make_producer, translate
+
+__all__ = ["ForwarderSettings", "KafkaForwarderListener", "build_headers", "parse_settings"]
+
+log = logging.getLogger(__name__)
+
+SETTINGS_PREFIX = "listener.settings"
+PLACEHOLDERS = ("region", "topic_prefix")
+PARTITIONS_BY = ("key",)
+FLUSH_TIMEOUT_S_DEFAULT = 30.0
+FLUSH_TIMEOUT_S_MAX = 3600.0
+#: Kafka's limit on a topic name, and the longest region name the site file allows.
+TOPIC_NAME_CHARS_MAX = 249
+REGION_NAME_CHARS_MAX = 101
+_TOPIC_CHARS = re.compile(r"^[A-Za-z0-9._-]+$")
+_SERVER = re.compile(r"^[A-Za-z0-9._\-\[\]:]+:\d{1,5}$")
+#: How long to wait for room in the producer queue before trying again.
+BUFFER_WAIT_S = 0.05
+
+HEADER_QUEUE = "sluice.queue"
+HEADER_OPERATION = "sluice.operation"
+HEADER_REGION = "sluice.region"
+HEADER_EVENT_ID = "sluice.event_id"
+HEADER_POSSIBLE_DUPLICATE = "sluice.possible_duplicate"
+HEADER_ORIGIN_DSID = "sluice.origin_dsid"
+
+
+@dataclass(frozen=True, slots=True)
+class ForwarderSettings:
+    """The listener's validated ``settings`` block."""
+
+    topic: str
+    bootstrap_servers: str | None = None
+    partitions_by: str = "key"
+    flush_timeout_s: float = FLUSH_TIMEOUT_S_DEFAULT
+
+    def topic_for(self, region: str, topic_prefix: str) -> str:
+        """The downstream topic of an event of ``region``."""
+        return self.topic.format(region=region, topic_prefix=topic_prefix)
+
+
+_FIELDS = ("topic", "bootstrap_servers", "partitions_by", "flush_timeout_s")
+
+
+def _field(name: str) -> str:
+    return f"{SETTINGS_PREFIX}.{name}"
+
+
+def _topic_problems(template: Any, topic_prefix: str) -> list[tuple[str, Any, str]]:
+    if not isinstance(template, str) or not template:
+        return [(_field("topic"), template, "is required: the downstream topic name, e.g. \"orders-events\" or \"downstream.{region}\"")]
+    try:
+        fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(template) if name is not None]
+    except ValueError as exc:
+        return [(_field("topic"), template, f"is not a valid template: {exc}")]
+    unknown = [name for name, _, _ in fields if name not in PLACEHOLDERS]
+    if unknown:
+        return [(_field("topic"), template,
+                 f"unknown placeholder {{{unknown[0]}}}{_suggest(unknown[0], PLACEHOLDERS)}")]
+    if any(spec or conv for _, spec, conv in fields):
+        return [(_field("topic"), template, "placeholders take no format spec or conversion")]
+    longest = template.format(region="r" * REGION_NAME_CHARS_MAX, topic_prefix=topic_prefix)
+    sample = template.format(region="r", topic_prefix=topic_prefix)
+    if not _TOPIC_CHARS.match(sample) or sample in (".", ".."):
+        return [(_field("topic"), template, "a topic name may only hold letters, digits, '.', '_' and '-'")]
+    if "{region}" in template and len(longest) > TOPIC_NAME_CHARS_MAX:
+        return [(_field("topic"), template,
+                 f"is longer than Kafka's {TOPIC_NAME_CHARS_MAX} characters for a region name of {REGION_NAME_CHARS_MAX}")]
+    if len(sample) > TOPIC_NAME_CHARS_MAX:
+        return [(_field("topic"), template, f"is longer than Kafka's {TOPIC_NAME_CHARS_MAX} characters")]
+    return []
+
+
+def _suggest(word: str, choices: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(choices)}"
+
+
+def parse_settings(settings: Any, topic_prefix: str = "") -> ForwarderSettings:
+    """Validate a ``listener.settings`` block; every problem is reported at once."""
+    if settings is None:
+        settings = {}
+    if not isinstance(settings, dict):
+        raise ConfigError([(SETTINGS_PREFIX, settings, "must be a mapping")])
+    problems: list[tuple[str, Any, str]] = []
+    for key in settings:
+        if key not in _FIELDS:
+            problems.append((_field(str(key)), settings[key], "unknown setting of the kafka listener" + _suggest(str(key), _FIELDS)))
+
+    topic = settings.get("topic")
+    problems += _topic_problems(topic, topic_prefix)
+
+    servers = settings.get("bootstrap_servers")
+    if servers is not None:
+        parts = [s.strip() for s in servers.split(",")] if isinstance(servers, str) else []
+        if not parts or not all(_SERVER.match(s) for s in parts):
+            problems.append((_field("bootstrap_servers"), servers, "must be host:port, or several separated by commas"))
+
+    partitions_by = settings.get("partitions_by", "key")
+    if partitions_by not in PARTITIONS_BY:
+        problems.append((_field("partitions_by"), partitions_by,
+                         "must be 'key' (records are keyed by the entry key so each key stays in order)"))
+
+    flush_timeout_s = settings.get("flush_timeout_s", FLUSH_TIMEOUT_S_DEFAULT)
+    if (isinstance(flush_timeout_s, bool) or not isinstance(flush_timeout_s, (int, float))
+            or not math.isfinite(flush_timeout_s) or not 1 <= flush_timeout_s <= FLUSH_TIMEOUT_S_MAX):
+        problems.append((_field("flush_timeout_s"), flush_timeout_s,
+                         f"must be a number of seconds from 1 to {FLUSH_TIMEOUT_S_MAX:.0f}"))
+    if problems:
+        raise ConfigError(problems)
+    return ForwarderSettings(
+        topic=topic,
+        bootstrap_servers=",".join(s.strip() for s in servers.split(",")) if servers else None,
+        partitions_by=partitions_by,
+        flush_timeout_s=float(flush_timeout_s),
+    )
+
+
+def build_headers(event: AsyncEvent, possible_duplicate: bool) -> list[tuple[str, bytes]]:
+    """The record headers of one forwarded event (values are UTF-8 text)."""
+    return [
+        (HEADER_QUEUE, event.queue_id.encode()),
+        (HEADER_OPERATION, event.operation.value.encode()),
+        (HEADER_REGION, event.region.encode()),
+        (HEADER_EVENT_ID, str(event.event_id).encode()),
+        (HEADER_POSSIBLE_DUPLICATE, b"true" if possible_duplicate else b"false"),
+        (HEADER_ORIGIN_DSID, str(event.event.origin_dsid).encode()),
+    ]
+
+
+class ListenerState(enum.Enum):
+    NEW = "new"
+    READY = "ready"
+    CLOSED = "closed"
+
+
+class _Delivery:
+    """Delivery reports of one offer, filled in by the producer's callbacks."""
+
+    __slots__ = ("acked", "errors")
+
+    def __init__(self) -> None:
+        self.acked = 0
+        self.errors: list[KafkaError] = []
+
+    def on_delivery(self, error: KafkaError | None, _msg: Message) -> None:
+        if error is None:
+            self.acked += 1
+        else:
+            self.errors.append(error)
+
+
+class KafkaForwarderListener:
+    """Forwards every accepted event to a downstream Kafka topic; see the module docstring."""
+
+    def __init__(self) -> None:
+        self.state = ListenerState.NEW
+        self.settings: ForwarderSettings | None = None
+        self._queue_id = ""
+        self._topic_prefix = ""
+        self._connection: dict[str, Any] = {}
+        self._client_id = "sluice-forwarder"
+        self._producer: Producer | None = None
+        self._fatal: SluiceError | None = None
+        self._topics: dict[str, str] = {}
+        #: EventIDs of the last failed offer: written perhaps, so marked
+        #: possibleDuplicate if they come again.  Bounded by the batch size.
+        self._maybe_written: frozenset[EventID] = frozenset()
+        self.batches_forwarded = 0
+        self.records_forwarded = 0
+        self.offers_failed = 0
+
+    # --- lifecycle ---------------------------------------------------------
+
+    def init(self, config: dict[str, Any]) -> None:
+        """Validate the settings and build the producer (it connects lazily)."""
+        assert self.state is ListenerState.NEW, f"init() on a {self.state.value} forwarder"
+        self._topic_prefix = str(config.get("topic_prefix", ""))
+        settings = parse_settings(config.get("settings"), self._topic_prefix)
+        self._queue_id = str(config.get("queue_id", ""))
+        if settings.bootstrap_servers is not None:
+            # Another cluster: only its address is known, so plain connections.
+            self._connection = {"bootstrap.servers": settings.bootstrap_servers}
+        else:
+            kafka = config.get("kafka")
+            if not isinstance(kafka, dict) or "bootstrap.servers" not in kafka:
+                raise ConfigError([(_field("bootstrap_servers"), None,
+                                    "is required when the dispatcher passes no site connection")])
+            self._connection = dict(kafka)
+        self._client_id = f"sluice-{config.get('site', 'site')}-{self._queue_id or 'queue'}-forwarder"
+        self.settings = settings
+        self._producer = self._new_producer()
+        self.state = ListenerState.READY
+
+    def close(self) -> None:
+        """Flush what is still pending (bounded) and free the producer.  Idempotent."""
+        if self.state is ListenerState.CLOSED:
+            return
+        self.state = ListenerState.CLOSED
+        producer, self._producer = self._producer, None
+        if producer is None:
+            return
+        assert self.settings is not None
+        try:
+            remaining = producer.flush(self.settings.flush_timeout_s)
+        except KafkaException as exc:
+            raise translate(exc, "flushing the forwarder's producer") from exc
+        if remaining:
+            log.warning("queue %s: forwarder closed with %d records unacknowledged; their batch was not "
+                        "accepted, so it is offered again to the next dispatcher", self._queue_id, remaining)
+
+    # --- the listener contract ---------------------------------------------
+
+    def process_events(self, events: list[AsyncEvent]) -> bool:
+        """Write the batch downstream; True only when every record is acknowledged."""
+        if self.state is not ListenerState.READY:
+            raise ClosedError(f"kafka forwarder of queue {self._queue_id!r} is {self.state.value}")
+        assert self.settings is not None
+        if not events:
+            return True
+        if self._fatal is not None or self._producer is None:
+            self._rebuild_producer()
+        producer = self._producer
+        assert producer is not None
+        deadline = time.monotonic() + self.settings.flush_timeout_s
+
+        # Step 1: encode everything before writing anything.
+        codec = get_codec()
+        records = []
+        for event in events:
+            duplicate = event.possible_duplicate or event.event_id in self._maybe_written
+            entry = event.event.as_possible_duplicate() if duplicate and not event.event.possible_duplicate else event.event
+            records.append((
+                self._topic_for(event.region),
+                event.key.encode(),
+                codec.encode("EntryEvent", entry.to_record()),
+                build_headers(event, duplicate),
+                entry.event_time,
+            ))
+
+        # Step 2: produce; BufferError is back-pressure, waited out until the deadline.
+        delivery = _Delivery()
+        produced = 0
+        failure: str | None = None
+        for topic, key, value, headers, timestamp in records:
+            while True:
+                try:
+                    producer.produce(topic, value=value, key=key, headers=headers,
+                                     timestamp=timestamp if timestamp > 0 else 0, on_delivery=delivery.on_delivery)
+                    produced += 1
+                    break
+                except BufferError:
+                    if time.monotonic() >= deadline:
+                        failure = "producer queue full until the flush deadline"
+                        break
+                    producer.poll(BUFFER_WAIT_S)
+                except KafkaException as exc:
+                    failure = str(translate(exc, f"producing to {topic}"))
+                    break
+            if failure is not None:
+                break
+            producer.poll(0)
+
+        # Step 3: wait for the acknowledgements of what was produced.
+        remaining = producer.flush(max(0.0, deadline - time.monotonic()))
+        if remaining:
+            # Records not yet sent are dropped from the producer's queue so
+            # that they cannot land after the re-offer; records in flight
+            # cannot be recalled and may still land (possibleDuplicate then).
+            producer.purge(in_queue=True, in_flight=False, blocking=True)
+            producer.poll(0)
+            failure = failure or f"{remaining} records unacknowledged after {self.settings.flush_timeout_s:g} s"
+        if self._fatal is not None:
+            failure = failure or str(self._fatal)
+        if failure is None and delivery.errors:
+            failure = f"{len(delivery.errors)} delivery errors, first: {delivery.errors[0].str()}"
+        if failure is None and delivery.acked == len(events):
+            self._maybe_written = frozenset()
+            self.batches_forwarded += 1
+            self.records_forwarded += len(events)
+            return True
+
+        self.offers_failed += 1
+        self._maybe_written = frozenset(event.event_id for event in events)
+        log.warning("queue %s: forwarding %d events failed (%d acknowledged): %s; the batch will be offered again",
+                    self._queue_id, len(events), delivery.acked, failure or "not every record acknowledged")
+        return False
+
+    # --- internals ---------------------------------------------------------
+
+    def _topic_for(self, region: str) -> str:
+        topic = self._topics.get(region)
+        if topic is None:
+            assert self.settings is not None
+            topic = self._topics[region] = self.settings.topic_for(region, self._topic_prefix)
+        return topic
+
+    def _on_error(self, error: KafkaError) -> None:
+        """librdkafka's error callback: fatal errors condemn the producer, the rest are logged."""
+        if error.fatal():
+            self._fatal = error_from_kafka_error(error, "forwarder producer")
+            log.error("queue %s: fatal producer error, the producer is rebuilt: %s", self._queue_id, error.str())
+        else:
+            log.debug("queue %s: producer: %s", self._queue_id, error.str())
+
+    def _new_producer(self) -> Producer:
+        assert self.settings is not None
+        timeout_ms = int(self.settings.flush_timeout_s * 1000)
+        conf = dict(self._connection)
+        conf.update({
+            "client.id": self._client_id,
+            "enable.idempotence": True,
+            "acks": "all",
+            # Kafka's default partitioner (murmur2 of the key): the partition
+            # of a key matches any Java producer and Sluice's own buckets.
+            "partitioner": "murmur2_random",
+            "linger.ms": 5,
+            # A record gives up when the offer does: its fate is known by the
+            # time flush returns, instead of landing during the re-offer.
+            "delivery.timeout.ms": timeout_ms,
+            "request.timeout.ms": min(30_000, timeout_ms),
+            "error_cb": self._on_error,
+        })
+        return make_producer(conf)
+
+    def _rebuild_producer(self) -> None:
+        old, self._producer = self._producer, None
+        if old is not None:
+            old.purge(in_queue=True, in_flight=True, blocking=True)
+            old.flush(0)
+        self._fatal = None
+        self._producer = self._new_producer()

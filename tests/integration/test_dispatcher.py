@@ -1,0 +1,180 @@
+"""The async-event-queue dispatcher against a real broker, region service and listener processes."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sluice.admin.cli import queue_status, set_state
+from sluice.client import RegionClient
+from sluice.core.events import EventID
+
+from recording_listener import read_offers
+from regionkit import DispatcherProcess, RegionProcess, write_aeq_site
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _queue(queue_id: str, log: Path, **extra: Any) -> dict[str, Any]:
+    settings = {"path": str(log)}
+    settings.update(extra.pop("settings", {}))
+    return {"id": queue_id, "listener": {"type": "python", "class_path": "recording_listener:RecordingListener",
+                                         "settings": settings}, **extra}
+
+
+def _write(urls: list[str], threads: int, per_thread: int, keys: int) -> list[tuple[str, EventID, Any]]:
+    """Writer threads, each on its own keys in order; returns (key, EventID, value) acknowledged."""
+    acked: list[list[tuple[str, EventID, Any]]] = [[] for _ in range(threads)]
+    run = uuid.uuid4().hex[:6]
+
+    def writer(i: int) -> None:
+        client = RegionClient(urls, member_id=f"writer-{run}-{i}")
+        for n in range(per_thread):
+            key = f"t{i}-k{n % keys}"
+            eid = client.next_event_id()
+            value = {"t": i, "n": n}
+            client.put("orders", key, value, event_id=eid)
+            acked[i].append((key, eid, value))
+
+    ts = [threading.Thread(target=writer, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    return [a for per in acked for a in per]
+
+
+def _wait_delivered(log: Path, expected: set[tuple[str, int, int]], timeout_s: float = 60) -> list[dict[str, Any]]:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        offers = read_offers(str(log))
+        got = {(e[4], e[5], e[6]) for o in offers if o["accepted"] for e in o["events"]}
+        if expected <= got:
+            return offers
+        time.sleep(0.2)
+    offers = read_offers(str(log))
+    got = {(e[4], e[5], e[6]) for o in offers if o["accepted"] for e in o["events"]}
+    pytest.fail(f"{len(expected - got)} of {len(expected)} events never delivered")
+
+
+@pytest.mark.parametrize("order_policy", ["KEY", "THREAD"])
+def test_refused_batches_are_redelivered_identically_then_accepted_in_order(
+    order_policy: str, site_a, unique_prefix, tmp_path: Path
+) -> None:
+    """A listener refusing the first 2 offers of every batch gets each batch 3 times, identical, and all in order."""
+    log = tmp_path / "offers.jsonl"
+    queue = _queue("q", log, parallel=False, dispatcher_threads=3, order_policy=order_policy, batch_size=20,
+                   settings={"fail_first": 2, "fail_by": "false" if order_policy == "KEY" else "raise"})
+    write_aeq_site(tmp_path / "site.yaml", site="a", bootstrap=site_a.bootstrap,
+                   prefix=site_a.topic_prefix(unique_prefix), queue=queue)
+    region = RegionProcess(tmp_path / "site.yaml", tmp_path / "region.log")
+    dispatcher = DispatcherProcess(tmp_path / "site.yaml", "q", tmp_path / "dispatcher.log")
+    try:
+        region.wait_ready()
+        acked = _write([region.url], threads=3, per_thread=100, keys=7)
+        expected = {(eid.member_id, eid.thread_id, eid.sequence_id) for _, eid, _ in acked}
+        offers = _wait_delivered(log, expected)
+
+        # Every batch: offered 3 times, the same events each time, accepted on the third.
+        by_batch: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
+        for o in offers:
+            by_batch[tuple(o["batch"])].append(o)
+        for batch, attempts in by_batch.items():
+            assert [a["attempt"] for a in attempts] == [1, 2, 3], batch
+            assert [a["accepted"] for a in attempts] == [False, False, True], batch
+            assert all(a["events"] == attempts[0]["events"] for a in attempts), f"batch {batch} changed"
+
+        # Total delivered = total written, each once, in order per key and per thread.
+        delivered = [e for o in offers if o["accepted"] for e in o["events"]]
+        assert len(delivered) == len(acked)
+        per_key: dict[str, list[int]] = defaultdict(list)
+        per_thread: dict[tuple[str, int], list[int]] = defaultdict(list)
+        for e in delivered:
+            per_key[e[2]].append(e[6])
+            per_thread[(e[4], e[5])].append(e[6])
+        for key, seqs in per_key.items():
+            assert seqs == sorted(seqs), f"key {key} out of order"
+        if order_policy == "THREAD":
+            for stream, seqs in per_thread.items():
+                assert seqs == sorted(seqs), f"thread {stream} out of order"
+        print(f"\n{len(by_batch)} batches, each offered 3 times; {len(delivered)} events delivered once")
+    finally:
+        dispatcher.stop()
+        region.stop()
+
+
+def test_pause_under_writes_then_resume_loses_nothing(site_a, unique_prefix, tmp_path: Path) -> None:
+    """Paused, the queue grows while writes go on; resumed, it drains and every event is delivered once."""
+    log = tmp_path / "offers.jsonl"
+    queue = _queue("q", log, parallel=True, batch_size=50)
+    cfg = write_aeq_site(tmp_path / "site.yaml", site="a", bootstrap=site_a.bootstrap,
+                         prefix=site_a.topic_prefix(unique_prefix), queue=queue)
+    region = RegionProcess(tmp_path / "site.yaml", tmp_path / "region.log")
+    dispatcher = DispatcherProcess(tmp_path / "site.yaml", "q", tmp_path / "dispatcher.log")
+    try:
+        region.wait_ready()
+        first = _write([region.url], threads=2, per_thread=50, keys=10)
+        _wait_delivered(log, {(e.member_id, e.thread_id, e.sequence_id) for _, e, _ in first})
+
+        set_state(cfg, "q", "PAUSED", issued_by="test")
+        time.sleep(1.0)  # the dispatcher reads the control topic within a poll
+        delivered_before = len(read_offers(str(log)))
+        second = _write([region.url], threads=2, per_thread=100, keys=10)
+        time.sleep(1.0)
+        sizes_paused = sum(r.size for r in queue_status(cfg, "q"))
+        assert sizes_paused >= len(second), f"queue size {sizes_paused} while paused, {len(second)} written"
+        assert len(read_offers(str(log))) == delivered_before, "dispatched while paused"
+
+        set_state(cfg, "q", "RUNNING", issued_by="test")
+        offers = _wait_delivered(log, {(e.member_id, e.thread_id, e.sequence_id) for _, e, _ in first + second})
+        delivered = [e for o in offers if o["accepted"] for e in o["events"]]
+        assert len(delivered) == len(first) + len(second)
+        deadline = time.monotonic() + 20
+        while sum(r.size for r in queue_status(cfg, "q")) > 0 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        sizes_after = sum(r.size for r in queue_status(cfg, "q"))
+        assert sizes_after == 0
+        print(f"\nqueue size paused {sizes_paused} → drained to {sizes_after}")
+    finally:
+        dispatcher.stop()
+        region.stop()
+
+
+def test_a_record_that_cannot_be_decoded_is_dead_lettered_and_dispatch_goes_on(
+    site_a, unique_prefix, tmp_path: Path
+) -> None:
+    """A corrupt record in the queue lands in the dead-letter topic with its reason; later events still arrive."""
+    from confluent_kafka import Producer
+
+    from regionkit import read_topic
+    from sluice.core.codec import get_codec
+
+    log = tmp_path / "offers.jsonl"
+    queue = _queue("q", log, parallel=False, dispatcher_threads=1, batch_size=10)
+    cfg = write_aeq_site(tmp_path / "site.yaml", site="a", bootstrap=site_a.bootstrap,
+                         prefix=site_a.topic_prefix(unique_prefix), queue=queue)
+    region = RegionProcess(tmp_path / "site.yaml", tmp_path / "region.log")
+    dispatcher = DispatcherProcess(tmp_path / "site.yaml", "q", tmp_path / "dispatcher.log")
+    try:
+        region.wait_ready()
+        before = _write([region.url], threads=1, per_thread=10, keys=5)
+        producer = Producer({"bootstrap.servers": site_a.bootstrap})
+        producer.produce(cfg.topics.queue("q"), b"\x00not avro at all", b"bad", partition=0)
+        producer.flush(10)
+        after = _write([region.url], threads=1, per_thread=10, keys=5)
+        _wait_delivered(log, {(e.member_id, e.thread_id, e.sequence_id) for _, e, _ in before + after})
+        dead = read_topic(site_a.bootstrap, cfg.topics.dead_letter("q"), 1)
+        assert len(dead) == 1
+        letter = get_codec().decode_as("DeadLetter", dead[0][2])
+        assert letter["value"] == b"\x00not avro at all" and letter["key"] == b"bad"
+        assert "marker" in letter["reason"] and letter["source_topic"] == cfg.topics.queue("q")
+        assert dispatcher.proc.poll() is None, "the dispatcher died on a corrupt record"
+    finally:
+        dispatcher.stop()
+        region.stop()
