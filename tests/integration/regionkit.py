@@ -200,11 +200,12 @@ class QueueRecord:
     event: EntryEvent
 
 
-def read_topic(bootstrap: str, topic: str, partitions: int, idle_s: float = 2.0) -> list[tuple[int, int, bytes | None]]:
+def read_topic(bootstrap: str, topic: str, partitions: int) -> list[tuple[int, int, bytes | None]]:
     """Every record of a topic: (partition, offset, value), partition by partition."""
     consumer = Consumer({
         "bootstrap.servers": bootstrap,
         "group.id": "sluice-test-reader",
+        "fetch.wait.max.ms": 10,
         "enable.auto.commit": False,
         "auto.offset.reset": "earliest",
     })
@@ -218,7 +219,8 @@ def read_topic(bootstrap: str, topic: str, partitions: int, idle_s: float = 2.0)
             last = low - 1
             end = time.monotonic() + 60
             while last < high - 1 and time.monotonic() < end:
-                for msg in consumer.consume(1000, idle_s):
+                # consume() waits its whole timeout for a partial batch: keep it short.
+                for msg in consumer.consume(1000, 0.05):
                     if msg.error() is None:
                         out.append((p, msg.offset(), msg.value()))
                         last = msg.offset()
