@@ -1,0 +1,146 @@
+"""PartitionBatcher: Geode's batch-size / batch-time-interval, conflation, and identical redelivery."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sluice.core.batching import BatchPolicy, PartitionBatcher
+
+
+@dataclass(frozen=True)
+class Item:
+    offset: int
+    key: str
+    op: str = "UPDATE"  # CREATE, UPDATE, DESTROY
+
+    @property
+    def conflatable(self) -> bool:
+        return self.op == "UPDATE"
+
+    @property
+    def size_bytes(self) -> int:
+        return 10
+
+
+def test_a_batch_is_ready_at_batch_size_or_after_the_interval_whichever_first() -> None:
+    """batch-size events make a batch at once; fewer wait batch-time-interval from the first."""
+    b = PartitionBatcher(0, BatchPolicy(batch_size=3, batch_time_interval_ms=5))
+    b.add(Item(0, "a"), now_ms=100)
+    b.add(Item(1, "b"), now_ms=101)
+    assert not b.ready(104) and b.take(104) is None
+    assert b.due_in_ms(102) == 3
+    assert b.ready(105)
+    b.add(Item(2, "c"), now_ms=102)
+    batch = b.take(102)
+    assert batch is not None and [i.offset for i in batch.events] == [0, 1, 2]
+    assert batch.commit_offset == 3
+
+
+def test_nothing_after_an_offered_batch_goes_first_and_a_refused_batch_is_the_same_object() -> None:
+    """While a batch is out no other batch is handed out; refusal keeps the very same batch."""
+    b = PartitionBatcher(0, BatchPolicy(batch_size=2, batch_time_interval_ms=0))
+    for i in range(5):
+        b.add(Item(i, f"k{i}"), now_ms=0)
+    first = b.take(0)
+    assert first is not None and [i.offset for i in first.events] == [0, 1]
+    assert b.take(0) is None and not b.ready(10**6)
+    again = b.rejected()
+    assert again is first and again.redeliveries == 1 and b.offered is first
+    assert b.accepted() == 2
+    second = b.take(0)
+    assert second is not None and [i.offset for i in second.events] == [2, 3]
+    assert second.batch_id == first.batch_id + 1
+
+
+def test_conflation_replaces_an_earlier_update_but_never_a_create_or_destroy() -> None:
+    """An update replaces a waiting update of its key; creates and destroys stay, and break the run."""
+    b = PartitionBatcher(0, BatchPolicy(batch_size=100, batch_time_interval_ms=0, conflation=True))
+    seq = [Item(0, "a", "CREATE"), Item(1, "a"), Item(2, "a"), Item(3, "b"), Item(4, "a", "DESTROY"),
+           Item(5, "a", "CREATE"), Item(6, "a"), Item(7, "b")]
+    for it in seq:
+        b.add(it, now_ms=0)
+    batch = b.take(0)
+    assert batch is not None
+    assert [(i.key, i.op, i.offset) for i in batch.events] == [
+        ("a", "CREATE", 0), ("a", "UPDATE", 2), ("b", "UPDATE", 7), ("a", "DESTROY", 4),
+        ("a", "CREATE", 5), ("a", "UPDATE", 6),
+    ]
+    assert batch.conflated == 2 and batch.commit_offset == 8
+
+
+def test_without_conflation_every_event_is_kept() -> None:
+    """With conflation off, repeated updates of a key are all delivered."""
+    b = PartitionBatcher(0, BatchPolicy(batch_size=100, batch_time_interval_ms=0, conflation=False))
+    for i in range(4):
+        b.add(Item(i, "a"), now_ms=0)
+    batch = b.take(0)
+    assert batch is not None and len(batch.events) == 4 and batch.conflated == 0
+
+
+def test_dead_lettered_records_advance_the_commit_even_without_events() -> None:
+    """Skipped (dead-lettered) offsets are covered by the next batch, or make an empty one."""
+    b = PartitionBatcher(0, BatchPolicy(batch_size=10, batch_time_interval_ms=0))
+    b.skip(0, now_ms=0)
+    b.skip(1, now_ms=0)
+    batch = b.take(0)
+    assert batch is not None and batch.events == [] and batch.commit_offset == 2
+    b.accepted()
+    b.add(Item(2, "a"), now_ms=0)
+    b.skip(3, now_ms=0)
+    batch = b.take(0)
+    assert batch is not None and [i.offset for i in batch.events] == [2] and batch.commit_offset == 4
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(
+    ops=st.lists(st.tuples(st.sampled_from(["CREATE", "UPDATE", "DESTROY", "SKIP"]), st.sampled_from("abc")),
+                 min_size=1, max_size=60),
+    size=st.integers(min_value=1, max_value=8),
+    conflation=st.booleans(),
+)
+def test_every_offset_is_committed_once_in_order_and_the_last_write_per_key_survives(
+    ops: list[tuple[str, str]], size: int, conflation: bool
+) -> None:
+    """Whatever arrives: commits increase and end past the last offset, and each key's last event is delivered."""
+    b = PartitionBatcher(0, BatchPolicy(batch_size=size, batch_time_interval_ms=0, conflation=conflation))
+    delivered: list[Item] = []
+    commits: list[int] = []
+    last_by_key: dict[str, int] = {}
+    for offset, (op, key) in enumerate(ops):
+        if op == "SKIP":
+            b.skip(offset, now_ms=0)
+        else:
+            b.add(Item(offset, key, op), now_ms=0)
+            last_by_key[key] = offset
+        batch = b.take(0)
+        if batch is not None:
+            assert len(batch.events) <= size
+            delivered.extend(batch.events)
+            commits.append(b.accepted())
+    while (batch := b.take(0, force=True)) is not None:
+        delivered.extend(batch.events)
+        commits.append(b.accepted())
+    assert commits == sorted(commits) and commits[-1] == len(ops)
+    offsets = [i.offset for i in delivered]
+    assert len(offsets) == len(set(offsets))
+    assert set(last_by_key.values()) <= set(offsets)
+    if not conflation:
+        assert offsets == sorted(o for o, (op, _) in enumerate(ops) if op != "SKIP")
+    per_key: dict[str, list[int]] = {}
+    for i in delivered:
+        per_key.setdefault(i.key, []).append(i.offset)
+    for key, seen in per_key.items():
+        assert seen == sorted(seen), f"key {key} out of order"
+
+
+def test_rejected_without_a_batch_out_is_a_bug() -> None:
+    """Calling rejected() or accepted() with no batch out is a programming error."""
+    b = PartitionBatcher(0, BatchPolicy())
+    with pytest.raises(AssertionError):
+        b.rejected()
+    with pytest.raises(AssertionError):
+        b.accepted()
