@@ -57,6 +57,8 @@ from sluice.broker import (
 from sluice.broker.jars import kafka_jars_cached
 from sluice.core.errors import BrokerStartError
 
+from pg import postgres  # noqa: F401  (the PostgreSQL fixture, tests/pg.py)
+
 BOOTSTRAP_ENV = "SLUICE_KAFKA_BOOTSTRAP"
 KAFKA_IMAGE = os.environ.get("SLUICE_KAFKA_IMAGE", f"apache/kafka:{KAFKA_VERSION_DEFAULT}")
 DOCKER_URL = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")

@@ -34,10 +34,10 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -151,7 +151,8 @@ class LocalPostgres:
     def _check(self, done: subprocess.CompletedProcess[str], what: str) -> None:
         if done.returncode != 0:
             log = self.log_file.read_text(errors="replace")[-2000:] if self.log_file.exists() else ""
-            raise PostgresStartError(f"{what} exited {done.returncode}: {done.stderr.strip() or done.stdout.strip()} {log}")
+            output = done.stderr.strip() or done.stdout.strip()
+            raise PostgresStartError(f"{what} exited {done.returncode}: {output} {log}")
 
     def start(self) -> str:
         if self.as_root:

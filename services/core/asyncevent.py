@@ -22,13 +22,11 @@ group ``sluice.listeners`` when the path has no dot or colon.
 from __future__ import annotations
 
 import importlib
-import json
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
 
-import orjson
-
+from . import jsonvalue
 from .errors import ConfigError
 from .events import UPDATES, EntryEvent, EventID, Operation, VersionTag
 
@@ -76,10 +74,7 @@ class AsyncEvent:
             return None
         if self.event.value_encoding != "json":
             return data
-        try:
-            return orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return json.loads(data)  # integers beyond 64 bits
+        return jsonvalue.loads(data)
 
     @property
     def callback_argument(self) -> str | None:

@@ -30,10 +30,12 @@ A batch goes out step by step:
 
 Delivery is at least once.  A failed offer may have written part of the batch
 (and a record pending at the deadline may still land later), so the re-offer
-can write some events twice.  The forwarder remembers the EventIDs of the last
-failed offer and marks those events possibleDuplicate (header and Avro record)
-when they come again; events the dispatcher re-offers after a failover carry
-the flag already.  **Downstream consumers deduplicate by EventID**: an event
+can write some events twice.  After a failed offer the forwarder remembers
+which of its events may be downstream already (acknowledged, timed out, or
+still in flight: every outcome except a certain refusal) and marks those
+possibleDuplicate, in the header and in the Avro record, when the batch comes
+again; events the dispatcher re-offers after a failover carry the flag
+already.  **Downstream consumers deduplicate by EventID**: an event
 whose sequence is at or below the highest already seen for its (member,
 thread) on that entry key is a repeat (``deploy/downstream/faust_app.py`` does
 this).  The key matters: one key's events stay in order end to end, but one
@@ -61,7 +63,7 @@ import re
 import string
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from sluice.core.asyncevent import AsyncEvent
 from sluice.core.codec import get_codec
@@ -103,7 +105,7 @@ class ForwarderSettings:
     partitions_by: str = "key"
     flush_timeout_s: float = FLUSH_TIMEOUT_S_DEFAULT
 
-    def topic_for(self, region: str, topic_prefix: str) -> str:
+    def topic_for(self, region: str, topic_prefix: str = "") -> str:
         """The downstream topic of an event of ``region``."""
         return self.topic.format(region=region, topic_prefix=topic_prefix)
 
@@ -203,20 +205,46 @@ class ListenerState(enum.Enum):
     CLOSED = "closed"
 
 
+#: Delivery errors after which the record is certainly not on the topic (the
+#: broker refused it, or it never left the producer).  Any other outcome —
+#: acknowledged, timed out, no report yet — may have written it.
+NOT_WRITTEN = frozenset({
+    KafkaError._PURGE_QUEUE,
+    KafkaError._UNKNOWN_TOPIC,
+    KafkaError._UNKNOWN_PARTITION,
+    KafkaError.UNKNOWN_TOPIC_OR_PART,
+    KafkaError.MSG_SIZE_TOO_LARGE,
+    KafkaError.RECORD_LIST_TOO_LARGE,
+    KafkaError.TOPIC_AUTHORIZATION_FAILED,
+})
+
+
 class _Delivery:
-    """Delivery reports of one offer, filled in by the producer's callbacks."""
+    """Delivery reports of one offer, one slot per record, filled in by the producer's callbacks."""
 
-    __slots__ = ("acked", "errors")
+    __slots__ = ("outcomes",)
 
-    def __init__(self) -> None:
-        self.acked = 0
-        self.errors: list[KafkaError] = []
+    def __init__(self, records: int) -> None:
+        #: None: no report yet; True: acknowledged; else the delivery error.
+        self.outcomes: list[bool | KafkaError | None] = [None] * records
 
-    def on_delivery(self, error: KafkaError | None, _msg: Message) -> None:
-        if error is None:
-            self.acked += 1
-        else:
-            self.errors.append(error)
+    def callback(self, index: int) -> Callable[[KafkaError | None, Message], None]:
+        def on_delivery(error: KafkaError | None, _msg: Message) -> None:
+            self.outcomes[index] = True if error is None else error
+        return on_delivery
+
+    @property
+    def acked(self) -> int:
+        return sum(1 for outcome in self.outcomes if outcome is True)
+
+    @property
+    def errors(self) -> list[KafkaError]:
+        return [outcome for outcome in self.outcomes if isinstance(outcome, KafkaError)]
+
+    def maybe_written(self, produced: int) -> list[int]:
+        """Indexes of the records that may be on the topic (the first ``produced`` were handed to the producer)."""
+        return [i for i, outcome in enumerate(self.outcomes[:produced])
+                if not isinstance(outcome, KafkaError) or outcome.code() not in NOT_WRITTEN]
 
 
 class KafkaForwarderListener:
@@ -232,8 +260,8 @@ class KafkaForwarderListener:
         self._producer: Producer | None = None
         self._fatal: SluiceError | None = None
         self._topics: dict[str, str] = {}
-        #: EventIDs of the last failed offer: written perhaps, so marked
-        #: possibleDuplicate if they come again.  Bounded by the batch size.
+        #: EventIDs of the failed batch that may be downstream already:
+        #: marked possibleDuplicate when offered again.  At most one batch.
         self._maybe_written: frozenset[EventID] = frozenset()
         self.batches_forwarded = 0
         self.records_forwarded = 0
@@ -282,9 +310,9 @@ class KafkaForwarderListener:
 
     def process_events(self, events: list[AsyncEvent]) -> bool:
         """Write the batch downstream; True only when every record is acknowledged."""
-        if self.state is not ListenerState.READY:
-            raise ClosedError(f"kafka forwarder of queue {self._queue_id!r} is {self.state.value}")
-        assert self.settings is not None
+        if self.state is ListenerState.CLOSED:
+            raise ClosedError(f"the kafka forwarder of queue {self._queue_id!r} is closed")
+        assert self.state is ListenerState.READY and self.settings is not None, "process_events() before init()"
         if not events:
             return True
         if self._fatal is not None or self._producer is None:
@@ -308,24 +336,23 @@ class KafkaForwarderListener:
             ))
 
         # Step 2: produce; BufferError is back-pressure, waited out until the deadline.
-        delivery = _Delivery()
+        delivery = _Delivery(len(records))
         produced = 0
         failure: str | None = None
-        for topic, key, value, headers, timestamp in records:
-            while True:
+        for index, (topic, key, value, headers, timestamp) in enumerate(records):
+            while failure is None:
                 try:
-                    producer.produce(topic, value=value, key=key, headers=headers,
-                                     timestamp=timestamp if timestamp > 0 else 0, on_delivery=delivery.on_delivery)
+                    producer.produce(topic, value=value, key=key, headers=headers, timestamp=max(timestamp, 0),
+                                     on_delivery=delivery.callback(index))
                     produced += 1
                     break
                 except BufferError:
                     if time.monotonic() >= deadline:
-                        failure = "producer queue full until the flush deadline"
-                        break
-                    producer.poll(BUFFER_WAIT_S)
+                        failure = "the producer queue stayed full until the flush deadline"
+                    else:
+                        producer.poll(BUFFER_WAIT_S)
                 except KafkaException as exc:
                     failure = str(translate(exc, f"producing to {topic}"))
-                    break
             if failure is not None:
                 break
             producer.poll(0)
@@ -334,25 +361,31 @@ class KafkaForwarderListener:
         remaining = producer.flush(max(0.0, deadline - time.monotonic()))
         if remaining:
             # Records not yet sent are dropped from the producer's queue so
-            # that they cannot land after the re-offer; records in flight
-            # cannot be recalled and may still land (possibleDuplicate then).
+            # they cannot land after the re-offer; records in flight cannot
+            # be recalled and may still land (they count as maybe written).
             producer.purge(in_queue=True, in_flight=False, blocking=True)
             producer.poll(0)
             failure = failure or f"{remaining} records unacknowledged after {self.settings.flush_timeout_s:g} s"
         if self._fatal is not None:
             failure = failure or str(self._fatal)
-        if failure is None and delivery.errors:
-            failure = f"{len(delivery.errors)} delivery errors, first: {delivery.errors[0].str()}"
-        if failure is None and delivery.acked == len(events):
+        errors = delivery.errors
+        if failure is None and errors:
+            failure = f"{len(errors)} delivery errors, first: {errors[0].str()}"
+        acked = delivery.acked
+        if failure is None and acked == len(events):
             self._maybe_written = frozenset()
             self.batches_forwarded += 1
             self.records_forwarded += len(events)
             return True
 
+        # The re-offer is the same batch: remember which of its events may
+        # already be downstream (from this offer or an earlier failed one).
+        batch_ids = frozenset(event.event_id for event in events)
+        self._maybe_written = (self._maybe_written & batch_ids) | frozenset(
+            events[i].event_id for i in delivery.maybe_written(produced))
         self.offers_failed += 1
-        self._maybe_written = frozenset(event.event_id for event in events)
         log.warning("queue %s: forwarding %d events failed (%d acknowledged): %s; the batch will be offered again",
-                    self._queue_id, len(events), delivery.acked, failure or "not every record acknowledged")
+                    self._queue_id, len(events), acked, failure or "not every record acknowledged")
         return False
 
     # --- internals ---------------------------------------------------------
@@ -389,13 +422,20 @@ class KafkaForwarderListener:
             "delivery.timeout.ms": timeout_ms,
             "request.timeout.ms": min(30_000, timeout_ms),
             "error_cb": self._on_error,
+            # librdkafka's own log lines go to this module's logger, not stderr.
+            "logger": log,
         })
         return make_producer(conf)
 
     def _rebuild_producer(self) -> None:
         old, self._producer = self._producer, None
         if old is not None:
-            old.purge(in_queue=True, in_flight=True, blocking=True)
-            old.flush(0)
+            # A producer after a fatal error sends nothing more; what it
+            # still holds is failed (reported maybe-written by the last offer).
+            try:
+                old.purge(in_queue=True, in_flight=True, blocking=True)
+                old.flush(0)
+            except KafkaException as exc:
+                log.debug("queue %s: discarding the old producer: %s", self._queue_id, exc)
         self._fatal = None
         self._producer = self._new_producer()

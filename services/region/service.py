@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import json
 import logging
 import os
 import socket
@@ -37,6 +36,7 @@ from typing import Any
 import httpx
 import orjson
 
+from ..core import jsonvalue
 from ..core.codec import get_codec
 from ..core.config import SiteConfig
 from ..core.errors import (
@@ -330,14 +330,9 @@ class RegionService:
         if value is None:
             raise InvalidRequest(field, None, "must not be null (use invalidate to clear a value)")
         try:
-            data = orjson.dumps(value)
-        except orjson.JSONEncodeError:
-            # orjson stops at 64-bit integers; the standard library does not.
-            # Non-finite floats are refused: they are not JSON.
-            try:
-                data = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
-            except (ValueError, TypeError) as exc:
-                raise InvalidRequest(field, str(value)[:80], f"cannot be stored as JSON: {exc}") from None
+            data = jsonvalue.dumps(value)
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequest(field, str(value)[:80], f"cannot be stored as JSON: {exc}") from None
         limit = self.region_config(region).value_max_bytes
         if len(data) > limit:
             raise EntryTooLarge(field, f"{len(data)} bytes", f"larger than value_max_bytes={limit}")
@@ -579,16 +574,9 @@ def url_join(base: str) -> str:
     return base.rstrip("/")
 
 
-def _load_value(data: bytes) -> Any:
-    try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return json.loads(data)  # integers beyond 64 bits
-
-
 def _entry_json(entry: Any) -> dict[str, Any]:
     return {
-        "value": None if entry.value is None else _load_value(entry.value),
+        "value": None if entry.value is None else jsonvalue.loads(entry.value),
         "invalid": entry.value is None,
         "version": entry.version.to_record(),
         "event_id": entry.event_id.to_record(),
