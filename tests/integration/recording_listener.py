@@ -56,3 +56,36 @@ def read_offers(path: str) -> list[dict[str, Any]]:
         return []
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+class RecordingSqlListener:
+    """The SQL write-behind listener, also recording what it accepted (``path`` setting)."""
+
+    def init(self, config: dict[str, Any]) -> None:
+        from sluice.listeners.sql import SqlWriteBehindListener
+
+        settings = dict(config["settings"])
+        self.path = settings.pop("path")
+        self.inner = SqlWriteBehindListener()
+        self.inner.init({**config, "settings": settings})
+        self.calls = 0
+
+    def process_events(self, events: list[AsyncEvent]) -> bool:
+        self.calls += 1
+        accepted = self.inner.process_events(events)
+        line = {
+            "pid": os.getpid(),
+            "batch": [events[0].partition, events[0].offset],
+            "attempt": self.calls,
+            "accepted": accepted,
+            "events": [[e.partition, e.offset, e.key, e.operation.value, e.event_id.member_id, e.event_id.thread_id,
+                        e.event_id.sequence_id, e.possible_duplicate, e.value] for e in events],
+        }
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        return accepted
+
+    def close(self) -> None:
+        self.inner.close()
