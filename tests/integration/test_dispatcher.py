@@ -141,6 +141,17 @@ def test_pause_under_writes_then_resume_loses_nothing(site_a, unique_prefix, tmp
         sizes_after = sum(r.size for r in queue_status(cfg, "q"))
         assert sizes_after == 0
         print(f"\nqueue size paused {sizes_paused} → drained to {sizes_after}")
+
+        # The operator's view: a table per partition with the primary and the counters.
+        import subprocess
+        import sys
+
+        shown = subprocess.run([sys.executable, "-m", "sluice.cli", "admin", "-c", str(tmp_path / "site.yaml"),
+                                "status", "q"], capture_output=True, text=True, timeout=60,
+                               env={**__import__("os").environ, "COLUMNS": "160"})
+        assert shown.returncode == 0, shown.stderr
+        assert "queue size" in shown.stdout and dispatcher.member_id in shown.stdout
+        assert len([line for line in shown.stdout.splitlines() if line.startswith("│ q ")]) == 8
     finally:
         dispatcher.stop()
         region.stop()
