@@ -157,8 +157,9 @@ def test_pause_under_writes_then_resume_loses_nothing(site_a, unique_prefix, tmp
         region.stop()
 
 
+@pytest.mark.tansu
 def test_a_record_that_cannot_be_decoded_is_dead_lettered_and_dispatch_goes_on(
-    site_a, unique_prefix, tmp_path: Path
+    any_site, unique_prefix, tmp_path: Path
 ) -> None:
     """A corrupt record in the queue lands in the dead-letter topic with its reason; later events still arrive."""
     from confluent_kafka import Producer
@@ -168,19 +169,19 @@ def test_a_record_that_cannot_be_decoded_is_dead_lettered_and_dispatch_goes_on(
 
     log = tmp_path / "offers.jsonl"
     queue = _queue("q", log, parallel=False, dispatcher_threads=1, batch_size=10)
-    cfg = write_aeq_site(tmp_path / "site.yaml", site="a", bootstrap=site_a.bootstrap,
-                         prefix=site_a.topic_prefix(unique_prefix), queue=queue)
+    cfg = write_aeq_site(tmp_path / "site.yaml", site="a", bootstrap=any_site.bootstrap,
+                         prefix=any_site.topic_prefix(unique_prefix), queue=queue)
     region = RegionProcess(tmp_path / "site.yaml", tmp_path / "region.log")
     dispatcher = DispatcherProcess(tmp_path / "site.yaml", "q", tmp_path / "dispatcher.log")
     try:
         region.wait_ready()
         before = _write([region.url], threads=1, per_thread=10, keys=5)
-        producer = Producer({"bootstrap.servers": site_a.bootstrap})
+        producer = Producer({"bootstrap.servers": any_site.bootstrap})
         producer.produce(cfg.topics.queue("q"), b"\x00not avro at all", b"bad", partition=0)
         producer.flush(10)
         after = _write([region.url], threads=1, per_thread=10, keys=5)
         _wait_delivered(log, {(e.member_id, e.thread_id, e.sequence_id) for _, e, _ in before + after})
-        dead = read_topic(site_a.bootstrap, cfg.topics.dead_letter("q"), 1)
+        dead = read_topic(any_site.bootstrap, cfg.topics.dead_letter("q"), 1)
         assert len(dead) == 1
         letter = get_codec().decode_as("DeadLetter", dead[0][2])
         assert letter["value"] == b"\x00not avro at all" and letter["key"] == b"bad"
