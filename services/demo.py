@@ -1,16 +1,18 @@
 """``sluice demo``: one embedded site, a region with attached queues, and what reached them.
 
 Starts an embedded broker (Apache Kafka, or Tansu where no JDK exists),
-creates the site's topics, runs two region-service instances as processes
-of their own, writes entries through either (creates, updates, a destroy, an
-invalidate, a put_all), then reads back the region through the API and the
-queue topics straight from Kafka, and prints both as tables.  Exits non-zero
-if what the queues hold differs from what the region applied.
+creates the site's topics, runs two region-service instances and an
+async-event-queue dispatcher (SQL write-behind to SQLite) as processes of
+their own, writes entries through both instances (puts, put_alls, destroys),
+then reads back the region through the API, the queue topics straight from
+Kafka and the write-behind table, and prints them as tables.  Exits non-zero
+if what the queues or the table hold differs from what the region applied.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import shutil
@@ -62,7 +64,11 @@ def _site_file(path: Path, bootstrap: str, prefix: str) -> Path:
         "regions": [{"name": "orders", "buckets": 8, "gateway_senders": ["orders-to-b"],
                      "async_event_queues": ["orders-jdbc"]}],
         "gateway_senders": [{"id": "orders-to-b", "remote_dsid": 2, "parallel": True}],
-        "async_event_queues": [{"id": "orders-jdbc", "parallel": False, "dispatcher_threads": 3}],
+        "async_event_queues": [{
+            "id": "orders-jdbc", "parallel": False, "dispatcher_threads": 3,
+            "listener": {"type": "sql", "settings": {"url": f"sqlite:///{path.parent / 'orders.db'}",
+                                                     "table": "orders"}},
+        }],
     }
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
@@ -112,6 +118,16 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             urls.append(line.split(" on ", 1)[1].split(" ", 1)[0])
         console.print(f"region service: 2 instances {', '.join(urls)}")
+        log = open(workdir / "dispatcher.log", "wb")
+        dispatcher = subprocess.Popen([sys.executable, "-m", "sluice.cli", "dispatcher", "-c", str(site_path),
+                                       "--queue", "orders-jdbc"], stdout=subprocess.PIPE, stderr=log,
+                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        procs.append(dispatcher)
+        assert dispatcher.stdout is not None
+        if not dispatcher.stdout.readline().decode().startswith("dispatcher "):
+            console.print(f"[red]the dispatcher did not start[/]; see {workdir / 'dispatcher.log'}")
+            return 1
+        console.print("async event queue orders-jdbc: a dispatcher writing behind to SQLite")
 
         client = RegionClient(urls, retry_for_s=60)
         with console.status("waiting for the instances to own every bucket…"):
@@ -194,10 +210,28 @@ def run(args: argparse.Namespace) -> int:
                 problems += 1
         consumer.close()
         console.print(qtable)
-        ok = not mismatched and problems == 0
+
+        # The write-behind table, once the queue is drained, equals the region.
+        from .admin.cli import queue_status
+
+        with console.status("waiting for the write-behind to drain orders-jdbc…"):
+            end = time.monotonic() + 60
+            while time.monotonic() < end and sum(r.size for r in queue_status(cfg, "orders-jdbc")) > 0:
+                time.sleep(0.3)
+        import sqlite3
+
+        with sqlite3.connect(workdir / "orders.db") as db:
+            table = {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM orders_live")}
+        region_now = {k: e["value"] for k, e in client.get_all("orders", sorted(set(expected) | set(table))).items()
+                      if e is not None}
+        table_ok = table == region_now
+        console.print(f"write-behind table orders (SQLite): {len(table)} rows; "
+                      f"equal to the region: {'yes' if table_ok else 'no'}")
+        ok = not mismatched and problems == 0 and table_ok
         console.print(f"[{'green' if ok else 'red'}]{'OK' if ok else 'DIVERGED'}[/]: {applied} operations applied, "
                       f"each in every attached queue: {'yes' if problems == 0 else 'no'}; "
-                      f"region matches the writer: {'yes' if not mismatched else f'no ({len(mismatched)} keys)'}")
+                      f"region matches the writer: {'yes' if not mismatched else f'no ({len(mismatched)} keys)'}; "
+                      f"write-behind table matches the region: {'yes' if table_ok else 'no'}")
         if args.keep_running:
             console.print(f"running; try: curl {urls[0]}/buckets   (Ctrl-C stops everything)")
             while True:

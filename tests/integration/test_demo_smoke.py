@@ -19,3 +19,4 @@ def test_short_demo_run_verifies_region_and_queues() -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "OK: 200 operations applied" in done.stdout
     assert "each in every attached queue: yes" in done.stdout
+    assert "write-behind table matches the region: yes" in done.stdout
