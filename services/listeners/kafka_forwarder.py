@@ -85,6 +85,8 @@ TOPIC_NAME_CHARS_MAX = 249
 REGION_NAME_CHARS_MAX = 101
 _TOPIC_CHARS = re.compile(r"^[A-Za-z0-9._-]+$")
 _SERVER = re.compile(r"^[A-Za-z0-9._\-\[\]:]+:\d{1,5}$")
+#: librdkafka's delivery timeout is the offer's deadline plus this (see _new_producer).
+DELIVERY_TIMEOUT_MARGIN_MS = 1000
 #: How long to wait for room in the producer queue before trying again.
 BUFFER_WAIT_S = 0.05
 
@@ -133,7 +135,8 @@ def _topic_problems(template: Any, topic_prefix: str) -> list[tuple[str, Any, st
     longest = template.format(region="r" * REGION_NAME_CHARS_MAX, topic_prefix=topic_prefix)
     sample = template.format(region="r", topic_prefix=topic_prefix)
     if not _TOPIC_CHARS.match(sample) or sample in (".", ".."):
-        return [(_field("topic"), template, "a topic name may only hold letters, digits, '.', '_' and '-'")]
+        return [(_field("topic"), template,
+                 "is not a legal Kafka topic name: letters, digits, '.', '_' and '-' only, and not '.' or '..'")]
     if "{region}" in template and len(longest) > TOPIC_NAME_CHARS_MAX:
         return [(_field("topic"), template,
                  f"is longer than Kafka's {TOPIC_NAME_CHARS_MAX} characters for a region name of {REGION_NAME_CHARS_MAX}")]
@@ -417,9 +420,11 @@ class KafkaForwarderListener:
             # of a key matches any Java producer and Sluice's own buckets.
             "partitioner": "murmur2_random",
             "linger.ms": 5,
-            # A record gives up when the offer does: its fate is known by the
-            # time flush returns, instead of landing during the re-offer.
-            "delivery.timeout.ms": timeout_ms,
+            # The offer's deadline comes just before librdkafka's own: what
+            # was never sent is then purged from the queue (certainly not
+            # written, so not flagged when offered again) instead of timing
+            # out (maybe written).  In-flight records give up shortly after.
+            "delivery.timeout.ms": timeout_ms + DELIVERY_TIMEOUT_MARGIN_MS,
             "request.timeout.ms": min(30_000, timeout_ms),
             "error_cb": self._on_error,
             # librdkafka's own log lines go to this module's logger, not stderr.
