@@ -203,7 +203,7 @@ def test_generated_requests_never_cause_a_server_error(site_a, unique_prefix, tm
         done = subprocess.run(
             [str(st), "run", f"{proc.url}/openapi.json", "--checks", "not_a_server_error", "--max-examples", "30",
              "--seed", "7", "--exclude-path-regex", "^/(internal|readyz|healthz)", "--phases", "examples,fuzzing"],
-            capture_output=True, text=True, timeout=240,
+            capture_output=True, text=True, timeout=240, cwd=tmp_path,
         )
         assert done.returncode == 0, done.stdout[-4000:]
         assert httpx.get(f"{proc.url}/healthz").status_code == 200
