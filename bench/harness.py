@@ -287,6 +287,7 @@ def benchmark(name: str, summary: str) -> Callable[[Benchmark], Benchmark]:
 def load_benchmarks() -> dict[str, Entry]:
     """Import every module that registers benchmarks (the import registers them)."""
     from . import region  # noqa: F401
+    from . import dispatcher  # noqa: F401
 
     return REGISTRY
 

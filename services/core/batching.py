@@ -68,6 +68,7 @@ class Batch(Generic[T]):
     commit_offset: int
     conflated: int = 0
     redeliveries: int = 0
+    nbytes: int = 0
 
     @property
     def last_offset(self) -> int:
@@ -76,7 +77,14 @@ class Batch(Generic[T]):
 
 @dataclass(slots=True)
 class _Assembling(Generic[T]):
+    """Events waiting for a batch.  ``head`` is where the next batch starts,
+    so cutting a batch off a long backlog costs the batch, not the backlog."""
+
     events: list[T] = field(default_factory=list)
+    #: Offset of the event first appended at each index (a conflated
+    #: replacement keeps the index but has a higher offset).
+    first_offsets: list[int] = field(default_factory=list)
+    head: int = 0
     by_key: dict[str, int] = field(default_factory=dict)  # key -> index of its conflatable event
     first_offset: int = -1
     last_offset: int = -1
@@ -86,6 +94,10 @@ class _Assembling(Generic[T]):
 
     def covers_anything(self) -> bool:
         return self.last_offset >= 0
+
+    @property
+    def waiting(self) -> int:
+        return len(self.events) - self.head
 
 
 class PartitionBatcher(Generic[T]):
@@ -109,7 +121,7 @@ class PartitionBatcher(Generic[T]):
         a.nbytes += item.size_bytes
         if self.policy.conflation and item.conflatable:
             index = a.by_key.get(item.key)
-            if index is not None:
+            if index is not None and index >= a.head:
                 a.nbytes -= a.events[index].size_bytes
                 a.events[index] = item
                 a.conflated += 1
@@ -120,6 +132,7 @@ class PartitionBatcher(Generic[T]):
             # A create or destroy ends the run of updates it could replace.
             a.by_key.pop(item.key, None)
         a.events.append(item)
+        a.first_offsets.append(item.offset)
         if a.first_added_ms < 0:
             a.first_added_ms = now_ms
 
@@ -140,13 +153,13 @@ class PartitionBatcher(Generic[T]):
     @property
     def waiting(self) -> int:
         """Events assembled but not yet handed out."""
-        return len(self._assembling.events)
+        return self._assembling.waiting
 
     @property
     def buffered_bytes(self) -> int:
         out = self._assembling.nbytes
         if self.offered is not None:
-            out += sum(e.size_bytes for e in self.offered.events)
+            out += self.offered.nbytes
         return out
 
     def due_in_ms(self, now_ms: int) -> int | None:
@@ -160,7 +173,7 @@ class PartitionBatcher(Generic[T]):
         a = self._assembling
         if self.offered is not None or not a.covers_anything():
             return False
-        if len(a.events) >= self.policy.batch_size:
+        if a.waiting >= self.policy.batch_size:
             return True
         return now_ms - a.first_added_ms >= self.policy.batch_time_interval_ms
 
@@ -172,27 +185,40 @@ class PartitionBatcher(Generic[T]):
         if not a.covers_anything() or not (force or self.ready(now_ms)):
             return None
         size = self.policy.batch_size
-        if len(a.events) > size:
+        if a.waiting > size:
             # More than a batch waits (a burst while a batch was out): hand
-            # out the first batch_size events and keep the rest assembling.
-            # With conflation the list is not in offset order (a replacement
-            # takes its predecessor's place), so the commit stops below the
-            # lowest offset still waiting.
-            events, rest = a.events[:size], a.events[size:]
-            commit = min(item.offset for item in rest)
-            batch = Batch(self.partition, self.next_batch_id, events, a.first_offset, commit, a.conflated)
-            self._assembling = _Assembling()
-            for item in rest:
-                self.add(item, a.first_added_ms)
-            self._assembling.first_offset = commit
-            self._assembling.last_offset = max(self._assembling.last_offset, a.last_offset)
+            # out the next batch_size events and keep the rest assembling.
+            # Every event still waiting has an offset at or above the one
+            # first appended at its index, and those increase with the index,
+            # so the commit stops at the first waiting index's first offset.
+            start, stop = a.head, a.head + size
+            events = a.events[start:stop]
+            nbytes = sum(e.size_bytes for e in events)
+            commit = a.first_offsets[stop]
+            batch = Batch(self.partition, self.next_batch_id, events, a.first_offset, commit, a.conflated, 0, nbytes)
+            a.head = stop
+            a.first_offset = commit
+            a.conflated = 0
+            a.nbytes -= nbytes
+            if a.head > 4096 and a.head * 2 > len(a.events):
+                self._compact()
         else:
-            batch = Batch(self.partition, self.next_batch_id, a.events, a.first_offset, a.last_offset + 1,
-                          a.conflated)
+            events = a.events[a.head:] if a.head else a.events
+            batch = Batch(self.partition, self.next_batch_id, events, a.first_offset, a.last_offset + 1,
+                          a.conflated, 0, a.nbytes)
             self._assembling = _Assembling()
         self.next_batch_id += 1
         self.offered = batch
         return batch
+
+    def _compact(self) -> None:
+        """Drop the handed-out front of the backlog (amortized: rare, linear)."""
+        a = self._assembling
+        head = a.head
+        a.events = a.events[head:]
+        a.first_offsets = a.first_offsets[head:]
+        a.by_key = {k: i - head for k, i in a.by_key.items() if i >= head}
+        a.head = 0
 
     def rejected(self) -> Batch[T]:
         """The listener refused the batch: it stays out, to be offered again."""

@@ -495,18 +495,49 @@ class DispatcherService:
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         consumer.assign(partitions)
+        dispatched_before = self._partitions_dispatched_before()
         for tp in partitions:
             try:
                 _, high = consumer.get_watermark_offsets(TopicPartition(self.topic, tp.partition), timeout=10)
             except KafkaException as exc:
                 raise translate(exc, f"reading the end of {self.topic}[{tp.partition}]") from exc
+            # What a previous primary may have offered (everything up to the
+            # end as it is now) comes again flagged possibleDuplicate; a
+            # partition nobody ever dispatched has nothing to flag.
             self._partitions[tp.partition] = _Partition(
                 tp=TopicPartition(self.topic, tp.partition),
                 batcher=PartitionBatcher(tp.partition, self.policy, next_batch_id=int(time.time() * 1000)),
-                duplicate_below=high,
+                duplicate_below=high if dispatched_before is None or tp.partition in dispatched_before else 0,
             )
         log.info("queue %s: primary for partitions %s", self.queue_id, sorted(tp.partition for tp in partitions))
         self._publish_status()
+
+    def _partitions_dispatched_before(self) -> set[int] | None:
+        """Partitions some primary has reported on (every primary reports as it
+        takes one over); None when that cannot be known."""
+        reader = make_consumer(self.cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 10})
+        prefix = f"{KIND}/{self.queue_id}/".encode()
+        found: set[int] = set()
+        try:
+            tp = TopicPartition(self.status_topic, 0)
+            low, high = reader.get_watermark_offsets(tp, timeout=10)
+            if high > low:
+                reader.assign([TopicPartition(self.status_topic, 0, OFFSET_BEGINNING)])
+                last, end = low - 1, time.monotonic() + 15
+                while last < high - 1 and time.monotonic() < end:
+                    for msg in reader.consume(1000, 0.05):
+                        if msg.error() is None:
+                            last = msg.offset()
+                            key = msg.key() or b""
+                            if key.startswith(prefix):
+                                found.add(int(key[len(prefix):]))
+        except (KafkaException, ValueError) as exc:
+            # When in doubt, flag: possibleDuplicate is the safe side.
+            log.warning("reading %s: %s; flagging every queued event as possibleDuplicate", self.status_topic, exc)
+            return None
+        finally:
+            reader.close()
+        return found
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         revoked = [self._partitions[tp.partition] for tp in partitions if tp.partition in self._partitions]
