@@ -48,13 +48,11 @@ import glob
 import os
 import random
 import re
-import select
 import shutil
 import signal
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -74,6 +72,8 @@ from sluice.core.config import SiteConfig, load_config
 from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
 from sluice.core.kafka import OFFSET_BEGINNING, Consumer, TopicPartition, partition_for_key
 from sluice.core.topics import apply_topics
+
+from sluice.core import processes
 
 from .harness import REPO, Context, Result, benchmark, cpu_seconds, die_with_parent
 from .region import RawProducer, end_offsets, make_value, percentile
@@ -318,64 +318,13 @@ def note_decode_cost(ctx: Context, workload: Workload) -> None:
 # --- the dispatcher process -------------------------------------------------------------------
 
 
-class DispatcherProcess:
-    """``python -m sluice.cli dispatcher`` in a process (and session) of its own; a context manager.
-
-    ``bench`` is on its ``PYTHONPATH`` so the site file can name listeners in
-    ``bench.dispatcher_listeners``.  ``started_wall`` / ``started`` are taken
-    just before the process is spawned: the clock of the timed run.
-    """
+class DispatcherProcess(processes.DispatcherProcess):
+    """The dispatcher, with the repository on its ``PYTHONPATH`` so the site file
+    can name listeners in ``bench.dispatcher_listeners``.  ``started_wall`` /
+    ``started`` are taken just before the spawn: the clock of the timed run."""
 
     def __init__(self, config_path: Path, queue_id: str, log_path: Path, start_timeout_s: float = 60.0) -> None:
-        self.log_path = log_path
-        self._log = open(log_path, "ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1",
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-        self.started_wall = time.time()
-        self.started = time.monotonic()
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "sluice.cli", "dispatcher", "-c", str(config_path), "--queue", queue_id],
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._log, env=env, cwd=REPO,
-                start_new_session=True,
-                preexec_fn=die_with_parent,  # noqa: PLW1509 - only calls prctl
-            )
-        except BaseException:
-            self._log.close()
-            raise
-        try:
-            self.member_id = self._read_banner(start_timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-        #: Seconds from spawn to "dispatcher MEMBER of queue …" (imports, clients, control topic, listener probe).
-        self.ready_s = time.monotonic() - self.started
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def _read_banner(self, timeout_s: float) -> str:
-        assert self.proc.stdout is not None
-        end = time.monotonic() + timeout_s
-        line = b""
-        while time.monotonic() < end:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
-            if ready:
-                line = self.proc.stdout.readline()
-                if not line:
-                    break
-                if line.startswith(b"dispatcher "):
-                    return line.split()[1].decode()
-            elif self.proc.poll() is not None:
-                break
-        raise RuntimeError(f"the dispatcher did not start (exit {self.proc.poll()}); log:\n{self.log_tail()}")
-
-    def log_tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
+        super().__init__(config_path, queue_id, log_path, start_timeout_s=start_timeout_s, extra_path=[str(REPO)])
 
     def assigned_s(self) -> float | None:
         """Seconds from spawn to the first "primary for partitions" log line (the group join), if logged."""
@@ -385,26 +334,6 @@ class DispatcherProcess:
             return None
         logged = dt.datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()  # local time
         return logged - self.started_wall
-
-    def stop(self, timeout_s: float = 30.0) -> int | None:
-        """SIGTERM (the dispatcher leaves its group and closes its listeners), SIGKILL after ``timeout_s``."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        self._log.close()
-        return self.proc.returncode
-
-    def __enter__(self) -> "DispatcherProcess":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,6 @@ A benchmark owns what it starts: it stops its processes in ``finally``.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime as dt
 import json
 import os
@@ -55,6 +54,8 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 from rich.table import Table
+
+from sluice.core.processes import die_with_parent
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
@@ -307,28 +308,7 @@ def select(only: str | None) -> list[Entry]:
 # --- child processes ------------------------------------------------------------
 
 
-def _resolve_prctl() -> Callable[..., int] | None:
-    if sys.platform != "linux":
-        return None
-    try:
-        prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return prctl
-
-
-_PRCTL = _resolve_prctl()
-
-
-def die_with_parent() -> None:
-    """``preexec_fn`` for children: SIGTERM them when the runner dies (even by SIGKILL).
-
-    Runs between fork and exec, so it only calls a function resolved before.
-    The signal fires when the forking *thread* exits: start children from
-    the main thread.
-    """
-    if _PRCTL is not None:
-        _PRCTL(1, int(signal.SIGTERM), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+# die_with_parent: sluice.core.processes (imported above), shared with the services' own runners.
 
 
 # --- the machine ----------------------------------------------------------------

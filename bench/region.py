@@ -57,7 +57,9 @@ from sluice.core.kafka import (
 )
 
 from .harness import Context, Result, benchmark
-from .site import RegionProcess, write_site
+from sluice.core.processes import RegionProcess
+
+from .site import write_site
 
 REGION = "orders"
 BUCKETS = 8

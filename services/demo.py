@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -29,6 +26,8 @@ import yaml
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
+
+from .core.processes import DispatcherProcess, RegionProcess, ServiceProcess
 
 EXAMPLE = """\
 example:
@@ -87,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     if not console.is_terminal:
         console = Console(width=110)
     workdir = Path(tempfile.mkdtemp(prefix="sluice-demo-"))
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[ServiceProcess] = []
     broker = None
     interrupted = False
 
@@ -105,27 +104,14 @@ def run(args: argparse.Namespace) -> int:
         report = apply_topics(cfg)
         console.print(f"topics: {len(report.results)} ({sum(1 for r in report.results if r.action == 'created')} created)")
 
-        urls = []
-        for i in range(2):
-            log = open(workdir / f"region-{i}.log", "wb")
-            proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", "region", "-c", str(site_path), "--port", "0"],
-                                    stdout=subprocess.PIPE, stderr=log, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-            procs.append(proc)
-            assert proc.stdout is not None
-            line = proc.stdout.readline().decode()
-            if " on " not in line:
-                console.print(f"[red]region instance {i} did not start[/]; see {workdir / f'region-{i}.log'}")
-                return 1
-            urls.append(line.split(" on ", 1)[1].split(" ", 1)[0])
-        console.print(f"region service: 2 instances {', '.join(urls)}")
-        log = open(workdir / "dispatcher.log", "wb")
-        dispatcher = subprocess.Popen([sys.executable, "-m", "sluice.cli", "dispatcher", "-c", str(site_path),
-                                       "--queue", "orders-jdbc"], stdout=subprocess.PIPE, stderr=log,
-                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        procs.append(dispatcher)
-        assert dispatcher.stdout is not None
-        if not dispatcher.stdout.readline().decode().startswith("dispatcher "):
-            console.print(f"[red]the dispatcher did not start[/]; see {workdir / 'dispatcher.log'}")
+        try:
+            for i in range(2):
+                procs.append(RegionProcess(site_path, workdir / f"region-{i}.log"))
+            urls = [p.url for p in procs]
+            console.print(f"region service: 2 instances {', '.join(urls)}")
+            procs.append(DispatcherProcess(site_path, "orders-jdbc", workdir / "dispatcher.log"))
+        except RuntimeError as exc:
+            console.print(f"[red]a service did not start[/]: {exc}")
             return 1
         console.print("async event queue orders-jdbc: a dispatcher writing behind to SQLite")
 
@@ -242,13 +228,7 @@ def run(args: argparse.Namespace) -> int:
         return 130
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            proc.stop(15)
         if broker is not None:
             broker.stop()
         if not interrupted:

@@ -33,7 +33,6 @@ fill stderr with "connection refused" while the broker is coming up.
 from __future__ import annotations
 
 import base64
-import ctypes
 import enum
 import os
 import re
@@ -41,15 +40,15 @@ import signal
 import socket
 import struct
 import subprocess
-import sys
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
 
 from sluice.broker.jars import KAFKA_VERSION_DEFAULT, ensure_kafka_jars, log4j_config
+from sluice.core.processes import die_with_parent
 from sluice.core.errors import BrokerStartError, InvalidRequest
 
 HOST = "127.0.0.1"
@@ -169,30 +168,7 @@ class _Reader:
         return raw.decode("utf-8")
 
 
-def _die_with_parent_hook() -> None:
-    """Ask Linux to SIGTERM the child when its parent dies (prctl PDEATHSIG).
-
-    Without it a test run killed with SIGKILL leaves 300 MB JVMs behind on a
-    2-core machine.  Caveat, on purpose: the signal fires when the *thread*
-    that forked exits, so start brokers from a thread that outlives them
-    (the main thread, in the CLI and in pytest).  Runs in the child between
-    fork and exec, so it calls only a function resolved beforehand.
-    """
-    if _PRCTL is not None:
-        _PRCTL(1, int(signal.SIGTERM), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-
-
-def _resolve_prctl() -> Callable[..., int] | None:
-    if sys.platform != "linux":
-        return None
-    try:
-        prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return prctl
-
-
-_PRCTL = _resolve_prctl()
+_die_with_parent_hook = die_with_parent  # SIGTERM the broker if its starter dies (see core/processes.py)
 
 
 class BrokerProcess:

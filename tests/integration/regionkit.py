@@ -1,31 +1,30 @@
-"""Real region-service processes and queue readers for integration tests.
+"""Site files, service processes and queue readers for integration tests.
 
-A ``RegionProcess`` is ``python -m sluice.cli region -c FILE --port 0`` in a
-process of its own, so a test can kill -9 it.  ``read_queue`` reads a queue
-topic from the beginning with a plain consumer and decodes every record.
+``RegionProcess`` and ``DispatcherProcess`` (sluice.core.processes) run the
+services in processes of their own, so a test can kill -9 or SIGSTOP them.
+``read_queue`` reads a queue topic from the beginning with a plain consumer
+and decodes every record.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
 from confluent_kafka import Consumer, TopicPartition
 
+from sluice.core import processes
 from sluice.core.codec import get_codec
 from sluice.core.config import SiteConfig, load_config
 from sluice.core.events import EntryEvent
+from sluice.core.processes import RegionProcess
 from sluice.core.topics import apply_topics
 
-REPO = Path(__file__).resolve().parents[2]
+__all__ = ["DispatcherProcess", "RegionProcess", "end_offsets", "read_queue", "read_topic", "write_aeq_site",
+           "write_site"]
 
 
 def write_site(
@@ -72,70 +71,6 @@ def write_site(
     return cfg
 
 
-class RegionProcess:
-    """One region-service instance in its own process."""
-
-    def __init__(self, config_path: Path, log_path: Path) -> None:
-        self.config_path = config_path
-        self.log_path = log_path
-        self._log = open(log_path, "ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sluice.cli", "region", "-c", str(config_path), "--port", "0"],
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            env=env,
-            cwd=REPO,
-        )
-        self.url = self._read_url(timeout_s=30)
-
-    def _read_url(self, timeout_s: float) -> str:
-        assert self.proc.stdout is not None
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            line = self.proc.stdout.readline().decode()
-            if not line:
-                break
-            if line.startswith("region service "):
-                return line.split(" on ", 1)[1].split(" ", 1)[0]
-        raise RuntimeError(f"region service did not start; log:\n{self.log_path.read_text()[-3000:]}")
-
-    def wait_ready(self, timeout_s: float = 30.0) -> None:
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"{self.url} not ready in {timeout_s}s; log:\n{self.log_path.read_text()[-3000:]}")
-
-    def kill(self) -> None:
-        """kill -9: no revoke, no flush, no commit."""
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def pause(self) -> None:
-        """SIGSTOP: the process keeps its sockets but answers nothing, heartbeats included."""
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        self.proc.send_signal(signal.SIGCONT)
-
-    def stop(self, timeout_s: float = 20.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self._log.close()
-        return self.proc.returncode
-
-
 def write_aeq_site(path: Path, *, site: str, bootstrap: str, prefix: str, queue: dict[str, Any],
                    buckets: int = 8) -> SiteConfig:
     """A site file with region ``orders`` feeding one async event queue ``queue``."""
@@ -155,39 +90,11 @@ def write_aeq_site(path: Path, *, site: str, bootstrap: str, prefix: str, queue:
     return cfg
 
 
-class DispatcherProcess:
-    """One dispatcher of an async event queue in its own process."""
+class DispatcherProcess(processes.DispatcherProcess):
+    """A dispatcher that can load the test listeners of this folder."""
 
     def __init__(self, config_path: Path, queue_id: str, log_path: Path) -> None:
-        self.log_path = log_path
-        self._log = open(log_path, "ab")
-        here = str(Path(__file__).resolve().parent)
-        env = dict(os.environ, PYTHONUNBUFFERED="1",
-                   PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sluice.cli", "dispatcher", "-c", str(config_path), "--queue", queue_id],
-            stdout=subprocess.PIPE, stderr=self._log, env=env, cwd=REPO,
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline().decode()
-        if not line.startswith("dispatcher "):
-            raise RuntimeError(f"dispatcher did not start; log:\n{log_path.read_text()[-3000:]}")
-        self.member_id = line.split()[1]
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self, timeout_s: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self._log.close()
-        return self.proc.returncode
+        super().__init__(config_path, queue_id, log_path, extra_path=[str(Path(__file__).resolve().parent)])
 
 
 @dataclass(frozen=True)
