@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import logging
 import signal
 import sys
 from typing import Any
 
-from ..core.config import load_config
+from ..core.servicecli import add_site_options, load_site, setup_logging
 from ..core.errors import ConfigError, SluiceError
 from .service import DispatcherService, ServiceState
 
@@ -32,20 +31,15 @@ def add_parser(subparsers: Any) -> None:
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("-c", "--config", required=True, help="site configuration file (YAML or TOML)")
+    add_site_options(p)
     p.add_argument("--queue", required=True, metavar="ID", help="async event queue id from the site file")
-    p.add_argument("--bootstrap", help="override kafka.bootstrap_servers")
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    setup_logging(args.log_level)
     try:
-        cfg = load_config(args.config)
-        if args.bootstrap:
-            cfg = cfg.with_overrides({"kafka": {"bootstrap_servers": args.bootstrap}})
+        cfg = load_site(args)
         service = DispatcherService(cfg, args.queue)
         service.start()
     except ConfigError as exc:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import logging
 import signal
 import sys
 import threading
@@ -12,7 +11,7 @@ from typing import Any
 
 import uvicorn
 
-from ..core.config import load_config
+from ..core.servicecli import add_site_options, load_site, setup_logging
 from ..core.errors import ConfigError, SluiceError
 from .http import create_app
 from .service import RegionService, ServiceState
@@ -39,21 +38,16 @@ def add_parser(subparsers: Any) -> None:
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("-c", "--config", required=True, help="site configuration file (YAML or TOML)")
+    add_site_options(p)
     p.add_argument("--host", help="address to listen on (default: region_service.host)")
     p.add_argument("--port", type=int, help="port to listen on, 0 for any (default: region_service.port)")
-    p.add_argument("--bootstrap", help="override kafka.bootstrap_servers")
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    setup_logging(args.log_level)
     try:
-        cfg = load_config(args.config)
-        if args.bootstrap:
-            cfg = cfg.with_overrides({"kafka": {"bootstrap_servers": args.bootstrap}})
+        cfg = load_site(args)
     except ConfigError as exc:
         print(f"sluice region: {exc}", file=sys.stderr)
         return 2
