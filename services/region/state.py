@@ -50,6 +50,27 @@ class Duplicate:
 
 
 @dataclass(frozen=True, slots=True)
+class ConflictLost:
+    """A remote event lost the WAN conflict against the entry's current version."""
+
+    event_id: EventID
+    current: VersionTag
+    incoming: VersionTag
+
+
+def remote_wins(current: VersionTag, incoming: VersionTag) -> bool:
+    """Geode's WAN conflict rule, the same whatever the arrival order.
+
+    An event from the distributed system that wrote the entry last is not a
+    conflict: it applies when its entry version is newer.  Otherwise the later
+    timestamp wins, and equal timestamps go to the higher dsid.
+    """
+    if incoming.dsid == current.dsid:
+        return incoming.entry_version > current.entry_version
+    return (incoming.timestamp, incoming.dsid) > (current.timestamp, current.dsid)
+
+
+@dataclass(frozen=True, slots=True)
 class Skipped:
     """The operation has nothing to do (remove_all of an absent key)."""
 
@@ -149,6 +170,39 @@ class BucketState:
         )
         self.replay(event)
         return event
+
+    def prepare_remote(self, event: EntryEvent) -> EntryEvent | Duplicate | ConflictLost:
+        """An event another site applied, received by this site's gateway receiver.
+
+        Duplicates (by EventID) are answered, not applied.  Against an existing
+        entry (a tombstone included) the event applies only when it wins the
+        WAN conflict (``remote_wins``); it keeps its origin's version tag, so
+        every site ends with the same winner.  Only create, update and destroy
+        cross sites; a destroy of an absent key or a create of a present one
+        is applied as the origin applied it (the sites converge on its version).
+        """
+        if self.is_duplicate(event.event_id):
+            return Duplicate(event.event_id)
+        current = self.entries.get(event.key)
+        if current is not None and not remote_wins(current.version, event.version):
+            return ConflictLost(event.event_id, current.version, event.version)
+        applied = EntryEvent(
+            region=self.region,
+            key=event.key,
+            operation=event.operation,
+            value=None if event.operation.removes_value else event.value,
+            event_id=event.event_id,
+            version=event.version,
+            origin_dsid=event.origin_dsid,
+            bucket=self.bucket,
+            event_time=event.event_time,
+            callback_argument=event.callback_argument,
+            possible_duplicate=event.possible_duplicate,
+            visited_dsids=event.visited_dsids,
+            value_encoding=event.value_encoding,
+        )
+        self.replay(applied)
+        return applied
 
     def replay(self, event: EntryEvent) -> None:
         """Apply an event already in the changelog (load) or just prepared."""

@@ -504,3 +504,86 @@ def test_idle_event_id_streams_expire_and_busy_ones_stay():
     assert ("old", 1) not in state.streams and ("busy", 1) in state.streams
     assert isinstance(state.prepare(Op.PUT, "b", b"2", busy, now_ms=1_000_001), Duplicate)
     assert not isinstance(state.prepare(Op.PUT, "a", b"2", old, now_ms=1_000_002), Duplicate)
+
+
+# --- WAN conflicts (events applied by another site) ------------------------------
+
+
+def _remote(key: str, op: Operation, value: bytes | None, dsid: int, ts: int, version: int, seq: int) -> EntryEvent:
+    return EntryEvent(region="orders", key=key, operation=op, value=value, event_id=EventID(f"site{dsid}", 1, seq),
+                      version=VersionTag(dsid, ts, version, f"m{dsid}"), origin_dsid=dsid, bucket=0, event_time=ts,
+                      visited_dsids=(1,))
+
+
+def test_a_remote_event_for_an_absent_key_applies_with_its_origins_version():
+    """A remote create lands with the origin's version tag and origin dsid."""
+    from sluice.region.state import ConflictLost
+
+    state = BucketState("orders", 0, 1, "local")
+    applied = state.prepare_remote(_remote("k", Operation.CREATE, b"1", dsid=2, ts=100, version=1, seq=0))
+    assert not isinstance(applied, (Duplicate, ConflictLost))
+    entry = state.get("k")
+    assert entry is not None and entry.value == b"1" and entry.version == VersionTag(2, 100, 1, "m2")
+    assert applied.origin_dsid == 2 and applied.visited_dsids == (1,)
+
+
+@pytest.mark.parametrize(("local_ts", "remote_ts", "remote_dsid", "wins"), [
+    (100, 200, 2, True),   # later timestamp wins
+    (200, 100, 2, False),  # earlier loses
+    (100, 100, 2, True),   # tie: the higher dsid (2 > 1) wins
+    (100, 100, 0, False),  # tie against a lower dsid loses (dsid 0 stands for any lower site)
+])
+def test_wan_conflicts_go_to_the_later_timestamp_then_the_higher_dsid(local_ts, remote_ts, remote_dsid, wins):
+    """Geode's rule: later timestamp wins; equal timestamps go to the higher dsid."""
+    from sluice.region.state import ConflictLost
+
+    state = BucketState("orders", 0, 1, "local")
+    state.prepare(Op.PUT, "k", b"local", EventID("c", 1, 0), now_ms=local_ts)
+    outcome = state.prepare_remote(_remote("k", Operation.UPDATE, b"remote", remote_dsid, remote_ts, 1, seq=0))
+    assert isinstance(outcome, ConflictLost) is (not wins)
+    assert state.get("k").value == (b"remote" if wins else b"local")
+
+
+def test_the_conflict_winner_is_the_same_whatever_the_arrival_order():
+    """Two sites' concurrent writes, applied in either order, leave the same value and version."""
+    a = _remote("k", Operation.UPDATE, b"from-2", dsid=2, ts=500, version=3, seq=0)
+    b = _remote("k", Operation.UPDATE, b"from-3", dsid=3, ts=500, version=7, seq=0)
+    results = []
+    for order in ((a, b), (b, a)):
+        state = BucketState("orders", 0, 1, "local")
+        for event in order:
+            state.prepare_remote(event)
+        results.append((state.get("k").value, state.get("k").version))
+    assert results[0] == results[1] == (b"from-3", VersionTag(3, 500, 7, "m3"))
+
+
+def test_updates_from_the_last_writers_site_are_not_conflicts():
+    """An update from the dsid that wrote the entry last applies when its entry version is newer."""
+    from sluice.region.state import ConflictLost
+
+    state = BucketState("orders", 0, 1, "local")
+    state.prepare_remote(_remote("k", Operation.CREATE, b"v1", dsid=2, ts=900, version=1, seq=0))
+    # Same site, newer entry version, an older clock reading: still applies.
+    assert not isinstance(state.prepare_remote(_remote("k", Operation.UPDATE, b"v2", 2, 800, 2, seq=1)), ConflictLost)
+    assert isinstance(state.prepare_remote(_remote("k", Operation.UPDATE, b"old", 2, 950, 1, seq=2)), ConflictLost)
+    assert state.get("k").value == b"v2"
+
+
+def test_a_remote_destroy_leaves_a_tombstone_that_an_older_remote_create_cannot_revive():
+    """A winning remote destroy removes the entry; an older create from elsewhere loses to its tombstone."""
+    from sluice.region.state import ConflictLost
+
+    state = BucketState("orders", 0, 1, "local")
+    state.prepare(Op.PUT, "k", b"local", EventID("c", 1, 0), now_ms=100)
+    state.prepare_remote(_remote("k", Operation.DESTROY, None, dsid=2, ts=300, version=2, seq=0))
+    assert state.get("k") is None
+    late = state.prepare_remote(_remote("k", Operation.CREATE, b"late", dsid=3, ts=200, version=1, seq=0))
+    assert isinstance(late, ConflictLost) and state.get("k") is None
+
+
+def test_a_remote_event_seen_before_is_a_duplicate():
+    """The receiver's retries are answered by EventID, not applied twice."""
+    state = BucketState("orders", 0, 1, "local")
+    event = _remote("k", Operation.CREATE, b"1", dsid=2, ts=100, version=1, seq=4)
+    state.prepare_remote(event)
+    assert isinstance(state.prepare_remote(event), Duplicate)
