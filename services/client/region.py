@@ -33,7 +33,8 @@ import httpx
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from ..core.errors import SluiceError
-from ..core.events import EventID
+from ..core.events import EntryEvent, EventID
+from ..core.remotewire import encode_remote
 
 
 class RegionError(SluiceError):
@@ -119,6 +120,16 @@ class RegionClient:
         eid = event_id or self.next_event_id(len(keys))
         return self._request("POST", f"/regions/{region}/remove_all", {"keys": keys, "event_id": eid.to_record()},
                              bulk=True)
+
+    def apply_remote(self, region: str, events: list[EntryEvent], *, outcomes: str = "exceptions") -> dict[str, Any]:
+        """Apply events another site applied (what a gateway receiver does).
+
+        Retried until acknowledged: each event keeps its EventID, so a repeat is
+        answered ``duplicate``; events that lose the WAN conflict are counted in
+        ``conflicts`` and listed as ``conflict``.
+        """
+        body = {"events": [encode_remote(e) for e in events]}
+        return self._request("POST", f"/regions/{region}/apply_remote?outcomes={outcomes}", body, bulk=True)
 
     def get(self, region: str, key: str, default: Any = None) -> Any:
         entry = self.get_entry(region, key)

@@ -66,7 +66,7 @@ from ..core.kafka import (
     translate,
 )
 from .fanout import BucketProgress, FanoutWriter, Pending, QueueTarget
-from .state import BucketState, Duplicate, Op, Skipped
+from .state import BucketState, ConflictLost, Duplicate, Op, Skipped
 
 log = logging.getLogger("sluice.region.engine")
 
@@ -104,6 +104,8 @@ class Operation:
     event_id: EventID | None = None
     callback_argument: str | None = None
     bucket: int = -1
+    #: For ``Op.REMOTE``: the event another site applied (its own EventID and version).
+    remote: EntryEvent | None = None
 
 
 @dataclass(slots=True)
@@ -114,6 +116,8 @@ class OpResult:
     duplicate: bool = False
     skipped: bool = False
     error: SluiceError | None = None
+    #: A remote event that lost the WAN conflict: not applied, not an error.
+    conflict_lost: bool = False
 
 
 class RegionEngine:
@@ -172,7 +176,8 @@ class RegionEngine:
         self._admin: AdminClient | None = None
         self._writer: FanoutWriter | None = None
         self.assigned_once = threading.Event()
-        self.stats = {"applied": 0, "duplicates": 0, "loads": 0, "refanned_out": 0, "bucket_failures": 0}
+        self.stats = {"applied": 0, "duplicates": 0, "conflicts_lost": 0, "loads": 0, "refanned_out": 0,
+                      "bucket_failures": 0}
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -294,9 +299,18 @@ class RegionEngine:
                     event_id = EventID(self.member_id, bucket, ob.next_sequence)
                     ob.next_sequence += 1
                 try:
-                    outcome = ob.state.prepare(op.op, op.key, op.value, event_id, now_ms, op.callback_argument)
+                    if op.op is Op.REMOTE:
+                        assert op.remote is not None
+                        event_id = op.remote.event_id
+                        outcome = ob.state.prepare_remote(op.remote)
+                    else:
+                        outcome = ob.state.prepare(op.op, op.key, op.value, event_id, now_ms, op.callback_argument)
                 except InvalidRequest as exc:
                     result.error = exc
+                    continue
+                if isinstance(outcome, ConflictLost):
+                    result.conflict_lost = True
+                    self.stats["conflicts_lost"] += 1
                     continue
                 if isinstance(outcome, Duplicate):
                     result.duplicate = True

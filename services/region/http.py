@@ -22,8 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..core.errors import InvalidRequest, SluiceError
-from ..core.events import EventID
+from ..core.events import EventID, goes_to_gateway
 from .engine import Operation
+from ..core.remotewire import decode_remote
 from .service import FORWARDED_HEADER, Outcome, RegionService, _NotOwnedKeys, op_from_json
 from .state import Op
 
@@ -64,6 +65,13 @@ class PutAllBody(BaseModel):
     event_id: EventIdBody | None = None
 
 
+class RemoteBody(BaseModel):
+    """Events applied by another site, each its Avro single-object encoding in base64."""
+
+    model_config = ConfigDict(extra="forbid")
+    events: list[str] = Field(min_length=1, max_length=10_000)
+
+
 class KeysBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     keys: list[str]
@@ -87,7 +95,7 @@ def _single(outcome: Outcome, created: bool = False) -> JSONResponse:
 def _bulk(outcomes: list[Outcome], detail: str = "exceptions") -> JSONResponse:
     """A bulk operation is not atomic (as Geode's putAll): a summary, and the
     outcome of every key that was not simply applied (``detail=all``: of every key)."""
-    counts = {"ok": 0, "duplicate": 0, "skipped": 0, "error": 0}
+    counts = {"ok": 0, "duplicate": 0, "skipped": 0, "conflict": 0, "error": 0}
     listed = []
     worst = 0
     for o in outcomes:
@@ -106,6 +114,7 @@ def _bulk(outcomes: list[Outcome], detail: str = "exceptions") -> JSONResponse:
         "applied": counts["ok"],
         "duplicates": counts["duplicate"],
         "skipped": counts["skipped"],
+        "conflicts": counts["conflict"],
         "failed": counts["error"],
         "outcomes": listed,
     }
@@ -121,7 +130,8 @@ def create_app(service: RegionService) -> FastAPI:
         title="Sluice region service",
         version="1",
         description=__doc__,
-        openapi_tags=[{"name": "entries"}, {"name": "bulk"}, {"name": "operations"}, {"name": "internal"}],
+        openapi_tags=[{"name": "entries"}, {"name": "bulk"}, {"name": "gateway"}, {"name": "operations"},
+                      {"name": "internal"}],
     )
 
     @app.middleware("http")
@@ -270,6 +280,32 @@ def create_app(service: RegionService) -> FastAPI:
         for i, key in enumerate(body.keys):
             service.check_key(region, key, f"keys[{i}]")
         return {"entries": await _read(request, region, body.keys)}
+
+    # --- from other sites ------------------------------------------------------------
+
+    @app.post("/regions/{region}/apply_remote", tags=["gateway"],
+              summary="Apply events another site applied (the gateway receiver's entry point)")
+    async def apply_remote(region: RegionName, body: RemoteBody, request: Request,
+                           outcomes: str = Query("exceptions", pattern="^(exceptions|all)$")) -> JSONResponse:
+        """Each event keeps its origin's EventID and version tag.  Repeats are
+        answered ``duplicate``; an event that loses the WAN conflict (later
+        timestamp wins, then the higher dsid) is answered ``conflict`` and not
+        applied.  Only create, update and destroy operations cross sites."""
+        service.region_config(region)
+        ops = []
+        for i, text in enumerate(body.events):
+            event = decode_remote(text, f"events[{i}]")
+            if event.region != region:
+                raise InvalidRequest(f"events[{i}].region", event.region, f"the request is for region {region!r}")
+            if not goes_to_gateway(event.operation):
+                raise InvalidRequest(f"events[{i}].operation", event.operation.value,
+                                     "only create, update and destroy cross sites")
+            if event.version.dsid == service.cfg.dsid or event.origin_dsid == service.cfg.dsid:
+                raise InvalidRequest(f"events[{i}].origin_dsid", event.origin_dsid,
+                                     f"an event of this site (dsid {service.cfg.dsid}) cannot come back to it")
+            service.check_key(region, event.key, f"events[{i}].key")
+            ops.append(Operation(Op.REMOTE, region, event.key, remote=event))
+        return _bulk(await service.execute(ops, forwarded(request)), outcomes)
 
     # --- operations ------------------------------------------------------------------
 

@@ -38,6 +38,7 @@ import orjson
 
 from ..core import jsonvalue
 from ..core.codec import get_codec
+from ..core.remotewire import decode_remote, encode_remote
 from ..core.config import SiteConfig
 from ..core.errors import (
     BrokerUnavailable,
@@ -75,7 +76,7 @@ class Outcome:
     """One operation's answer as the HTTP API reports it."""
 
     key: str
-    status: str  # ok | duplicate | skipped | error
+    status: str  # ok | duplicate | skipped | conflict (a remote event lost) | error
     operation: str | None = None
     version: dict[str, Any] | None = None
     event_id: dict[str, Any] | None = None
@@ -114,8 +115,11 @@ def outcome_of(op: Operation, result: OpResult) -> Outcome:
         err = result.error.to_dict()
         err["http_status"] = result.error.http_status
         return Outcome(op.key, "error", error=err, http_status=result.error.http_status)
+    if result.conflict_lost:
+        return Outcome(op.key, "conflict", event_id=op.remote.event_id.to_record() if op.remote else None)
     if result.duplicate:
-        return Outcome(op.key, "duplicate", event_id=op.event_id.to_record() if op.event_id else None)
+        eid = op.remote.event_id if op.remote is not None else op.event_id
+        return Outcome(op.key, "duplicate", event_id=eid.to_record() if eid else None)
     if result.skipped:
         return Outcome(op.key, "skipped")
     event = result.event
@@ -591,12 +595,14 @@ def _op_to_json(op: Operation) -> dict[str, Any]:
         "value": None if op.value is None else op.value.decode("utf-8"),
         "event_id": op.event_id.to_record() if op.event_id else None,
         "callback_argument": op.callback_argument,
+        "remote": None if op.remote is None else encode_remote(op.remote),
     }
 
 
 def op_from_json(d: dict[str, Any]) -> Operation:
     eid = d.get("event_id")
     value = d.get("value")
+    remote = d.get("remote")
     return Operation(
         op=Op(d["op"]),
         region=d["region"],
@@ -604,6 +610,7 @@ def op_from_json(d: dict[str, Any]) -> Operation:
         value=None if value is None else value.encode("utf-8"),
         event_id=EventID.from_record(eid) if eid else None,
         callback_argument=d.get("callback_argument"),
+        remote=None if remote is None else decode_remote(remote),
     )
 
 

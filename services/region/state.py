@@ -32,6 +32,7 @@ class Op(str, enum.Enum):
     DESTROY = "destroy"
     REMOVE_ALL = "remove_all"
     INVALIDATE = "invalidate"
+    REMOTE = "remote"  # an event another site applied, through the gateway receiver
 
 
 @dataclass(slots=True)
@@ -144,7 +145,7 @@ class BucketState:
             if current is None:
                 raise EntryNotFound(self.region, key)
             operation, value = Operation.INVALIDATE, None
-        else:  # pragma: no cover - Op is closed
+        else:  # pragma: no cover - REMOTE goes through prepare_remote
             raise AssertionError(op)
 
         previous = self.entries.get(key)  # includes a tombstone's version

@@ -1,0 +1,23 @@
+"""Events applied by another site, as they cross the region service's HTTP API:
+each one's Avro single-object encoding (the changelog's format), in base64."""
+
+from __future__ import annotations
+
+import base64
+
+from .codec import get_codec
+from .errors import CodecError, InvalidRequest
+from .events import EntryEvent
+
+
+def encode_remote(event: EntryEvent) -> str:
+    return base64.b64encode(get_codec().encode("EntryEvent", event.to_record())).decode("ascii")
+
+
+def decode_remote(text: str, field: str = "events") -> EntryEvent:
+    """The event, or ``InvalidRequest`` naming ``field`` when it is not one."""
+    try:
+        data = base64.b64decode(text, validate=True)
+        return EntryEvent.from_record(get_codec().decode_as("EntryEvent", data))
+    except (ValueError, CodecError) as exc:
+        raise InvalidRequest(field, text[:40], f"not a base64 Avro EntryEvent: {exc}") from None
