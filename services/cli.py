@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .broker import cli as broker_cli
     from .core import configcli
     from .dispatcher import cli as dispatcher_cli
+    from .receiver import cli as receiver_cli
     from .region import cli as region_cli
 
     parser = argparse.ArgumentParser(
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     configcli.add_parsers(sub)
     region_cli.add_parser(sub)
     dispatcher_cli.add_parser(sub)
+    receiver_cli.add_parser(sub)
     admin_cli.add_parser(sub)
     demo.add_parser(sub)
     return parser

@@ -182,3 +182,13 @@ class DispatcherProcess(ServiceProcess):
     def __init__(self, config_path: Path, queue_id: str, log_path: Path, **kwargs: Any) -> None:
         super().__init__(["dispatcher", "-c", str(config_path), "--queue", queue_id], log_path, **kwargs)
         self.member_id = self.announcement.split()[1]
+
+
+class ReceiverProcess(ServiceProcess):
+    """``sluice receiver -c FILE``."""
+
+    banner = "receiver "
+
+    def __init__(self, config_path: Path, log_path: Path, **kwargs: Any) -> None:
+        super().__init__(["receiver", "-c", str(config_path)], log_path, **kwargs)
+        self.member_id = self.announcement.split()[1]

@@ -1,0 +1,1 @@
+"""The gateway receiver: applies batches from remote sites and acknowledges them."""

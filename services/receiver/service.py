@@ -1,0 +1,338 @@
+"""The gateway receiver: ``sluice receiver -c FILE``, the only entry point for remote sites.
+
+Remote senders write ``GatewayBatch`` records into this site's inbound topic,
+keyed ``<source dsid>/<sender id>/<queue partition>``; receivers share its
+partitions through a consumer group (HA, scaled by partition).  The story of
+one batch, step by step:
+
+1. A record that cannot be decoded goes to the site's region dead-letter
+   topic with the reason.  A batch from a dsid not in ``receiver.accepted_dsids``
+   is rejected: counted, dead-lettered, never applied, never acknowledged.
+2. A batch id at or below the last one applied for its sender partition is
+   acknowledged again (``duplicate_batch``) and not applied again (Geode's
+   duplicateBatchesReceived).  That tracking survives restarts and failovers:
+   it is rebuilt from the acks this site already wrote.
+3. Each event is checked (its region exists here, it is an operation that
+   crosses sites, it did not come from this site); one that fails becomes a
+   per-event exception in the ack.  The rest go to the local region service
+   (``apply_remote``), which discards repeats by EventID, resolves WAN
+   conflicts by version tag, and writes changelog and queues.  Transient
+   failures are retried here, for as long as it takes.
+4. Only when every event is durably applied (or refused) is the ack written
+   to the acks topic (same key, same partition), and then the inbound offset
+   committed.  A crash before that means the batch is read again; its events
+   come back as duplicates.
+
+Region-service instances are found through their consumer group, whose
+members' client ids carry their URLs, so the receiver needs no address list.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+import uuid
+from collections import defaultdict
+from typing import Any
+
+from tenacity import Retrying, retry_if_exception_type, wait_exponential
+
+from ..client.region import RegionClient, RegionError
+from ..core.codec import get_codec
+from ..core.config import SiteConfig
+from ..core.errors import CodecError, SluiceError
+from ..core.events import EntryEvent, goes_to_gateway
+from ..core.kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaException,
+    Message,
+    TopicPartition,
+    make_admin,
+    make_consumer,
+    make_producer,
+    translate,
+)
+
+log = logging.getLogger("sluice.receiver")
+
+REGION_CLIENT_PREFIX = "sluice-region@"
+
+
+class ServiceState(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    CRASHED = "crashed"
+
+
+class _NoRegionService(SluiceError):
+    retriable = True
+
+
+class _Stopping(Exception):
+    """The receiver is stopping in the middle of a batch: it is neither acked nor committed."""
+
+
+def region_service_urls(admin: Any, group_id: str) -> list[str]:
+    """URLs of the live region-service instances, from their consumer group."""
+    try:
+        desc = admin.describe_consumer_groups([group_id], request_timeout=5)[group_id].result(timeout=6)
+    except KafkaException as exc:
+        raise translate(exc, "describing the region group") from exc
+    return sorted({m.client_id[len(REGION_CLIENT_PREFIX):] for m in desc.members
+                   if m.client_id.startswith(REGION_CLIENT_PREFIX)})
+
+
+class ReceiverService:
+    """One gateway-receiver instance of a site."""
+
+    def __init__(self, cfg: SiteConfig, *, member_id: str | None = None) -> None:
+        if cfg.receiver is None:
+            raise SluiceError(f"site {cfg.site!r} has no receiver section in its site file")
+        self.cfg = cfg
+        self.accepted = set(cfg.receiver.accepted_dsids)
+        self.member_id = member_id or f"{cfg.site}-receiver-{uuid.uuid4().hex[:8]}"
+        names = cfg.topics
+        self.inbound = names.gateway_inbound()
+        self.acks = names.gateway_acks()
+        self.dead_letter = names.region_dead_letter()
+        self.group_id = f"{cfg.kafka.topic_prefix}gateway.receiver"
+        self.region_group = f"{cfg.kafka.topic_prefix}region"
+        self.regions = {r.name: r for r in cfg.regions}
+        self.state = ServiceState.NEW
+        self.crash: BaseException | None = None
+        self._stopping = threading.Event()
+        self._codec = get_codec()
+        self._last_batch: dict[str, int] = {}
+        self._consumer: Consumer | None = None
+        self._producer: Any = None
+        self._admin: Any = None
+        self._client: RegionClient | None = None
+        self.stats = {"batches": 0, "duplicate_batches": 0, "rejected_batches": 0, "events_applied": 0,
+                      "events_duplicate": 0, "conflicts": 0, "exceptions": 0, "dead_lettered": 0}
+
+    # --- lifecycle -------------------------------------------------------------
+
+    def start(self) -> None:
+        base = self.cfg.kafka.client_settings()
+        self._producer = make_producer(base, **{"client.id": self.member_id}, **self.cfg.kafka.producer_settings())
+        self._consumer = make_consumer(base, self.group_id, **{"client.id": self.member_id},
+                                       **self.cfg.kafka.group_settings())
+        self._admin = make_admin(base)
+        self.state = ServiceState.RUNNING
+
+    def stop(self) -> None:
+        if self.state in (ServiceState.NEW, ServiceState.RUNNING):
+            self.state = ServiceState.STOPPING
+        self._stopping.set()
+
+    def run(self) -> None:
+        consumer = self._consumer
+        assert consumer is not None
+        consumer.subscribe([self.inbound], on_assign=self._on_assign)
+        try:
+            while not self._stopping.is_set():
+                try:
+                    msgs = consumer.consume(1, 0.1)
+                except KafkaException as exc:
+                    raise translate(exc, f"consuming {self.inbound}") from exc
+                for msg in msgs:
+                    if msg.error() is None:
+                        try:
+                            self._handle(msg)
+                        except _Stopping:
+                            break
+        except BaseException as exc:
+            if not isinstance(exc, KeyboardInterrupt):
+                self.crash = exc
+                self.state = ServiceState.CRASHED
+            raise
+        finally:
+            try:
+                consumer.close()
+            except (KafkaException, RuntimeError) as exc:
+                log.warning("closing the consumer: %s", exc)
+            if self._producer is not None:
+                self._producer.flush(10)
+            if self._client is not None:
+                self._client.close()
+            if self.state is not ServiceState.CRASHED:
+                self.state = ServiceState.STOPPED
+
+    # --- assignment: rebuild the duplicate-batch tracking from our own acks ----------
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        consumer.assign(partitions)
+        reader = make_consumer(self.cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 10})
+        try:
+            for tp in partitions:
+                ack_tp = TopicPartition(self.acks, tp.partition)
+                low, high = reader.get_watermark_offsets(ack_tp, timeout=10)
+                if high <= low:
+                    continue
+                reader.assign([TopicPartition(self.acks, tp.partition, OFFSET_BEGINNING)])
+                last, end = low - 1, time.monotonic() + 30
+                while last < high - 1 and time.monotonic() < end:
+                    for msg in reader.consume(1000, 0.05):
+                        if msg.error() is not None:
+                            continue
+                        last = msg.offset()
+                        try:
+                            ack = self._codec.decode_as("GatewayAck", msg.value())
+                        except CodecError:
+                            continue
+                        key = (msg.key() or b"").decode("utf-8", "replace")
+                        self._last_batch[key] = max(self._last_batch.get(key, -1), ack["batch_id"])
+                reader.unassign()
+        except KafkaException as exc:
+            raise translate(exc, f"reading {self.acks}") from exc
+        finally:
+            reader.close()
+        log.info("receiver %s: inbound partitions %s, %d sender partitions tracked", self.member_id,
+                 sorted(tp.partition for tp in partitions), len(self._last_batch))
+
+    # --- one batch -----------------------------------------------------------------------
+
+    def _handle(self, msg: Message) -> None:
+        try:
+            batch = self._codec.decode_as("GatewayBatch", msg.value())
+        except CodecError as exc:
+            self._dead_letter(msg, f"undecodable gateway batch: {exc}", type(exc).__name__)
+            self._commit(msg)
+            return
+        source = batch["source_dsid"]
+        key = f"{source}/{batch['sender_id']}/{batch['queue_partition']}"
+        if source not in self.accepted or batch["target_dsid"] != self.cfg.dsid:
+            self.stats["rejected_batches"] += 1
+            reason = (f"batch {batch['batch_id']} from dsid {source} rejected: accepted dsids are "
+                      f"{sorted(self.accepted)}" if source not in self.accepted
+                      else f"batch for dsid {batch['target_dsid']} reached dsid {self.cfg.dsid}")
+            log.warning("%s (sender %s)", reason, batch["sender_id"])
+            self._dead_letter(msg, reason, "RejectedBatch")
+            self._commit(msg)
+            return
+        if batch["batch_id"] <= self._last_batch.get(key, -1):
+            self.stats["duplicate_batches"] += 1
+            self._ack(msg, key, batch, last_applied=len(batch["events"]) - 1, exceptions=[], duplicate=True)
+            self._commit(msg)
+            return
+        events = [EntryEvent.from_record(e) for e in batch["events"]]
+        exceptions, last_applied = self._apply(events)
+        self._ack(msg, key, batch, last_applied=last_applied, exceptions=exceptions, duplicate=False)
+        self._last_batch[key] = batch["batch_id"]
+        self.stats["batches"] += 1
+        self._commit(msg)
+
+    def _refusal(self, event: EntryEvent) -> tuple[str, str] | None:
+        region = self.regions.get(event.region)
+        if region is None:
+            return "UnknownRegion", f"region {event.region!r} is not configured at dsid {self.cfg.dsid}"
+        if not goes_to_gateway(event.operation):
+            return "InvalidRequest", f"{event.operation.value} does not cross sites"
+        if event.origin_dsid == self.cfg.dsid:
+            return "InvalidRequest", f"event of dsid {self.cfg.dsid} came back to it"
+        if len(event.key.encode("utf-8")) > region.key_max_bytes:
+            return "EntryTooLarge", f"key of {len(event.key.encode())} bytes > key_max_bytes {region.key_max_bytes}"
+        if event.value is not None and len(event.value) > region.value_max_bytes:
+            return "EntryTooLarge", f"value of {len(event.value)} bytes > value_max_bytes {region.value_max_bytes}"
+        return None
+
+    def _apply(self, events: list[EntryEvent]) -> tuple[list[dict[str, Any]], int]:
+        """Apply what can be applied; (per-event exceptions, index of the last applied event)."""
+        exceptions: list[dict[str, Any]] = []
+        by_region: dict[str, list[tuple[int, EntryEvent]]] = defaultdict(list)
+        for i, event in enumerate(events):
+            refusal = self._refusal(event)
+            if refusal is not None:
+                exceptions.append({"index": i, "event_id": event.event_id.to_record(),
+                                   "exception_class": refusal[0], "message": refusal[1]})
+                continue
+            by_region[event.region].append((i, event))
+        applied: set[int] = set()
+        for region, items in by_region.items():
+            answer = self._apply_region(region, [e for _, e in items])
+            for (i, event), outcome in zip(items, answer["outcomes"]):
+                status = outcome["status"]
+                if status == "error":
+                    err = outcome.get("error", {})
+                    exceptions.append({"index": i, "event_id": event.event_id.to_record(),
+                                       "exception_class": err.get("error", "Error"),
+                                       "message": err.get("message", "")})
+                    continue
+                applied.add(i)
+                self.stats["events_applied" if status == "ok" else "events_duplicate" if status == "duplicate"
+                           else "conflicts"] += 1
+        self.stats["exceptions"] += len(exceptions)
+        for e in exceptions:
+            log.warning("event %d refused: %s: %s", e["index"], e["exception_class"], e["message"])
+        return sorted(exceptions, key=lambda e: e["index"]), max(applied, default=-1)
+
+    def _apply_region(self, region: str, events: list[EntryEvent]) -> dict[str, Any]:
+        """Retried here until the region service answers: nothing is acknowledged before that."""
+        for attempt in Retrying(
+            retry=retry_if_exception_type((SluiceError,)),
+            wait=wait_exponential(multiplier=0.1, max=5),
+            sleep=lambda s: self._stopping.wait(s) and None,
+            reraise=True,
+        ):
+            with attempt:
+                if self._stopping.is_set():
+                    raise _Stopping
+                answer = self._region_client().apply_remote(region, events, outcomes="all")
+                return answer
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _region_client(self) -> RegionClient:
+        if self._client is None:
+            urls = region_service_urls(self._admin, self.region_group)
+            if not urls:
+                raise _NoRegionService("no region-service instance is running at this site")
+            self._client = RegionClient(urls, retry_for_s=30)
+        return self._client
+
+    # --- acks, dead letters, commits ---------------------------------------------------------
+
+    def _ack(self, msg: Message, key: str, batch: dict[str, Any], *, last_applied: int,
+             exceptions: list[dict[str, Any]], duplicate: bool) -> None:
+        events = batch["events"]
+        record = {
+            "sender_id": batch["sender_id"],
+            "source_dsid": batch["source_dsid"],
+            "receiver_dsid": self.cfg.dsid,
+            "queue_partition": batch["queue_partition"],
+            "batch_id": batch["batch_id"],
+            "last_applied_index": last_applied,
+            "last_applied_event_id": events[last_applied]["event_id"] if 0 <= last_applied < len(events) else None,
+            "duplicate_batch": duplicate,
+            "exceptions": exceptions,
+            "acked_at": int(time.time() * 1000),
+        }
+        errors: list[Any] = []
+        self._producer.produce(self.acks, self._codec.encode("GatewayAck", record), key.encode(),
+                               partition=msg.partition(), on_delivery=lambda err, _m: errors.append(err))
+        if self._producer.flush(30) or errors != [None]:
+            raise SluiceError(f"ack of batch {batch['batch_id']} ({key}) not written: {errors}")
+
+    def _dead_letter(self, msg: Message, reason: str, error_class: str) -> None:
+        record = {"source_topic": msg.topic(), "source_partition": msg.partition(), "source_offset": msg.offset(),
+                  "key": msg.key(), "value": msg.value(), "reason": reason, "error_class": error_class,
+                  "event": None, "service": f"receiver {self.member_id}", "failed_at": int(time.time() * 1000)}
+        self._producer.produce(self.dead_letter, self._codec.encode("DeadLetter", record), msg.key())
+        if self._producer.flush(30):
+            raise SluiceError(f"dead letter for {msg.topic()}[{msg.partition()}]@{msg.offset()} not written")
+        self.stats["dead_lettered"] += 1
+
+    def _commit(self, msg: Message) -> None:
+        assert self._consumer is not None
+        try:
+            self._consumer.commit(offsets=[TopicPartition(msg.topic(), msg.partition(), msg.offset() + 1)],
+                                  asynchronous=True)
+        except KafkaException as exc:
+            log.warning("committing %s[%d]: %s", msg.topic(), msg.partition(), exc)
+
+
+__all__ = ["ReceiverService", "RegionError", "region_service_urls"]

@@ -1,0 +1,119 @@
+"""The gateway receiver against a real broker and region service: batches as a remote sender writes them."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from confluent_kafka import Producer
+
+from sluice.client import RegionClient
+from sluice.core.codec import get_codec
+from sluice.core.config import load_config
+from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
+from sluice.core.kafka import partition_for_key
+from sluice.core.processes import ReceiverProcess
+from sluice.core.topics import apply_topics
+
+from regionkit import RegionProcess, read_topic
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _site_b(path: Path, bootstrap: str, prefix: str) -> Any:
+    data = {
+        "site": "b", "dsid": 2,
+        "kafka": {"bootstrap_servers": bootstrap, "topic_prefix": prefix, "session_timeout_ms": 3000,
+                  "heartbeat_interval_ms": 500},
+        "regions": [{"name": "orders", "buckets": 4, "key_max_bytes": 64}],
+        "receiver": {"inbound_partitions": 2, "accepted_dsids": [1]},
+    }
+    path.write_text(yaml.safe_dump(data))
+    cfg = load_config(path)
+    assert apply_topics(cfg).ok
+    return cfg
+
+
+def _event(key: str, op: Operation, value: bytes | None, seq: int, dsid: int = 1, ts: int = 1_000,
+           version: int = 1) -> dict[str, Any]:
+    return EntryEvent(region="orders", key=key, operation=op, value=value, event_id=EventID("site-a-client", 1, seq),
+                      version=VersionTag(dsid, ts + seq, version, "a-0"), origin_dsid=dsid, bucket=0, event_time=ts + seq,
+                      visited_dsids=(2,)).to_record()
+
+
+def _send(cfg: Any, bootstrap: str, batch_id: int, events: list[dict[str, Any]], source: int = 1) -> None:
+    key = f"{source}/orders-to-b/0"
+    record = {"sender_id": "orders-to-b", "source_dsid": source, "target_dsid": 2, "queue_partition": 0,
+              "batch_id": batch_id, "first_offset": 0, "last_offset": len(events) - 1, "possible_duplicate": False,
+              "created_at": int(time.time() * 1000), "events": events, "signature": None}
+    producer = Producer({"bootstrap.servers": bootstrap})
+    producer.produce(cfg.topics.gateway_inbound(), get_codec().encode("GatewayBatch", record), key.encode(),
+                     partition=partition_for_key(key.encode(), 2))
+    assert producer.flush(10) == 0
+
+
+def _acks(cfg: Any, bootstrap: str, count: int, timeout_s: float = 60) -> list[dict[str, Any]]:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        acks = [get_codec().decode_as("GatewayAck", v) for _, _, v in read_topic(bootstrap, cfg.topics.gateway_acks(), 2)]
+        if len(acks) >= count:
+            return sorted(acks, key=lambda a: a["acked_at"])
+        time.sleep(0.2)
+    pytest.fail(f"fewer than {count} acks in {timeout_s}s")
+
+
+def test_batches_are_applied_acknowledged_deduplicated_and_screened(site_a, unique_prefix, tmp_path: Path):
+    """Applied then acked; a repeated batch is acked again and not re-applied; a poison event is an exception
+    in the ack while the rest applies; a batch from an unconfigured dsid is rejected and applies nothing."""
+    cfg = _site_b(tmp_path / "site-b.yaml", site_a.bootstrap, site_a.topic_prefix(unique_prefix))
+    region = RegionProcess(tmp_path / "site-b.yaml", tmp_path / "region.log")
+    receiver = ReceiverProcess(tmp_path / "site-b.yaml", tmp_path / "receiver.log")
+    try:
+        region.wait_ready()
+        client = RegionClient([region.url])
+
+        _send(cfg, site_a.bootstrap, 1, [_event(f"k{i}", Operation.CREATE, b'{"v":%d}' % i, i) for i in range(5)])
+        first = _acks(cfg, site_a.bootstrap, 1)[0]
+        assert (first["batch_id"], first["last_applied_index"], first["exceptions"]) == (1, 4, [])
+        assert first["duplicate_batch"] is False
+        assert [client.get("orders", f"k{i}") for i in range(5)] == [{"v": i} for i in range(5)]
+
+        # The same batch again (a sender that missed the ack): acked again, not applied again.
+        _send(cfg, site_a.bootstrap, 1, [_event("k0", Operation.UPDATE, b'{"v":"again"}', 99)])
+        again = _acks(cfg, site_a.bootstrap, 2)[1]
+        assert again["duplicate_batch"] is True and client.get("orders", "k0") == {"v": 0}
+
+        # A poison event (its key is too long for this site): an exception in the ack, the rest applies.
+        poison = [_event("k5", Operation.CREATE, b"5", 5), _event("x" * 100, Operation.CREATE, b"6", 6),
+                  _event("k7", Operation.CREATE, b"7", 7), _event("k1", Operation.DESTROY, None, 8, version=2)]
+        _send(cfg, site_a.bootstrap, 2, poison)
+        third = _acks(cfg, site_a.bootstrap, 3)[2]
+        assert [(e["index"], e["exception_class"]) for e in third["exceptions"]] == [(1, "EntryTooLarge")]
+        assert third["last_applied_index"] == 3
+        assert client.get("orders", "k5") == 5 and client.get("orders", "k7") == 7
+        assert client.get_entry("orders", "k1") is None
+
+        # A batch from dsid 9, which site b does not accept: rejected, dead-lettered, nothing applied, no ack.
+        _send(cfg, site_a.bootstrap, 1, [_event("rogue", Operation.CREATE, b"1", 1, dsid=9)], source=9)
+        end = time.monotonic() + 30
+        dead: list[Any] = []
+        while time.monotonic() < end and not dead:
+            dead = read_topic(site_a.bootstrap, cfg.topics.region_dead_letter(), 1)
+            time.sleep(0.2)
+        letter = get_codec().decode_as("DeadLetter", dead[0][2])
+        assert letter["error_class"] == "RejectedBatch" and "dsid 9" in letter["reason"]
+        assert client.get_entry("orders", "rogue") is None
+        assert len(_acks(cfg, site_a.bootstrap, 3)) == 3
+
+        # A restarted receiver still knows batch 2 of that sender partition was applied.
+        receiver.stop()
+        receiver = ReceiverProcess(tmp_path / "site-b.yaml", tmp_path / "receiver-2.log")
+        _send(cfg, site_a.bootstrap, 2, [_event("k5", Operation.UPDATE, b'"late"', 50)])
+        fourth = _acks(cfg, site_a.bootstrap, 4)[3]
+        assert fourth["duplicate_batch"] is True and client.get("orders", "k5") == 5
+    finally:
+        receiver.stop()
+        region.stop()
