@@ -328,7 +328,7 @@ class DispatcherProcess(processes.DispatcherProcess):
 
     def assigned_s(self) -> float | None:
         """Seconds from spawn to the first "primary for partitions" log line (the group join), if logged."""
-        match = re.search(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO sluice\.dispatcher queue \S+: primary for",
+        match = re.search(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO sluice\.queue queue \S+: primary for",
                           self.log_tail(200_000), re.MULTILINE)
         if match is None:
             return None

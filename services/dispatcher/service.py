@@ -1,184 +1,57 @@
 """The async-event-queue dispatcher: ``sluice dispatcher -c FILE --queue ID``.
 
-Every dispatcher of a queue joins the queue's consumer group; the members
-assigned partitions are the primaries of those partitions, the others wait
-as secondaries and take over when a primary crashes or leaves.
+Geode's AsyncEventQueue on Kafka: the queue's primary loop
+(``core/queueloop.py``: batching, conflation, identical redelivery, removal
+records, failover, pause/resume/stop, status) delivers each batch to the
+queue's listener.  ``process_events`` returning ``False`` or raising means
+the very same batch is offered again.
 
-The story of a partition on its primary, step by step:
-
-1. Records are read from the queue topic and decoded into ``AsyncEvent``s.
-   A record that cannot be decoded goes to the queue's dead-letter topic with
-   the reason (flushed before anything after it can be committed) and
-   dispatch goes on.  Events below the partition's end offset at the moment
-   of assignment may have been offered by the previous primary: they carry
-   ``possible_duplicate``.
-2. ``PartitionBatcher`` (core/batching.py) assembles batches by size or time
-   and conflates updates when the queue says so.
-3. A batch is offered to the listener on one of ``dispatcher_threads``
-   worker threads.  ``False`` or an exception: the very same batch is offered
-   again with exponential backoff (tenacity), forever, unless the queue is
-   paused, stopped or the partition revoked; nothing after it is offered
-   first.
-4. Accepted: the removal record (queue head) is written to the queue's
-   compacted removals topic, and once it is durable the group offset is
-   committed.  A crash anywhere before that only means the batch is offered
-   again, flagged possibleDuplicate.
-
-``sluice admin`` steers the queue through the site's control topic (latest
-record per queue wins: RUNNING, PAUSED, STOPPED); pause takes effect at a
-batch boundary and loses nothing, the queue just grows.  The primaries
-report per-partition status to the site's status topic every few seconds.
-
-Lifecycle::
-
-    NEW ──start()──► RUNNING ──stop()──► STOPPING ──► STOPPED
-                        └── a thread died ──► CRASHED (exit non-zero)
+Each dispatcher thread has a listener instance of its own (created and
+``init``-ed on its first batch, ``close``-d on stop), so a listener never sees
+two batches at once; one is built and closed at start so a bad listener
+configuration stops the start with its reason.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import enum
 import logging
-import queue
 import threading
-import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, Callable
 
-from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential
-from tenacity.stop import stop_base
-
 from ..core.asyncevent import AsyncEvent, load_listener_class
-from ..core.batching import Batch, BatchPolicy, PartitionBatcher
-from ..core.codec import get_codec
-from ..core.config import AsyncEventQueueConfig, SiteConfig
-from ..core.errors import CodecError, SluiceError
-from ..core.events import EntryEvent
-from ..core.kafka import (
-    OFFSET_BEGINNING,
-    Consumer,
-    KafkaError,
-    KafkaException,
-    Message,
-    TopicPartition,
-    make_consumer,
-    make_producer,
-    translate,
-)
+from ..core.batching import Batch
+from ..core.config import SiteConfig
+from ..core.errors import SluiceError
+from ..core.queueloop import DesiredState, QueuePartition, QueuePrimary, ServiceState
 
 log = logging.getLogger("sluice.dispatcher")
 
-KIND = "async-event-queue"
+__all__ = ["DesiredState", "DispatcherService", "ServiceState"]
 
 
-class ServiceState(enum.Enum):
-    NEW = "new"
-    RUNNING = "running"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-    CRASHED = "crashed"
-
-
-class DesiredState(str, enum.Enum):
-    RUNNING = "RUNNING"
-    PAUSED = "PAUSED"
-    STOPPED = "STOPPED"
-
-
-class _Refused(Exception):
-    """The listener returned False."""
-
-
-@dataclass(slots=True)
-class _Partition:
-    """A partition this dispatcher is primary for."""
-
-    tp: TopicPartition
-    batcher: PartitionBatcher[AsyncEvent]
-    duplicate_below: int  # offsets below this may have been offered before
-    revoked: bool = False
-    in_flight: bool = False
-    events_dispatched: int = 0
-    dead_lettered: int = 0
-    last_removed_offset: int = -1
-
-
-@dataclass(frozen=True, slots=True)
-class _OfferDone:
-    partition: int
-    batch: Batch[AsyncEvent]
-    accepted: bool
-    attempts: int
-
-
-class DispatcherService:
+class DispatcherService(QueuePrimary):
     """One dispatcher instance of one async event queue."""
 
-    status_interval_s = 2.0
-    backoff_max_s = 5.0
+    kind = "async-event-queue"
 
     def __init__(self, cfg: SiteConfig, queue_id: str, *, listener_factory: Callable[[], Any] | None = None,
                  member_id: str | None = None) -> None:
-        self.cfg = cfg
-        self.queue: AsyncEventQueueConfig = cfg.queue(queue_id)
-        self.queue_id = queue_id
-        self.member_id = member_id or f"{cfg.site}-dispatcher-{uuid.uuid4().hex[:8]}"
-        names = cfg.topics
-        self.topic = names.queue(queue_id)
-        self.removals_topic = names.removals(queue_id)
-        self.dlq_topic = names.dead_letter(queue_id)
-        self.control_topic = names.control()
-        self.status_topic = names.status()
-        self.group_id = f"{cfg.kafka.topic_prefix}queue.{queue_id}.dispatch"
-        self.policy = BatchPolicy(self.queue.batch_size, self.queue.batch_time_interval_ms, self.queue.batch_conflation)
-        self.max_buffered_bytes = max(1, self.queue.maximum_queue_memory_mb) * 1024 * 1024
-        self.state = ServiceState.NEW
-        self.crash: BaseException | None = None
-        self.desired = DesiredState.PAUSED if self.queue.pause_event_processing else DesiredState.RUNNING
-
+        queue = cfg.queue(queue_id)
+        super().__init__(cfg, queue_id, queue, member_id=member_id or f"{cfg.site}-dispatcher-{uuid.uuid4().hex[:8]}",
+                         start_state=DesiredState.PAUSED if queue.pause_event_processing else DesiredState.RUNNING)
+        self._listener_settings = dict(queue.listener.settings) if queue.listener else {}
         if listener_factory is None:
-            listener = self.queue.listener
-            if listener is None:
+            if queue.listener is None:
                 raise SluiceError(f"async event queue {queue_id!r} has no listener in the site file")
-            cls = load_listener_class(listener.type, listener.class_path)
-            settings = dict(listener.settings)
-            listener_factory = lambda: cls()  # noqa: E731
-            self._listener_settings = settings
-        else:
-            self._listener_settings = dict(self.queue.listener.settings) if self.queue.listener else {}
+            cls = load_listener_class(queue.listener.type, queue.listener.class_path)
+            listener_factory = cls
         self._listener_factory = listener_factory
         self._listeners: list[Any] = []
         self._listeners_lock = threading.Lock()
         self._local = threading.local()
 
-        self._codec = get_codec()
-        self._partitions: dict[int, _Partition] = {}
-        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._stopping = threading.Event()
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=self.queue.dispatcher_threads, thread_name_prefix=f"aeq-{queue_id}"
-        )
-        self._consumer: Consumer | None = None
-        self._producer: Any = None
-        self._control: Consumer | None = None
-        self._paused_for_memory = False
-        self.stats = {"batches": 0, "events": 0, "redeliveries": 0, "dead_lettered": 0, "conflated": 0}
-
-    # --- lifecycle -------------------------------------------------------------
-
-    def start(self) -> None:
-        assert self.state is ServiceState.NEW
-        base = self.cfg.kafka.client_settings()
-        self._producer = make_producer(base, **{"client.id": self.member_id}, **self.cfg.kafka.producer_settings())
-        self._consumer = make_consumer(base, self.group_id, **{"client.id": self.member_id},
-                                       **self.cfg.kafka.group_settings())
-        self._control = make_consumer(base, None, **{"client.id": f"{self.member_id}-control",
-                                                     "fetch.wait.max.ms": 100})
-        self._read_control_to_end()
-        # Build one listener now so a bad listener configuration stops the
-        # start with its reason instead of being retried batch after batch.
+    def prepare(self) -> None:
         probe = self._listener_factory()
         init = getattr(probe, "init", None)
         if callable(init):
@@ -186,208 +59,15 @@ class DispatcherService:
         close = getattr(probe, "close", None)
         if callable(close):
             close()
-        self.state = ServiceState.RUNNING
-        log.info("dispatcher %s of queue %s starting (%s)", self.member_id, self.queue_id, self.desired.value)
 
-    def run(self) -> None:
-        """The consumer loop, in the calling thread, until ``stop()``."""
-        consumer = self._consumer
-        assert consumer is not None
-        consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost)
-        next_status = time.monotonic() + self.status_interval_s
-        try:
-            while not self._stopping.is_set():
-                timeout = self._poll_timeout_s()
-                try:
-                    msgs = consumer.consume(500, timeout)
-                except KafkaException as exc:
-                    raise translate(exc, f"consuming {self.topic}") from exc
-                now_ms = int(time.time() * 1000)
-                for msg in msgs:
-                    self._read(msg, now_ms)
-                self._poll_control()
-                self._drain_inbox()
-                self._dispatch_ready()
-                self._apply_memory_bound()
-                if time.monotonic() >= next_status:
-                    self._publish_status()
-                    next_status = time.monotonic() + self.status_interval_s
-        except BaseException as exc:
-            if not isinstance(exc, KeyboardInterrupt):
-                self.crash = exc
-                self.state = ServiceState.CRASHED
-            raise
-        finally:
-            self._shutdown()
+    def deliver(self, part: QueuePartition, batch: Batch[AsyncEvent]) -> bool:
+        return bool(self._listener().process_events(batch.events))
 
-    def stop(self) -> None:
-        """Idempotent: the loop leaves the group cleanly and returns."""
-        if self.state in (ServiceState.RUNNING, ServiceState.NEW):
-            self.state = ServiceState.STOPPING
-        self._stopping.set()
-
-    def _shutdown(self) -> None:
-        consumer = self._consumer
-        try:
-            if consumer is not None:
-                consumer.close()  # revokes: in-flight offers finish, removals committed
-        except (KafkaException, RuntimeError) as exc:
-            log.warning("closing the consumer: %s", exc)
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        if self._producer is not None:
-            self._producer.flush(10)
-        if self._control is not None:
-            self._control.close()
+    def on_stopped(self) -> None:
         self._close_listeners()
-        if self.state is not ServiceState.CRASHED:
-            self.state = ServiceState.STOPPED
 
-    # --- control ------------------------------------------------------------------
-
-    def _read_control_to_end(self) -> None:
-        control = self._control
-        assert control is not None
-        tp = TopicPartition(self.control_topic, 0)
-        try:
-            low, high = control.get_watermark_offsets(tp, timeout=10)
-        except KafkaException as exc:
-            raise translate(exc, f"reading {self.control_topic}") from exc
-        control.assign([TopicPartition(self.control_topic, 0, OFFSET_BEGINNING)])
-        last = low - 1
-        end = time.monotonic() + 15
-        while last < high - 1 and time.monotonic() < end:
-            for msg in control.consume(500, 0.05):
-                if msg.error() is None:
-                    last = msg.offset()
-                    self._apply_control(msg)
-
-    def _poll_control(self) -> None:
-        control = self._control
-        if control is None:
-            return
-        for msg in control.consume(100, 0):
-            if msg.error() is None:
-                self._apply_control(msg)
-
-    def _apply_control(self, msg: Message) -> None:
-        if msg.key() != f"{KIND}/{self.queue_id}".encode():
-            return
-        try:
-            record = self._codec.decode_as("ControlRecord", msg.value())
-        except CodecError as exc:
-            log.error("unreadable control record at %d: %s", msg.offset(), exc)
-            return
-        desired = DesiredState(record["state"])
-        if desired is not self.desired:
-            log.info("queue %s: %s → %s (by %s)", self.queue_id, self.desired.value, desired.value,
-                     record["issued_by"] or "?")
-            self.desired = desired
-            if desired is DesiredState.STOPPED:
-                self._pool.submit(self._close_listeners)
-
-    # --- reading --------------------------------------------------------------------
-
-    def _read(self, msg: Message, now_ms: int) -> None:
-        if msg.error() is not None:
-            if msg.error().code() != KafkaError._PARTITION_EOF:
-                log.warning("queue %s: %s", self.topic, msg.error())
-            return
-        part = self._partitions.get(msg.partition())
-        if part is None:
-            return  # revoked meanwhile
-        try:
-            record = self._codec.decode_as("QueuedEvent", msg.value())
-            event = EntryEvent.from_record(record["event"])
-        except (CodecError, KeyError, ValueError) as exc:
-            self._dead_letter(msg, exc)
-            part.dead_lettered += 1
-            part.batcher.skip(msg.offset(), now_ms)
-            return
-        duplicate = event.possible_duplicate or msg.offset() < part.duplicate_below
-        part.batcher.add(AsyncEvent(event, self.queue_id, msg.partition(), msg.offset(), duplicate), now_ms)
-
-    def _dead_letter(self, msg: Message, exc: BaseException) -> None:
-        record = {
-            "source_topic": msg.topic(),
-            "source_partition": msg.partition(),
-            "source_offset": msg.offset(),
-            "key": msg.key(),
-            "value": msg.value(),
-            "reason": str(exc),
-            "error_class": type(exc).__name__,
-            "event": None,
-            "service": f"dispatcher {self.member_id}",
-            "failed_at": int(time.time() * 1000),
-        }
-        self._producer.produce(self.dlq_topic, self._codec.encode("DeadLetter", record), msg.key())
-        # Durable before anything after it can be committed past it.
-        remaining = self._producer.flush(30)
-        if remaining:
-            raise SluiceError(f"dead-lettering {msg.topic()}[{msg.partition()}]@{msg.offset()} not acknowledged")
-        self.stats["dead_lettered"] += 1
-        log.warning("queue %s[%d]@%d dead-lettered: %s", msg.topic(), msg.partition(), msg.offset(), exc)
-
-    # --- dispatching ------------------------------------------------------------------
-
-    def _poll_timeout_s(self) -> float:
-        if not self._inbox.empty():
-            return 0.0
-        now_ms = int(time.time() * 1000)
-        due = [p.batcher.due_in_ms(now_ms) for p in self._partitions.values()]
-        due_ms = [d for d in due if d is not None]
-        if due_ms and self.desired is DesiredState.RUNNING:
-            return min(0.05, min(due_ms) / 1000)
-        return 0.05
-
-    def _dispatch_ready(self) -> None:
-        if self.desired is not DesiredState.RUNNING:
-            return
-        now_ms = int(time.time() * 1000)
-        for part in self._partitions.values():
-            if part.in_flight or part.revoked:
-                continue
-            batch = part.batcher.offered or part.batcher.take(now_ms)
-            if batch is None:
-                continue
-            if not batch.events:
-                # Only dead letters or conflated-away records: nothing to offer.
-                self._inbox.put(("done", _OfferDone(part.tp.partition, batch, True, 0)))
-                part.in_flight = True
-                continue
-            part.in_flight = True
-            self._pool.submit(self._offer, part, batch)
-
-    def _offer(self, part: _Partition, batch: Batch[AsyncEvent]) -> None:
-        """Worker thread: the same batch until accepted, or until dispatch must stop."""
-        attempts = 0
-        accepted = False
-        try:
-            for attempt in Retrying(
-                retry=retry_if_exception_type(Exception),
-                wait=wait_exponential(multiplier=0.05, max=self.backoff_max_s),
-                stop=_StopWhen(lambda: self._must_stop_offering(part)),
-                # A stop, pause or revoke cuts the backoff short.
-                sleep=lambda seconds: self._stopping.wait(seconds) and None,
-                before_sleep=lambda state: log.warning(
-                    "queue %s[%d]: batch %d offered again (attempt %d): %s", self.queue_id, part.tp.partition,
-                    batch.batch_id, state.attempt_number + 1,
-                    state.outcome.exception() if state.outcome is not None else "?"),
-                reraise=False,
-                retry_error_callback=lambda state: None,
-            ):
-                with attempt:
-                    attempts += 1
-                    listener = self._listener()
-                    if not listener.process_events(batch.events):
-                        raise _Refused(f"listener refused batch {batch.batch_id}")
-                    accepted = True
-        except Exception as exc:  # top of a worker: never lose the batch, report it
-            log.exception("offering batch %d of partition %d failed: %s", batch.batch_id, part.tp.partition, exc)
-        finally:
-            self._inbox.put(("done", _OfferDone(part.tp.partition, batch, accepted, attempts)))
-
-    def _must_stop_offering(self, part: _Partition) -> bool:
-        return self._stopping.is_set() or part.revoked or self.desired is not DesiredState.RUNNING
+    def release(self) -> None:
+        self._close_listeners()
 
     def _listener(self) -> Any:
         listener = getattr(self._local, "listener", None)
@@ -421,209 +101,5 @@ class DispatcherService:
                     close()
                 except Exception as exc:  # a listener's close must not stop the shutdown
                     log.warning("closing listener %r: %s", listener, exc)
-        # Worker threads create a fresh listener on their next offer.
+        # Worker threads create a fresh listener on their next batch.
         self._local = threading.local()
-
-    # --- results ----------------------------------------------------------------------
-
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                kind, item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "done":
-                self._offer_done(item)
-            elif kind == "removed":
-                self._removed(*item)
-
-    def _offer_done(self, done: _OfferDone) -> None:
-        part = self._partitions.get(done.partition)
-        redeliveries = max(0, done.attempts - 1)
-        self.stats["redeliveries"] += redeliveries
-        if part is None:
-            return
-        part.in_flight = False
-        for _ in range(redeliveries):
-            part.batcher.rejected()
-        if not done.accepted:
-            return  # parked: offered again when dispatch may go on
-        commit = part.batcher.accepted()
-        part.events_dispatched += len(done.batch.events)
-        self.stats["batches"] += 1 if done.batch.events else 0
-        self.stats["events"] += len(done.batch.events)
-        self.stats["conflated"] += done.batch.conflated
-        self._write_removal(part, done.batch, commit)
-
-    def _write_removal(self, part: _Partition, batch: Batch[AsyncEvent], commit: int) -> None:
-        last = batch.events[-1].event_id.to_record() if batch.events else None
-        record = {
-            "queue_id": self.queue_id,
-            "queue_partition": part.tp.partition,
-            "batch_id": batch.batch_id,
-            "last_removed_offset": commit - 1,
-            "last_event_id": last,
-            "removed_count": len(batch.events),
-            "removed_at": int(time.time() * 1000),
-        }
-        partition = part.tp.partition
-
-        def removed(err: KafkaError | None, _msg: Message) -> None:
-            self._inbox.put(("removed", (partition, commit, err)))
-
-        self._producer.produce(self.removals_topic, self._codec.encode("RemovalRecord", record),
-                               str(partition).encode(), on_delivery=removed)
-        self._producer.poll(0)
-
-    def _removed(self, partition: int, commit: int, err: KafkaError | None) -> None:
-        if err is not None:
-            # The batch was accepted; without its removal it is offered again
-            # after a restart (possibleDuplicate).  Commit nothing now.
-            log.warning("removal record for partition %d not written (%s)", partition, err)
-            return
-        part = self._partitions.get(partition)
-        if part is None:
-            return
-        part.last_removed_offset = commit - 1
-        assert self._consumer is not None
-        try:
-            self._consumer.commit(offsets=[TopicPartition(self.topic, partition, commit)], asynchronous=True)
-        except KafkaException as exc:
-            log.warning("committing partition %d at %d: %s", partition, commit, exc)
-
-    # --- group callbacks -----------------------------------------------------------------
-
-    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        consumer.assign(partitions)
-        dispatched_before = self._partitions_dispatched_before()
-        for tp in partitions:
-            try:
-                _, high = consumer.get_watermark_offsets(TopicPartition(self.topic, tp.partition), timeout=10)
-            except KafkaException as exc:
-                raise translate(exc, f"reading the end of {self.topic}[{tp.partition}]") from exc
-            # What a previous primary may have offered (everything up to the
-            # end as it is now) comes again flagged possibleDuplicate; a
-            # partition nobody ever dispatched has nothing to flag.
-            self._partitions[tp.partition] = _Partition(
-                tp=TopicPartition(self.topic, tp.partition),
-                batcher=PartitionBatcher(tp.partition, self.policy, next_batch_id=int(time.time() * 1000)),
-                duplicate_below=high if dispatched_before is None or tp.partition in dispatched_before else 0,
-            )
-        log.info("queue %s: primary for partitions %s", self.queue_id, sorted(tp.partition for tp in partitions))
-        self._publish_status()
-
-    def _partitions_dispatched_before(self) -> set[int] | None:
-        """Partitions some primary has reported on (every primary reports as it
-        takes one over); None when that cannot be known."""
-        reader = make_consumer(self.cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 10})
-        prefix = f"{KIND}/{self.queue_id}/".encode()
-        found: set[int] = set()
-        try:
-            tp = TopicPartition(self.status_topic, 0)
-            low, high = reader.get_watermark_offsets(tp, timeout=10)
-            if high > low:
-                reader.assign([TopicPartition(self.status_topic, 0, OFFSET_BEGINNING)])
-                last, end = low - 1, time.monotonic() + 15
-                while last < high - 1 and time.monotonic() < end:
-                    for msg in reader.consume(1000, 0.05):
-                        if msg.error() is None:
-                            last = msg.offset()
-                            key = msg.key() or b""
-                            if key.startswith(prefix):
-                                found.add(int(key[len(prefix):]))
-        except (KafkaException, ValueError) as exc:
-            # When in doubt, flag: possibleDuplicate is the safe side.
-            log.warning("reading %s: %s; flagging every queued event as possibleDuplicate", self.status_topic, exc)
-            return None
-        finally:
-            reader.close()
-        return found
-
-    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        revoked = [self._partitions[tp.partition] for tp in partitions if tp.partition in self._partitions]
-        for part in revoked:
-            part.revoked = True
-        # Let in-flight offers end (the retry loop sees `revoked`), then write
-        # the removals of what was accepted, so the next primary starts after it.
-        end = time.monotonic() + 30
-        while any(p.in_flight for p in revoked) and time.monotonic() < end:
-            try:
-                kind, item = self._inbox.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            if kind == "done":
-                self._offer_done(item)
-            elif kind == "removed":
-                self._removed(*item)
-        if self._producer is not None:
-            self._producer.flush(10)
-        self._drain_inbox()
-        offsets = [TopicPartition(self.topic, p.tp.partition, p.last_removed_offset + 1)
-                   for p in revoked if p.last_removed_offset >= 0]
-        if offsets:
-            try:
-                consumer.commit(offsets=offsets, asynchronous=False)
-            except KafkaException as exc:
-                log.warning("committing on revoke: %s", exc)
-        for part in revoked:
-            self._partitions.pop(part.tp.partition, None)
-        log.info("queue %s: revoked partitions %s", self.queue_id, sorted(p.tp.partition for p in revoked))
-
-    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        for tp in partitions:
-            part = self._partitions.pop(tp.partition, None)
-            if part is not None:
-                part.revoked = True
-        log.warning("queue %s: lost partitions %s", self.queue_id, sorted(tp.partition for tp in partitions))
-
-    # --- memory bound and status -----------------------------------------------------------
-
-    def _apply_memory_bound(self) -> None:
-        consumer = self._consumer
-        if consumer is None or not self._partitions:
-            return
-        held = sum(p.batcher.buffered_bytes for p in self._partitions.values())
-        tps = [p.tp for p in self._partitions.values()]
-        if not self._paused_for_memory and held > self.max_buffered_bytes:
-            consumer.pause(tps)
-            self._paused_for_memory = True
-            log.info("queue %s: %d bytes held, reading paused (maximum_queue_memory_mb)", self.queue_id, held)
-        elif self._paused_for_memory and held < self.max_buffered_bytes * 0.8:
-            consumer.resume(tps)
-            self._paused_for_memory = False
-
-    def _publish_status(self) -> None:
-        if self._producer is None:
-            return
-        state = self.desired.value.lower()
-        now_ms = int(time.time() * 1000)
-        for part in self._partitions.values():
-            b = part.batcher
-            record = {
-                "kind": KIND,
-                "queue_id": self.queue_id,
-                "partition": part.tp.partition,
-                "primary": self.member_id,
-                "state": state,
-                "batches_dispatched": b.batches_accepted,
-                "events_dispatched": part.events_dispatched,
-                "redeliveries": b.redeliveries,
-                "events_conflated": b.events_conflated,
-                "dead_lettered": part.dead_lettered,
-                "last_removed_offset": part.last_removed_offset,
-                "in_flight": 1 if part.in_flight else 0,
-                "updated_at": now_ms,
-            }
-            key = f"{KIND}/{self.queue_id}/{part.tp.partition}".encode()
-            self._producer.produce(self.status_topic, self._codec.encode("QueueStatus", record), key)
-        self._producer.poll(0)
-
-
-class _StopWhen(stop_base):
-    """tenacity stop condition: stop retrying when ``predicate()`` holds."""
-
-    def __init__(self, predicate: Callable[[], bool]) -> None:
-        self._predicate = predicate
-
-    def __call__(self, retry_state: RetryCallState) -> bool:
-        return self._predicate()
