@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .core import configcli
     from .dispatcher import cli as dispatcher_cli
     from .receiver import cli as receiver_cli
+    from .sender import cli as sender_cli
     from .region import cli as region_cli
 
     parser = argparse.ArgumentParser(
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     region_cli.add_parser(sub)
     dispatcher_cli.add_parser(sub)
     receiver_cli.add_parser(sub)
+    sender_cli.add_parser(sub)
     admin_cli.add_parser(sub)
     demo.add_parser(sub)
     return parser

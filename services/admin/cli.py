@@ -23,7 +23,6 @@ from ..core.config import SiteConfig, load_config
 from ..core.errors import CodecError, ConfigError, InvalidRequest, SluiceError
 from ..core.kafka import OFFSET_BEGINNING, KafkaException, TopicPartition, make_consumer, make_producer, translate
 
-KIND = "async-event-queue"
 STATES = {"pause": "PAUSED", "resume": "RUNNING", "stop": "STOPPED", "start": "RUNNING"}
 
 EXAMPLE = """\
@@ -39,8 +38,9 @@ examples:
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "admin",
-        help="status of queues, and pause/resume/stop/start them",
-        description="Show the status of a site's async event queues per partition, or change their state.",
+        help="status of queues (gateway senders, async event queues), and pause/resume/stop/start them",
+        description="Show the status of a site's gateway senders and async event queues per partition, or "
+        "change their state.",
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -78,16 +78,16 @@ def run(args: argparse.Namespace) -> int:
         if args.bootstrap:
             cfg = cfg.with_overrides({"kafka": {"bootstrap_servers": args.bootstrap}})
         if args.command == "status":
-            queues = [args.queue] if args.queue else [q.id for q in cfg.async_event_queues if cfg.regions_of(q.id)]
+            queues = [args.queue] if args.queue else [q.id for q in cfg.all_attached_queues()]
             for queue_id in queues:
-                cfg.queue(queue_id)
+                kind_of(cfg, queue_id)
             rows = [row for queue_id in queues for row in queue_status(cfg, queue_id)]
             print_status(console, cfg, rows)
             return 0
         if not args.queue:
             print(f"sluice admin {args.command}: name the queue", file=sys.stderr)
             return 2
-        cfg.queue(args.queue)
+        kind_of(cfg, args.queue)
         set_state(cfg, args.queue, STATES[args.command], issued_by="sluice admin")
         console.print(f"queue {args.queue}: {args.command} requested ({STATES[args.command]}); "
                       f"its dispatchers follow within a poll")
@@ -100,14 +100,25 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
+def kind_of(cfg: SiteConfig, queue_id: str) -> str:
+    """ "gateway-sender" or "async-event-queue"; InvalidRequest naming an unknown id."""
+    if any(s.id == queue_id for s in cfg.gateway_senders):
+        return "gateway-sender"
+    if any(q.id == queue_id for q in cfg.async_event_queues):
+        return "async-event-queue"
+    known = [s.id for s in cfg.gateway_senders] + [q.id for q in cfg.async_event_queues]
+    raise InvalidRequest("queue", queue_id, f"no gateway sender or async event queue of that id (have: {known})")
+
+
 def set_state(cfg: SiteConfig, queue_id: str, state: str, issued_by: str = "") -> None:
     """Write the queue's desired state to the control topic and wait until it is durable."""
+    kind = kind_of(cfg, queue_id)
     producer = make_producer(cfg.kafka.client_settings())
-    record = {"kind": KIND, "target_id": queue_id, "state": state, "issued_by": issued_by,
+    record = {"kind": kind, "target_id": queue_id, "state": state, "issued_by": issued_by,
               "issued_at": int(time.time() * 1000)}
     errors: list[Any] = []
     producer.produce(cfg.topics.control(), get_codec().encode("ControlRecord", record),
-                     f"{KIND}/{queue_id}".encode(), on_delivery=lambda err, _m: errors.append(err))
+                     f"{kind}/{queue_id}".encode(), on_delivery=lambda err, _m: errors.append(err))
     if producer.flush(30) or errors != [None]:
         raise SluiceError(f"control record for {queue_id} not acknowledged: {errors}")
 
@@ -135,6 +146,7 @@ def _read_compacted(consumer: Any, topic: str) -> dict[bytes, bytes]:
 def queue_status(cfg: SiteConfig, queue_id: str) -> list[PartitionStatus]:
     """Per partition of the queue: head, end, size, oldest event age, and the primary's report."""
     codec = get_codec()
+    kind = kind_of(cfg, queue_id)
     names = cfg.topics
     topic = names.queue(queue_id)
     partitions = next(q.partitions for q in cfg.all_attached_queues() if q.id == queue_id)
@@ -149,7 +161,7 @@ def queue_status(cfg: SiteConfig, queue_id: str) -> list[PartitionStatus]:
                 continue
         reports = {}
         for key, value in _read_compacted(consumer, names.status()).items():
-            if key.startswith(f"{KIND}/{queue_id}/".encode()):
+            if key.startswith(f"{kind}/{queue_id}/".encode()):
                 try:
                     reports[int(key.rsplit(b"/", 1)[1])] = codec.decode_as("QueueStatus", value)
                 except (CodecError, ValueError):
@@ -194,7 +206,7 @@ def queue_status(cfg: SiteConfig, queue_id: str) -> list[PartitionStatus]:
 
 
 def print_status(console: Console, cfg: SiteConfig, rows: list[PartitionStatus]) -> None:
-    table = Table(title=f"async event queues of site {cfg.site} (dsid {cfg.dsid})")
+    table = Table(title=f"queues of site {cfg.site} (dsid {cfg.dsid}): gateway senders and async event queues")
     for col, justify in (("queue", "left"), ("partition", "right"), ("primary", "left"), ("state", "left"),
                          ("queue size", "right"), ("oldest event", "right"), ("batches", "right"),
                          ("events", "right"), ("redeliveries", "right"), ("dead letters", "right")):

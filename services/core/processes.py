@@ -192,3 +192,15 @@ class ReceiverProcess(ServiceProcess):
     def __init__(self, config_path: Path, log_path: Path, **kwargs: Any) -> None:
         super().__init__(["receiver", "-c", str(config_path)], log_path, **kwargs)
         self.member_id = self.announcement.split()[1]
+
+
+class SenderProcess(ServiceProcess):
+    """``sluice parallel-sender|serial-sender -c FILE --sender ID``."""
+
+    banner = "sender "
+
+    def __init__(self, config_path: Path, sender_id: str, log_path: Path, *, parallel: bool = True,
+                 **kwargs: Any) -> None:
+        command = "parallel-sender" if parallel else "serial-sender"
+        super().__init__([command, "-c", str(config_path), "--sender", sender_id], log_path, **kwargs)
+        self.member_id = self.announcement.split()[1]

@@ -175,18 +175,25 @@ class BucketState:
     def prepare_remote(self, event: EntryEvent) -> EntryEvent | Duplicate | ConflictLost:
         """An event another site applied, received by this site's gateway receiver.
 
-        Duplicates (by EventID) are answered, not applied.  Against an existing
+        Repeats (an EventID at or below the one that last wrote the key, from
+        the same member and thread) are answered, not applied.  Against an existing
         entry (a tombstone included) the event applies only when it wins the
         WAN conflict (``remote_wins``); it keeps its origin's version tag, so
         every site ends with the same winner.  Only create, update and destroy
         cross sites; a destroy of an absent key or a create of a present one
         is applied as the origin applied it (the sites converge on its version).
         """
-        if self.is_duplicate(event.event_id):
-            return Duplicate(event.event_id)
+        # Repeats are recognised per key, not per (member, thread): one writer
+        # thread's events for different keys reach this bucket through
+        # different queue partitions (a serial sender's KEY policy), so their
+        # sequences interleave here; per key, the order is kept end to end.
         current = self.entries.get(event.key)
-        if current is not None and not remote_wins(current.version, event.version):
-            return ConflictLost(event.event_id, current.version, event.version)
+        if current is not None:
+            seen = current.event_id
+            if seen.stream == event.event_id.stream and event.event_id.sequence_id <= seen.sequence_id:
+                return Duplicate(event.event_id)
+            if not remote_wins(current.version, event.version):
+                return ConflictLost(event.event_id, current.version, event.version)
         applied = EntryEvent(
             region=self.region,
             key=event.key,

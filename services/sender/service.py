@@ -1,0 +1,324 @@
+"""Gateway senders: ``sluice parallel-sender`` / ``sluice serial-sender -c FILE --sender ID``.
+
+A gateway sender is a queue primary (``core/queueloop.py``) whose delivery
+is a round trip to the remote site, through Kafka only:
+
+1. ``accepts`` leaves out what must not cross: operations that never cross
+   sites, and events that came from the remote site or were already sent to
+   it (``origin_dsid`` / ``visited_dsids``), so nothing loops in a mesh or a
+   ring.
+2. ``deliver`` writes the batch as one ``GatewayBatch`` into the remote
+   site's inbound topic, keyed ``<dsid>/<sender>/<queue partition>``; every
+   event now carries this site and every site this region's senders send to
+   in ``visited_dsids``, so the receiving site forwards it nowhere those
+   already get it from here.
+3. It then waits for the receiver's ``GatewayAck`` on the remote acks topic
+   (read by one thread for the whole sender).  No ack within
+   ``socket_read_timeout_ms`` (or the remote site unreachable): the batch is
+   not delivered and the loop sends the very same batch again, flagged
+   possibleDuplicate, until it is acknowledged; the queue grows meanwhile and
+   an alert is logged once its oldest event is older than ``alert_threshold_ms``.
+4. An ack with exceptions still removes the batch: each failed event goes to
+   the queue's dead-letter topic with its exception, durably, first.
+
+Batch ids must grow across primaries, because the receiver acknowledges a
+batch id it has seen without applying it again.  A new primary of a queue
+partition therefore starts a new epoch: it writes the partition's removal
+record with batch id ``epoch << 32`` (durably) before sending anything, and
+numbers its batches from there.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from typing import Any
+
+from ..core.asyncevent import AsyncEvent
+from ..core.batching import Batch
+from ..core.config import SiteConfig
+from ..core.errors import CodecError, ConfigError, SluiceError
+from ..core.events import EntryEvent, goes_to_gateway
+from ..core.kafka import (
+    OFFSET_END,
+    KafkaException,
+    TopicPartition,
+    make_consumer,
+    make_producer,
+    partition_for_key,
+)
+from ..core.queueloop import DesiredState, QueuePartition, QueuePrimary, ServiceState
+from ..core.topics import TopicNames
+
+log = logging.getLogger("sluice.sender")
+
+__all__ = ["DesiredState", "GatewaySenderService", "ServiceState"]
+
+EPOCH_SHIFT = 32
+
+
+class _Waiter:
+    __slots__ = ("event", "ack")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.ack: dict[str, Any] | None = None
+
+
+class GatewaySenderService(QueuePrimary):
+    """One instance of one gateway sender (serial or parallel)."""
+
+    kind = "gateway-sender"
+    #: How long to wait for an ack when socket_read_timeout_ms is 0 (Geode: forever).
+    default_ack_timeout_s = 60.0
+
+    def __init__(self, cfg: SiteConfig, sender_id: str, *, member_id: str | None = None) -> None:
+        sender = cfg.sender(sender_id)
+        if sender.remote is None:
+            raise ConfigError([(f"gateway_senders[{sender_id}].remote", None,
+                                "a sender needs the remote site's Kafka (bootstrap_servers, topic_prefix)")])
+        super().__init__(cfg, sender_id, sender,
+                         member_id=member_id or f"{cfg.site}-sender-{uuid.uuid4().hex[:8]}",
+                         start_state=DesiredState.STOPPED if sender.manual_start else DesiredState.RUNNING)
+        self.sender = sender
+        self.remote_dsid = sender.remote_dsid
+        remote_names = TopicNames(sender.remote.topic_prefix)
+        self.remote_inbound = remote_names.gateway_inbound()
+        self.remote_acks = remote_names.gateway_acks()
+        self.ack_timeout_s = sender.socket_read_timeout_ms / 1000 if sender.socket_read_timeout_ms else \
+            self.default_ack_timeout_s
+        # Every site this site's senders of a region send to: none of them gets
+        # the event from the receiving site again.
+        self._targets_by_region = {
+            r.name: {cfg.sender(s).remote_dsid for s in r.gateway_senders} for r in cfg.regions
+        }
+        self._remote_producer: Any = None
+        self._ack_reader: Any = None
+        self._ack_thread: threading.Thread | None = None
+        self._waiters: dict[tuple[int, int], _Waiter] = {}
+        self._waiters_lock = threading.Lock()
+        self._inbound_partitions = 0
+        self._sent: set[tuple[int, int]] = set()  # batches sent at least once and not yet acknowledged
+        self.stats.update({"batches_sent": 0, "resends": 0, "acks": 0, "event_exceptions": 0, "alerts": 0})
+
+    # --- the remote site ---------------------------------------------------------------
+
+    def prepare(self) -> None:
+        remote = self.sender.remote
+        assert remote is not None
+        base = remote.client_settings()
+        self._remote_producer = make_producer(base, **{"client.id": f"{self.member_id}-remote"},
+                                              **self.cfg.kafka.producer_settings())
+        self._ack_reader = make_consumer(base, None, **{"client.id": f"{self.member_id}-acks",
+                                                        "fetch.wait.max.ms": 20})
+        self._ack_thread = threading.Thread(target=self._read_acks, name=f"acks-{self.queue_id}", daemon=True)
+        self._ack_thread.start()
+
+    def _remote_partitions(self) -> int:
+        """The remote inbound topic's partition count (asked again until the remote answers)."""
+        if self._inbound_partitions == 0:
+            try:
+                md = self._remote_producer.list_topics(self.remote_inbound, timeout=5)
+            except KafkaException as exc:
+                raise SluiceError(f"remote site {self.remote_dsid} unreachable: {exc}") from exc
+            topic = md.topics.get(self.remote_inbound)
+            if topic is None or topic.error is not None or not topic.partitions:
+                raise SluiceError(f"remote topic {self.remote_inbound} is missing at dsid {self.remote_dsid}")
+            self._inbound_partitions = len(topic.partitions)
+        return self._inbound_partitions
+
+    def _read_acks(self) -> None:
+        """One thread reads every ack of the remote acks topic from now on."""
+        reader = self._ack_reader
+        assigned = False
+        while not self._stopping.is_set():
+            if not assigned:
+                try:
+                    md = reader.list_topics(self.remote_acks, timeout=5)
+                    topic = md.topics.get(self.remote_acks)
+                    if topic is None or topic.error is not None or not topic.partitions:
+                        raise SluiceError(f"{self.remote_acks} missing")
+                    reader.assign([TopicPartition(self.remote_acks, p, OFFSET_END) for p in topic.partitions])
+                    assigned = True
+                except (KafkaException, SluiceError) as exc:
+                    log.warning("acks of dsid %d not readable yet: %s", self.remote_dsid, exc)
+                    self._stopping.wait(self.sender.retry_interval_ms / 1000)
+                    continue
+            try:
+                msgs = reader.consume(500, 0.1)
+            except KafkaException as exc:
+                log.warning("reading acks: %s", exc)
+                continue
+            for msg in msgs:
+                if msg.error() is not None:
+                    continue
+                try:
+                    ack = self._codec.decode_as("GatewayAck", msg.value())
+                except CodecError as exc:
+                    log.error("unreadable ack at %s[%d]@%d: %s", msg.topic(), msg.partition(), msg.offset(), exc)
+                    continue
+                if ack["sender_id"] != self.queue_id or ack["source_dsid"] != self.cfg.dsid:
+                    continue
+                with self._waiters_lock:
+                    waiter = self._waiters.get((ack["queue_partition"], ack["batch_id"]))
+                if waiter is not None:
+                    waiter.ack = ack
+                    waiter.event.set()
+        reader.close()
+
+    # --- what crosses ---------------------------------------------------------------------
+
+    def accepts(self, event: EntryEvent) -> bool:
+        if not goes_to_gateway(event.operation):
+            return False
+        return event.origin_dsid != self.remote_dsid and self.remote_dsid not in event.visited_dsids
+
+    def first_batch_id(self, partition: int) -> int:
+        """Open a new epoch for the partition, durably, before anything is sent."""
+        last = self._last_removal(partition)
+        epoch = (last["batch_id"] >> EPOCH_SHIFT) + 1 if last else 1
+        first = epoch << EPOCH_SHIFT
+        record = {
+            "queue_id": self.queue_id,
+            "queue_partition": partition,
+            "batch_id": first,
+            "last_removed_offset": last["last_removed_offset"] if last else -1,
+            "last_event_id": last["last_event_id"] if last else None,
+            "removed_count": 0,
+            "removed_at": int(time.time() * 1000),
+        }
+        errors: list[Any] = []
+        self._producer.produce(self.removals_topic, self._codec.encode("RemovalRecord", record),
+                               str(partition).encode(), on_delivery=lambda err, _m: errors.append(err))
+        if self._producer.flush(30) or errors != [None]:
+            raise SluiceError(f"could not open epoch {epoch} of {self.queue_id}[{partition}]: {errors}")
+        log.info("sender %s[%d]: epoch %d", self.queue_id, partition, epoch)
+        return first + 1
+
+    def _last_removal(self, partition: int) -> dict[str, Any] | None:
+        reader = make_consumer(self.cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 10})
+        key = str(partition).encode()
+        latest = None
+        try:
+            tp = TopicPartition(self.removals_topic, 0)
+            low, high = reader.get_watermark_offsets(tp, timeout=10)
+            if high > low:
+                reader.assign([TopicPartition(self.removals_topic, 0, low)])
+                last, end = low - 1, time.monotonic() + 15
+                while last < high - 1 and time.monotonic() < end:
+                    for msg in reader.consume(1000, 0.05):
+                        if msg.error() is None:
+                            last = msg.offset()
+                            if msg.key() == key:
+                                try:
+                                    latest = self._codec.decode_as("RemovalRecord", msg.value())
+                                except CodecError:
+                                    continue
+        finally:
+            reader.close()
+        return latest
+
+    # --- one batch --------------------------------------------------------------------------
+
+    def deliver(self, part: QueuePartition, batch: Batch[AsyncEvent]) -> bool:
+        partition = part.tp.partition
+        resend = batch.redeliveries > 0 or (partition, batch.batch_id) in self._sent
+        self._alert_if_old(partition, batch)
+        key = f"{self.cfg.dsid}/{self.queue_id}/{partition}"
+        record = {
+            "sender_id": self.queue_id,
+            "source_dsid": self.cfg.dsid,
+            "target_dsid": self.remote_dsid,
+            "queue_partition": partition,
+            "batch_id": batch.batch_id,
+            "first_offset": batch.first_offset,
+            "last_offset": batch.last_offset,
+            "possible_duplicate": resend,
+            "created_at": int(time.time() * 1000),
+            "events": [self._outgoing(e, resend) for e in batch.events],
+            "signature": None,
+        }
+        waiter = _Waiter()
+        with self._waiters_lock:
+            self._waiters[(partition, batch.batch_id)] = waiter
+        try:
+            inbound_partition = partition_for_key(key.encode(), self._remote_partitions())
+            errors: list[Any] = []
+            self._remote_producer.produce(self.remote_inbound, self._codec.encode("GatewayBatch", record),
+                                          key.encode(), partition=inbound_partition,
+                                          on_delivery=lambda err, _m: errors.append(err))
+            if self._remote_producer.flush(self.cfg.kafka.delivery_timeout_ms / 1000) or errors != [None]:
+                log.warning("sender %s[%d]: batch %d not written to dsid %d (%s)", self.queue_id, partition,
+                            batch.batch_id, self.remote_dsid, errors)
+                return False
+            self._sent.add((partition, batch.batch_id))
+            self.stats["batches_sent"] += 1
+            if resend:
+                self.stats["resends"] += 1
+            end = time.monotonic() + self.ack_timeout_s
+            while not waiter.event.wait(0.2):
+                if time.monotonic() > end or self._stopping.is_set() or part.revoked \
+                        or self.desired is not DesiredState.RUNNING:
+                    log.warning("sender %s[%d]: no ack for batch %d in %.1fs; it will be sent again",
+                                self.queue_id, partition, batch.batch_id, time.monotonic() - end + self.ack_timeout_s)
+                    return False
+            ack = waiter.ack
+            assert ack is not None
+            self.stats["acks"] += 1
+            if ack["exceptions"]:
+                self._dead_letter_exceptions(batch, ack)
+            self._sent.discard((partition, batch.batch_id))
+            return True
+        except SluiceError as exc:
+            log.warning("sender %s[%d]: %s; retrying", self.queue_id, partition, exc)
+            return False
+        finally:
+            with self._waiters_lock:
+                self._waiters.pop((partition, batch.batch_id), None)
+
+    def _outgoing(self, e: AsyncEvent, resend: bool) -> dict[str, Any]:
+        record = e.event.to_record()
+        visited = set(e.event.visited_dsids) | {self.cfg.dsid} | self._targets_by_region.get(e.region, set())
+        visited.discard(e.event.origin_dsid)
+        record["visited_dsids"] = sorted(visited)
+        record["possible_duplicate"] = e.possible_duplicate or resend
+        return record
+
+    def _alert_if_old(self, partition: int, batch: Batch[AsyncEvent]) -> None:
+        threshold = self.sender.alert_threshold_ms
+        if threshold <= 0 or not batch.events:
+            return
+        age_ms = int(time.time() * 1000) - batch.events[0].event.event_time
+        if age_ms > threshold:
+            self.stats["alerts"] += 1
+            log.warning("ALERT sender %s[%d]: oldest event is %d ms old (alert_threshold_ms %d), remote dsid %d",
+                        self.queue_id, partition, age_ms, threshold, self.remote_dsid)
+
+    def _dead_letter_exceptions(self, batch: Batch[AsyncEvent], ack: dict[str, Any]) -> None:
+        """Failed events, with their exceptions, go to the dead-letter topic before the batch is removed."""
+        for exc in ack["exceptions"]:
+            index = exc["index"]
+            if not 0 <= index < len(batch.events):
+                continue
+            e = batch.events[index]
+            record = {
+                "source_topic": self.topic, "source_partition": e.partition, "source_offset": e.offset,
+                "key": e.key.encode(), "value": e.event.value,
+                "reason": f"dsid {self.remote_dsid} refused it: {exc['exception_class']}: {exc['message']}",
+                "error_class": exc["exception_class"], "event": e.event.to_record(),
+                "service": f"sender {self.member_id}", "failed_at": int(time.time() * 1000),
+            }
+            self._producer.produce(self.dlq_topic, self._codec.encode("DeadLetter", record), e.key.encode())
+            self.stats["event_exceptions"] += 1
+            log.warning("sender %s: event %s refused by dsid %d: %s: %s", self.queue_id, e.event_id,
+                        self.remote_dsid, exc["exception_class"], exc["message"])
+        if self._producer.flush(30):
+            raise SluiceError("dead letters of refused events not acknowledged")
+
+    def release(self) -> None:
+        if self._ack_thread is not None:
+            self._ack_thread.join(5)
+        if self._remote_producer is not None:
+            self._remote_producer.flush(10)
