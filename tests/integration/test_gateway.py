@@ -135,3 +135,95 @@ def test_a_to_b_parallel_and_serial_with_a_sender_killed_mid_run(site_a, unique_
     finally:
         for proc in reversed(procs):
             proc.stop()
+
+
+def _two_way_sites(tmp_path: Path, bootstrap: str, prefix: str) -> tuple[Path, Path, Any, Any]:
+    kafka = {"bootstrap_servers": bootstrap, "session_timeout_ms": 3000, "heartbeat_interval_ms": 500}
+    paths, cfgs = [], []
+    for name, dsid, other, other_dsid, key_max in (("a", 1, "b", 2, 256), ("b", 2, "a", 1, 64)):
+        data = {
+            "site": name, "dsid": dsid, "kafka": {**kafka, "topic_prefix": f"{prefix}{name}."},
+            "regions": [{"name": "orders", "buckets": 4, "gateway_senders": [f"to-{other}"],
+                         "key_max_bytes": key_max}],
+            "gateway_senders": [{"id": f"to-{other}", "remote_dsid": other_dsid, "parallel": True, "batch_size": 20,
+                                 "batch_time_interval_ms": 20, "socket_read_timeout_ms": 10000,
+                                 "remote": {"bootstrap_servers": bootstrap, "topic_prefix": f"{prefix}{other}."}}],
+            "receiver": {"inbound_partitions": 2, "accepted_dsids": [other_dsid]},
+        }
+        path = tmp_path / f"site-{name}.yaml"
+        path.write_text(yaml.safe_dump(data))
+        cfg = load_config(path)
+        assert apply_topics(cfg).ok
+        paths.append(path)
+        cfgs.append(cfg)
+    return paths[0], paths[1], cfgs[0], cfgs[1]
+
+
+def test_both_ways_with_conflicting_writes_converge_and_a_refused_event_is_dead_lettered(
+    site_a, unique_prefix, tmp_path: Path
+):
+    """A↔B writing the same keys concurrently end with the same value per key on both sites, no event
+    returns to its origin, and an event B refuses (its key is too long there) lands in A's dead letters."""
+    path_a, path_b, cfg_a, cfg_b = _two_way_sites(tmp_path, site_a.bootstrap, unique_prefix)
+    procs: list[Any] = []
+    try:
+        regions = {}
+        for name, path in (("a", path_a), ("b", path_b)):
+            regions[name] = RegionProcess(path, tmp_path / f"region-{name}.log")
+            procs.append(regions[name])
+        for r in regions.values():
+            r.wait_ready()
+        for name, path, other in (("a", path_a, "b"), ("b", path_b, "a")):
+            procs.append(ReceiverProcess(path, tmp_path / f"receiver-{name}.log"))
+            procs.append(SenderProcess(path, f"to-{other}", tmp_path / f"sender-{name}.log"))
+
+        def writer(site: str) -> None:
+            client = RegionClient([regions[site].url], member_id=f"{site}-{uuid.uuid4().hex[:6]}")
+            rng = random.Random(site)
+            for n in range(300):
+                client.put("orders", f"k{rng.randrange(20)}", {"site": site, "n": n})
+
+        threads = [threading.Thread(target=writer, args=(s,)) for s in ("a", "b")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        long_key = "x" * 100  # fine on A (256 bytes), too long for B (64)
+        RegionClient([regions["a"].url]).put("orders", long_key, {"site": "a"})
+
+        client_a, client_b = RegionClient([regions["a"].url]), RegionClient([regions["b"].url])
+        keys = [f"k{i}" for i in range(20)]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            a = {k: (e or {}).get("version") for k, e in client_a.get_all("orders", keys).items()}
+            b = {k: (e or {}).get("version") for k, e in client_b.get_all("orders", keys).items()}
+            if a == b:
+                break
+            time.sleep(1)
+        va = client_a.get_all("orders", keys)
+        vb = client_b.get_all("orders", keys)
+        assert {k: e["value"] for k, e in va.items()} == {k: e["value"] for k, e in vb.items()}
+        assert {k: e["version"] for k, e in va.items()} == {k: e["version"] for k, e in vb.items()}
+
+        deadline = time.monotonic() + 60
+        dead: list[Any] = []
+        while time.monotonic() < deadline and not dead:
+            dead = read_topic(site_a.bootstrap, cfg_a.topics.dead_letter("to-b"), 1)
+            time.sleep(0.5)
+        letter = get_codec().decode_as("DeadLetter", dead[0][2])
+        assert letter["error_class"] == "EntryTooLarge" and letter["event"]["key"] == long_key
+        assert long_key not in client_b.keys("orders")
+
+        # No event came back to its origin: every event in A's changelog written by B's
+        # clients has origin 2, and none of A's own events was applied again at A.
+        codec = get_codec()
+        for cfg, own in ((cfg_a, 1), (cfg_b, 2)):
+            records = [codec.decode_as("EntryEvent", v) for _, _, v in
+                       read_topic(site_a.bootstrap, cfg.topics.region_changelog("orders"), 4)]
+            ids = [(r["event_id"]["member_id"], r["event_id"]["thread_id"], r["event_id"]["sequence_id"])
+                   for r in records]
+            assert len(ids) == len(set(ids)), "an event was applied twice at one site"
+        print(f"\nA↔B converged on {len(keys)} contested keys; refused event dead-lettered on A")
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
