@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import faulthandler
-import signal
-import sys
 from typing import Any
 
-from ..core.errors import ConfigError, SluiceError
-from ..core.servicecli import add_site_options, load_site, setup_logging
-from .service import ReceiverService, ServiceState
+from ..core.servicecli import add_site_options, run_loop_service
+from .service import ReceiverService
 
 EXAMPLE = """\
 example:
@@ -37,28 +33,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level)
-    try:
-        cfg = load_site(args)
-        service = ReceiverService(cfg)
-        service.start()
-    except ConfigError as exc:
-        print(f"sluice receiver: {exc}", file=sys.stderr)
-        return 2
-    except SluiceError as exc:
-        print(f"sluice receiver: cannot start: {exc}", file=sys.stderr)
-        return 1
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        service.stop()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    print(f"receiver {service.member_id} of site {cfg.site} (dsid {cfg.dsid})", flush=True)
-    try:
-        service.run()
-    except SluiceError as exc:
-        print(f"sluice receiver: crashed: {exc}", file=sys.stderr)
-        return 1
-    return 1 if service.state is ServiceState.CRASHED else 0
+    return run_loop_service(
+        "receiver", args, ReceiverService,
+        lambda service, cfg: f"receiver {service.member_id} of site {cfg.site} (dsid {cfg.dsid})",
+    )

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import faulthandler
-import signal
-import sys
 from typing import Any
 
-from ..core.errors import ConfigError, InvalidRequest, SluiceError
-from ..core.servicecli import add_site_options, load_site, setup_logging
-from .service import GatewaySenderService, ServiceState
+from ..core.config import SiteConfig
+from ..core.errors import InvalidRequest
+from ..core.servicecli import add_site_options, run_loop_service
+from .service import GatewaySenderService
 
 EXAMPLE = """\
 example:
@@ -41,32 +39,15 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level)
-    try:
-        cfg = load_site(args)
-        if cfg.sender(args.sender).parallel is not args.parallel:
-            kind = "parallel" if cfg.sender(args.sender).parallel else "serial"
+    def build(cfg: SiteConfig) -> GatewaySenderService:
+        sender = cfg.sender(args.sender)
+        if sender.parallel is not args.parallel:
+            kind = "parallel" if sender.parallel else "serial"
             raise InvalidRequest("--sender", args.sender, f"is a {kind} sender: run it with `sluice {kind}-sender`")
-        service = GatewaySenderService(cfg, args.sender)
-        service.start()
-    except (ConfigError, InvalidRequest) as exc:
-        print(f"sluice {args.command}: {exc}", file=sys.stderr)
-        return 2
-    except SluiceError as exc:
-        print(f"sluice {args.command}: cannot start: {exc}", file=sys.stderr)
-        return 1
+        return GatewaySenderService(cfg, args.sender)
 
-    def on_signal(signum: int, _frame: Any) -> None:
-        service.stop()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    print(f"sender {service.member_id} of gateway sender {args.sender} to dsid {service.remote_dsid} "
-          f"(site {cfg.site})", flush=True)
-    try:
-        service.run()
-    except SluiceError as exc:
-        print(f"sluice {args.command}: crashed: {exc}", file=sys.stderr)
-        return 1
-    return 1 if service.state is ServiceState.CRASHED else 0
+    return run_loop_service(
+        args.command, args, build,
+        lambda service, cfg: f"sender {service.member_id} of gateway sender {args.sender} to dsid "
+                             f"{service.remote_dsid} (site {cfg.site})",
+    )
