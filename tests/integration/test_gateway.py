@@ -233,14 +233,15 @@ TOPOLOGIES = {
     # site -> sites it sends to
     "mesh": {"a": ["b", "c"], "b": ["a", "c"], "c": ["a", "b"]},
     "ring": {"a": ["b"], "b": ["c"], "c": ["a"]},
+    "hub-and-spoke": {"a": ["b", "c"], "b": ["a"], "c": ["a"]},  # a is the hub
 }
 DSIDS = {"a": 1, "b": 2, "c": 3}
 
 
 @pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
 def test_three_sites_apply_every_event_once_and_nothing_circulates(topology, site_a, unique_prefix, tmp_path: Path):
-    """Mesh A↔B↔C↔A and ring A→B→C→A: every site ends with every write, each applied exactly once, and no
-    event is ever sent back to a site that already had it."""
+    """Mesh A↔B↔C↔A, ring A→B→C→A, hub A with spokes B and C: every site ends with every write, each
+    applied exactly once, and no event is ever sent back to a site that already had it."""
     links = TOPOLOGIES[topology]
     kafka = {"bootstrap_servers": site_a.bootstrap, "session_timeout_ms": 3000, "heartbeat_interval_ms": 500}
     paths, cfgs = {}, {}
