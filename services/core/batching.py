@@ -155,6 +155,13 @@ class PartitionBatcher(Generic[T]):
         """Events assembled but not yet handed out."""
         return self._assembling.waiting
 
+    def oldest(self) -> T | None:
+        """The oldest event not yet accepted: the batch out, else the first one waiting."""
+        if self.offered is not None and self.offered.events:
+            return self.offered.events[0]
+        a = self._assembling
+        return a.events[a.head] if a.waiting else None
+
     @property
     def buffered_bytes(self) -> int:
         out = self._assembling.nbytes

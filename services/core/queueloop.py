@@ -176,6 +176,10 @@ class QueuePrimary:
     def release(self) -> None:
         """At shutdown, after the last delivery."""
 
+    def alert_threshold_ms(self) -> int:
+        """Alert when the oldest event waiting in a partition is older than this (0: never)."""
+        return 0
+
     # --- lifecycle -------------------------------------------------------------
 
     def start(self) -> None:
@@ -567,8 +571,15 @@ class QueuePrimary:
             return
         state = self.desired.value.lower()
         now_ms = int(time.time() * 1000)
+        threshold = self.alert_threshold_ms()
         for part in self._partitions.values():
             b = part.batcher
+            oldest = b.oldest() if threshold > 0 else None
+            if oldest is not None and now_ms - oldest.event.event_time > threshold:
+                self.stats["alerts"] = self.stats.get("alerts", 0) + 1
+                log.warning("ALERT %s %s[%d]: the oldest event waiting is %d ms old (alert_threshold_ms %d); "
+                            "%d events wait", self.kind, self.queue_id, part.tp.partition,
+                            now_ms - oldest.event.event_time, threshold, b.waiting)
             record = {
                 "kind": self.kind,
                 "queue_id": self.queue_id,

@@ -286,6 +286,9 @@ class GatewaySenderService(QueuePrimary):
         record["possible_duplicate"] = e.possible_duplicate or resend
         return record
 
+    def alert_threshold_ms(self) -> int:
+        return self.sender.alert_threshold_ms
+
     def _alert_if_old(self, partition: int, batch: Batch[AsyncEvent]) -> None:
         threshold = self.sender.alert_threshold_ms
         if threshold <= 0 or not batch.events:

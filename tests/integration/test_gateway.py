@@ -302,3 +302,90 @@ def test_three_sites_apply_every_event_once_and_nothing_circulates(topology, sit
     finally:
         for proc in reversed(procs):
             proc.stop()
+
+
+def test_a_paused_remote_broker_grows_the_queue_alerts_then_drains_losing_nothing(
+    site_a, site_b, unique_prefix, tmp_path: Path
+):
+    """B's broker SIGSTOPped for 20 s under load: A's queue grows and an alert is logged; after SIGCONT it
+    drains, B equals A, and the repeats B received are acknowledged, not applied twice."""
+    if site_b.broker is None or site_a.bootstrap == site_b.bootstrap:
+        pytest.skip("needs two embedded brokers (one per site) to pause one of them")
+    from sluice.admin.cli import queue_status
+
+    kafka = {"session_timeout_ms": 3000, "heartbeat_interval_ms": 500}
+    site_a_data = {
+        "site": "a", "dsid": 1,
+        "kafka": {**kafka, "bootstrap_servers": site_a.bootstrap, "topic_prefix": f"{unique_prefix}a."},
+        "regions": [{"name": "orders", "buckets": 4, "gateway_senders": ["to-b"]}],
+        "gateway_senders": [{"id": "to-b", "remote_dsid": 2, "parallel": True, "batch_size": 50,
+                             "batch_time_interval_ms": 20, "socket_read_timeout_ms": 5000, "alert_threshold_ms": 3000,
+                             "remote": {"bootstrap_servers": site_b.bootstrap, "topic_prefix": f"{unique_prefix}b."}}],
+    }
+    site_b_data = {
+        "site": "b", "dsid": 2,
+        "kafka": {**kafka, "bootstrap_servers": site_b.bootstrap, "topic_prefix": f"{unique_prefix}b."},
+        "regions": [{"name": "orders", "buckets": 4}],
+        "receiver": {"inbound_partitions": 2, "accepted_dsids": [1]},
+    }
+    cfgs = {}
+    for name, data in (("a", site_a_data), ("b", site_b_data)):
+        (tmp_path / f"site-{name}.yaml").write_text(yaml.safe_dump(data))
+        cfgs[name] = load_config(tmp_path / f"site-{name}.yaml")
+        assert apply_topics(cfgs[name]).ok
+    procs: list[Any] = []
+    paused = False
+    try:
+        region_a = RegionProcess(tmp_path / "site-a.yaml", tmp_path / "region-a.log")
+        region_b = RegionProcess(tmp_path / "site-b.yaml", tmp_path / "region-b.log")
+        procs += [region_a, region_b]
+        region_a.wait_ready()
+        region_b.wait_ready()
+        procs.append(ReceiverProcess(tmp_path / "site-b.yaml", tmp_path / "receiver-b.log"))
+        sender = SenderProcess(tmp_path / "site-a.yaml", "to-b", tmp_path / "sender-a.log")
+        procs.append(sender)
+        client_a = RegionClient([region_a.url])
+        written: dict[str, Any] = {}
+
+        def write(n0: int, count: int) -> None:
+            for n in range(n0, n0 + count):
+                key = f"k{n % 50}"
+                client_a.put("orders", key, {"n": n})
+                written[key] = {"n": n}
+
+        write(0, 100)
+        site_b.broker.pause()
+        paused = True
+        write(100, 300)
+        time.sleep(8)  # longer than the ack timeout and the alert threshold
+        size_paused = sum(r.size for r in queue_status(cfgs["a"], "to-b"))
+        assert size_paused > 0, "the queue did not grow while B was unreachable"
+        time.sleep(12)
+        site_b.broker.resume()
+        paused = False
+        write(400, 100)
+
+        client_b = RegionClient([region_b.url], retry_for_s=120)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            b = {k: (e or {}).get("value") for k, e in client_b.get_all("orders", sorted(written)).items()}
+            if b == written and sum(r.size for r in queue_status(cfgs["a"], "to-b")) == 0:
+                break
+            time.sleep(1)
+        assert b == written, f"{sum(1 for k in written if b.get(k) != written[k])} keys differ on B"
+        assert "ALERT gateway-sender to-b" in sender.log_tail(2_000_000)
+        codec = get_codec()
+        acks = [codec.decode_as("GatewayAck", v) for _, _, v in
+                read_topic(site_b.bootstrap, cfgs["b"].topics.gateway_acks(), 2)]
+        repeats = sum(1 for a in acks if a["duplicate_batch"])
+        records = [codec.decode_as("EntryEvent", v) for _, _, v in
+                   read_topic(site_b.bootstrap, cfgs["b"].topics.region_changelog("orders"), 4)]
+        ids = [tuple(r["event_id"].values()) for r in records]
+        assert len(ids) == len(set(ids)) == 500, f"{len(ids)} applications on B for 500 writes"
+        print(f"\nqueue grew to {size_paused} while B was paused; drained; {repeats} repeated batches acked, "
+              f"none applied twice")
+    finally:
+        if paused:
+            site_b.broker.resume()
+        for proc in reversed(procs):
+            proc.stop()
