@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import os
 import socket
 import threading
 import time
@@ -612,10 +611,6 @@ def op_from_json(d: dict[str, Any]) -> Operation:
         callback_argument=d.get("callback_argument"),
         remote=None if remote is None else decode_remote(remote),
     )
-
-
-def default_host() -> str:
-    return os.environ.get("SLUICE_REGION_HOST", "127.0.0.1")
 
 
 __all__ = ["EntryEvent", "Outcome", "RegionService", "ServiceState", "op_from_json"]

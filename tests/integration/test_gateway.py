@@ -131,7 +131,7 @@ def test_a_to_b_parallel_and_serial_with_a_sender_killed_mid_run(site_a, unique_
             ids_a = _changelog_ids(site_a.bootstrap, cfg_a, region, buckets)
             ids_b = _changelog_ids(site_a.bootstrap, cfg_b, region, buckets)
             assert ids_a == ids_b, f"{region}: per-key order of applied events differs on B"
-        print(f"\n1800 writes on A; B equals A in both regions with A's per-key order; one parallel sender killed")
+        print("\n1800 writes on A; B equals A in both regions with A's per-key order; one parallel sender killed")
     finally:
         for proc in reversed(procs):
             proc.stop()
