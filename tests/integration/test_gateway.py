@@ -304,6 +304,7 @@ def test_three_sites_apply_every_event_once_and_nothing_circulates(topology, sit
             proc.stop()
 
 
+@pytest.mark.slow
 def test_a_paused_remote_broker_grows_the_queue_alerts_then_drains_losing_nothing(
     site_a, site_b, unique_prefix, tmp_path: Path
 ):
