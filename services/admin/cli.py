@@ -21,7 +21,7 @@ from rich.table import Table
 from ..core.codec import get_codec
 from ..core.config import SiteConfig, load_config
 from ..core.errors import CodecError, ConfigError, InvalidRequest, SluiceError
-from ..core.kafka import OFFSET_BEGINNING, KafkaException, TopicPartition, make_consumer, make_producer, translate
+from ..core.kafka import KafkaException, TopicPartition, make_consumer, make_producer, read_to_end, translate
 
 STATES = {"pause": "PAUSED", "resume": "RUNNING", "stop": "STOPPED", "start": "RUNNING"}
 
@@ -125,22 +125,8 @@ def set_state(cfg: SiteConfig, queue_id: str, state: str, issued_by: str = "") -
 
 def _read_compacted(consumer: Any, topic: str) -> dict[bytes, bytes]:
     """Latest value per key of a one-partition topic."""
-    tp = TopicPartition(topic, 0)
-    low, high = consumer.get_watermark_offsets(tp, timeout=10)
-    latest: dict[bytes, bytes] = {}
-    if high <= low:
-        return latest
-    consumer.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
-    last = low - 1
-    end = time.monotonic() + 20
-    while last < high - 1 and time.monotonic() < end:
-        for msg in consumer.consume(1000, 0.1):
-            if msg.error() is None:
-                last = msg.offset()
-                if msg.key() is not None and msg.value() is not None:
-                    latest[msg.key()] = msg.value()
-    consumer.unassign()
-    return latest
+    return {msg.key(): msg.value() for msg in read_to_end(consumer, topic)
+            if msg.key() is not None and msg.value() is not None}
 
 
 def queue_status(cfg: SiteConfig, queue_id: str) -> list[PartitionStatus]:

@@ -11,7 +11,8 @@ relies on (idempotence, acks, offset storage) rather than leaning on defaults.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+import time
+from typing import Any, Callable, Iterable, Iterator
 
 from confluent_kafka import (  # re-exported for the services
     OFFSET_BEGINNING,
@@ -48,6 +49,7 @@ __all__ = [
     "make_producer",
     "murmur2",
     "partition_for_key",
+    "read_to_end",
     "translate",
 ]
 
@@ -218,3 +220,27 @@ def iter_messages(consumer: Consumer, timeout_s: float, batch: int = 1000) -> It
 
 
 Callback = Callable[[KafkaError | None, Message], None]
+
+
+def read_to_end(consumer: Consumer, topic: str, partition: int = 0, deadline_s: float = 15.0) -> Iterator[Message]:
+    """Every readable record of one partition, from its start to its end as of the call.
+
+    ``consumer`` is assigned the partition for the read and unassigned after.
+    Used for the small compacted topics (removals, status) and a partition's
+    acks, which services read whole when they take something over.
+    """
+    tp = TopicPartition(topic, partition)
+    low, high = consumer.get_watermark_offsets(tp, timeout=10)
+    if high <= low:
+        return
+    consumer.assign([TopicPartition(topic, partition, low)])
+    try:
+        last, end = low - 1, time.monotonic() + deadline_s
+        while last < high - 1 and time.monotonic() < end:
+            # consume() waits its whole timeout for a partial batch: keep it short.
+            for msg in consumer.consume(1000, 0.05):
+                if msg.error() is None:
+                    last = msg.offset()
+                    yield msg
+    finally:
+        consumer.unassign()

@@ -67,6 +67,7 @@ from .kafka import (
     TopicPartition,
     make_consumer,
     make_producer,
+    read_to_end,
     translate,
 )
 
@@ -493,18 +494,10 @@ class QueuePrimary:
         prefix = f"{self.kind}/{self.queue_id}/".encode()
         found: set[int] = set()
         try:
-            tp = TopicPartition(self.status_topic, 0)
-            low, high = reader.get_watermark_offsets(tp, timeout=10)
-            if high > low:
-                reader.assign([TopicPartition(self.status_topic, 0, OFFSET_BEGINNING)])
-                last, end = low - 1, time.monotonic() + 15
-                while last < high - 1 and time.monotonic() < end:
-                    for msg in reader.consume(1000, 0.05):
-                        if msg.error() is None:
-                            last = msg.offset()
-                            key = msg.key() or b""
-                            if key.startswith(prefix):
-                                found.add(int(key[len(prefix):]))
+            for msg in read_to_end(reader, self.status_topic):
+                key = msg.key() or b""
+                if key.startswith(prefix):
+                    found.add(int(key[len(prefix):]))
         except (KafkaException, ValueError) as exc:
             # When in doubt, flag: possibleDuplicate is the safe side.
             log.warning("reading %s: %s; flagging every queued event as possibleDuplicate", self.status_topic, exc)

@@ -45,7 +45,6 @@ from ..core.config import SiteConfig
 from ..core.errors import CodecError, SluiceError
 from ..core.events import EntryEvent, goes_to_gateway
 from ..core.kafka import (
-    OFFSET_BEGINNING,
     Consumer,
     KafkaException,
     Message,
@@ -53,6 +52,7 @@ from ..core.kafka import (
     make_admin,
     make_consumer,
     make_producer,
+    read_to_end,
     translate,
 )
 
@@ -170,24 +170,13 @@ class ReceiverService:
         reader = make_consumer(self.cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 10})
         try:
             for tp in partitions:
-                ack_tp = TopicPartition(self.acks, tp.partition)
-                low, high = reader.get_watermark_offsets(ack_tp, timeout=10)
-                if high <= low:
-                    continue
-                reader.assign([TopicPartition(self.acks, tp.partition, OFFSET_BEGINNING)])
-                last, end = low - 1, time.monotonic() + 30
-                while last < high - 1 and time.monotonic() < end:
-                    for msg in reader.consume(1000, 0.05):
-                        if msg.error() is not None:
-                            continue
-                        last = msg.offset()
-                        try:
-                            ack = self._codec.decode_as("GatewayAck", msg.value())
-                        except CodecError:
-                            continue
-                        key = (msg.key() or b"").decode("utf-8", "replace")
-                        self._last_batch[key] = max(self._last_batch.get(key, -1), ack["batch_id"])
-                reader.unassign()
+                for msg in read_to_end(reader, self.acks, tp.partition, deadline_s=30):
+                    try:
+                        ack = self._codec.decode_as("GatewayAck", msg.value())
+                    except CodecError:
+                        continue
+                    key = (msg.key() or b"").decode("utf-8", "replace")
+                    self._last_batch[key] = max(self._last_batch.get(key, -1), ack["batch_id"])
         except KafkaException as exc:
             raise translate(exc, f"reading {self.acks}") from exc
         finally:

@@ -16,7 +16,7 @@ it survives a change of owner.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 from ..core.errors import EntryExists, EntryNotFound
@@ -194,21 +194,8 @@ class BucketState:
                 return Duplicate(event.event_id)
             if not remote_wins(current.version, event.version):
                 return ConflictLost(event.event_id, current.version, event.version)
-        applied = EntryEvent(
-            region=self.region,
-            key=event.key,
-            operation=event.operation,
-            value=None if event.operation.removes_value else event.value,
-            event_id=event.event_id,
-            version=event.version,
-            origin_dsid=event.origin_dsid,
-            bucket=self.bucket,
-            event_time=event.event_time,
-            callback_argument=event.callback_argument,
-            possible_duplicate=event.possible_duplicate,
-            visited_dsids=event.visited_dsids,
-            value_encoding=event.value_encoding,
-        )
+        applied = replace(event, region=self.region, bucket=self.bucket,
+                          value=None if event.operation.removes_value else event.value)
         self.replay(applied)
         return applied
 

@@ -17,7 +17,8 @@ is a round trip to the remote site, through Kafka only:
    ``socket_read_timeout_ms`` (or the remote site unreachable): the batch is
    not delivered and the loop sends the very same batch again, flagged
    possibleDuplicate, until it is acknowledged; the queue grows meanwhile and
-   an alert is logged once its oldest event is older than ``alert_threshold_ms``.
+   the loop's status pass logs an alert while its oldest event is older than
+   ``alert_threshold_ms``.
 4. An ack with exceptions still removes the batch: each failed event goes to
    the queue's dead-letter topic with its exception, durably, first.
 
@@ -48,6 +49,7 @@ from ..core.kafka import (
     make_consumer,
     make_producer,
     partition_for_key,
+    read_to_end,
 )
 from ..core.queueloop import DesiredState, QueuePartition, QueuePrimary, ServiceState
 from ..core.topics import TopicNames
@@ -101,7 +103,7 @@ class GatewaySenderService(QueuePrimary):
         self._waiters_lock = threading.Lock()
         self._inbound_partitions = 0
         self._sent: set[tuple[int, int]] = set()  # batches sent at least once and not yet acknowledged
-        self.stats.update({"batches_sent": 0, "resends": 0, "acks": 0, "event_exceptions": 0, "alerts": 0})
+        self.stats.update({"batches_sent": 0, "resends": 0, "acks": 0, "event_exceptions": 0})
 
     # --- the remote site ---------------------------------------------------------------
 
@@ -202,20 +204,12 @@ class GatewaySenderService(QueuePrimary):
         key = str(partition).encode()
         latest = None
         try:
-            tp = TopicPartition(self.removals_topic, 0)
-            low, high = reader.get_watermark_offsets(tp, timeout=10)
-            if high > low:
-                reader.assign([TopicPartition(self.removals_topic, 0, low)])
-                last, end = low - 1, time.monotonic() + 15
-                while last < high - 1 and time.monotonic() < end:
-                    for msg in reader.consume(1000, 0.05):
-                        if msg.error() is None:
-                            last = msg.offset()
-                            if msg.key() == key:
-                                try:
-                                    latest = self._codec.decode_as("RemovalRecord", msg.value())
-                                except CodecError:
-                                    continue
+            for msg in read_to_end(reader, self.removals_topic):
+                if msg.key() == key:
+                    try:
+                        latest = self._codec.decode_as("RemovalRecord", msg.value())
+                    except CodecError:
+                        continue
         finally:
             reader.close()
         return latest
@@ -225,7 +219,6 @@ class GatewaySenderService(QueuePrimary):
     def deliver(self, part: QueuePartition, batch: Batch[AsyncEvent]) -> bool:
         partition = part.tp.partition
         resend = batch.redeliveries > 0 or (partition, batch.batch_id) in self._sent
-        self._alert_if_old(partition, batch)
         key = f"{self.cfg.dsid}/{self.queue_id}/{partition}"
         record = {
             "sender_id": self.queue_id,
@@ -288,16 +281,6 @@ class GatewaySenderService(QueuePrimary):
 
     def alert_threshold_ms(self) -> int:
         return self.sender.alert_threshold_ms
-
-    def _alert_if_old(self, partition: int, batch: Batch[AsyncEvent]) -> None:
-        threshold = self.sender.alert_threshold_ms
-        if threshold <= 0 or not batch.events:
-            return
-        age_ms = int(time.time() * 1000) - batch.events[0].event.event_time
-        if age_ms > threshold:
-            self.stats["alerts"] += 1
-            log.warning("ALERT sender %s[%d]: oldest event is %d ms old (alert_threshold_ms %d), remote dsid %d",
-                        self.queue_id, partition, age_ms, threshold, self.remote_dsid)
 
     def _dead_letter_exceptions(self, batch: Batch[AsyncEvent], ack: dict[str, Any]) -> None:
         """Failed events, with their exceptions, go to the dead-letter topic before the batch is removed."""

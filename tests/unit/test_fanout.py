@@ -29,6 +29,7 @@ import fastavro
 import pytest
 from confluent_kafka import KafkaError
 from hypothesis import HealthCheck, example, given, settings
+from test_events import ROUTING
 from hypothesis import strategies as st
 
 from sluice.core.codec import HEADER_BYTES, MARKER, get_codec
@@ -74,22 +75,7 @@ def target(kind: str = "gateway-sender", parallel: bool = False, partitions: int
 
 # --- 1. routing and partitions ---------------------------------------------------------
 
-# operation: (gateway sender, async event queue, async event queue with forward-expiration-destroy)
-ROUTING = {
-    Operation.CREATE: (True, True, True),
-    Operation.UPDATE: (True, True, True),
-    Operation.DESTROY: (True, True, True),
-    Operation.PUTALL_CREATE: (True, True, True),
-    Operation.PUTALL_UPDATE: (True, True, True),
-    Operation.REMOVEALL_DESTROY: (True, True, True),
-    Operation.INVALIDATE: (False, False, False),
-    Operation.EXPIRE_DESTROY: (False, False, True),
-    Operation.EXPIRE_INVALIDATE: (False, False, False),
-    Operation.LOCAL_DESTROY: (False, False, False),
-    Operation.REGION_CLEAR: (False, False, False),
-    Operation.REGION_DESTROY: (False, False, False),
-    Operation.UNKNOWN: (False, False, False),
-}
+# ROUTING: operation → (gateway sender, AEQ, AEQ forwarding expiration destroys), shared with test_events.
 
 
 def test_routing_table_covers_every_operation() -> None:
