@@ -131,13 +131,19 @@ def load_listener_class(kind: str, class_path: str | None) -> type:
         return found[0].load()  # type: ignore[no-any-return]
     else:
         path = class_path
-    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    try:
-        module = importlib.import_module(module_name)
-        cls = getattr(module, attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError([("listener.class_path", path, f"cannot import: {exc}")]) from exc
+    cls = import_class(path, "listener.class_path")
     for method in ("process_events",):
         if not callable(getattr(cls, method, None)):
             raise ConfigError([("listener.class_path", path, f"has no {method}() method")])
     return cls  # type: ignore[no-any-return]
+
+
+def import_class(path: str, field: str) -> Any:
+    """The object at ``package.module:Name`` (or ``package.module.Name``); a
+    ConfigError naming ``field`` when it cannot be imported."""
+    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+        return getattr(module, attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError([(field, path, f"cannot import: {exc}")]) from exc

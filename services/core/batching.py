@@ -13,10 +13,12 @@ The story of a partition's events, step by step:
    first of them, whichever comes first (or at once with ``force``, used for
    a flush).  Records that could not be read (dead-lettered) still advance
    the batch's offsets, so a batch may carry no event at all.
-3. While a batch is out, nothing else of the partition is handed out: the
-   listener gets the very same batch again until it accepts it (``offered``
-   stays set, ``redeliveries`` counts), and only ``accepted`` lets the next
-   batch go.  ``accepted`` returns the offset to commit (last + 1).
+3. At most ``max_in_flight`` batches are out at once (1 for an async event
+   queue's listener; a gateway sender may have several batches waiting for
+   their acks).  An out batch that is refused is handed out again as the
+   very same object (``redeliveries`` counts), together with every batch out
+   after it, and batches are accepted strictly in order: ``accepted``
+   removes the oldest and returns the offset to commit (its last + 1).
 
 Back-pressure is the caller's: ``buffered_bytes`` tells how much is held.
 """
@@ -53,6 +55,8 @@ class BatchPolicy:
     batch_size: int = 100
     batch_time_interval_ms: int = 5
     conflation: bool = False
+    #: How many batches may be out (handed out, not yet accepted) at once.
+    max_in_flight: int = 1
 
 
 @dataclass(slots=True)
@@ -107,7 +111,8 @@ class PartitionBatcher(Generic[T]):
         self.partition = partition
         self.policy = policy
         self.next_batch_id = next_batch_id
-        self.offered: Batch[T] | None = None
+        #: Batches handed out and not yet accepted, oldest first.
+        self.out: list[Batch[T]] = []
         self._assembling: _Assembling[T] = _Assembling()
         self.events_conflated = 0
         self.batches_accepted = 0
@@ -151,34 +156,42 @@ class PartitionBatcher(Generic[T]):
     # --- output --------------------------------------------------------------
 
     @property
+    def offered(self) -> Batch[T] | None:
+        """The oldest batch out, if any."""
+        return self.out[0] if self.out else None
+
+    @property
+    def full(self) -> bool:
+        """``max_in_flight`` batches are out: nothing more is handed out."""
+        return len(self.out) >= self.policy.max_in_flight
+
+    @property
     def waiting(self) -> int:
         """Events assembled but not yet handed out."""
         return self._assembling.waiting
 
     def oldest(self) -> T | None:
-        """The oldest event not yet accepted: the batch out, else the first one waiting."""
-        if self.offered is not None and self.offered.events:
-            return self.offered.events[0]
+        """The oldest event not yet accepted: in the batches out, else the first one waiting."""
+        for batch in self.out:
+            if batch.events:
+                return batch.events[0]
         a = self._assembling
         return a.events[a.head] if a.waiting else None
 
     @property
     def buffered_bytes(self) -> int:
-        out = self._assembling.nbytes
-        if self.offered is not None:
-            out += self.offered.nbytes
-        return out
+        return self._assembling.nbytes + sum(b.nbytes for b in self.out)
 
     def due_in_ms(self, now_ms: int) -> int | None:
         """Milliseconds until the assembling batch is due by time (None: nothing waits)."""
         a = self._assembling
-        if not a.covers_anything() or self.offered is not None:
+        if not a.covers_anything() or self.full:
             return None
         return max(0, a.first_added_ms + self.policy.batch_time_interval_ms - now_ms)
 
     def ready(self, now_ms: int) -> bool:
         a = self._assembling
-        if self.offered is not None or not a.covers_anything():
+        if self.full or not a.covers_anything():
             return False
         if a.waiting >= self.policy.batch_size:
             return True
@@ -186,7 +199,7 @@ class PartitionBatcher(Generic[T]):
 
     def take(self, now_ms: int, force: bool = False) -> Batch[T] | None:
         """The next batch, when ready (or when anything waits, with ``force``)."""
-        if self.offered is not None:
+        if self.full:
             return None
         a = self._assembling
         if not a.covers_anything() or not (force or self.ready(now_ms)):
@@ -215,7 +228,7 @@ class PartitionBatcher(Generic[T]):
                           a.conflated, 0, a.nbytes)
             self._assembling = _Assembling()
         self.next_batch_id += 1
-        self.offered = batch
+        self.out.append(batch)
         return batch
 
     def _compact(self) -> None:
@@ -228,15 +241,17 @@ class PartitionBatcher(Generic[T]):
         a.head = 0
 
     def rejected(self) -> Batch[T]:
-        """The listener refused the batch: it stays out, to be offered again."""
-        assert self.offered is not None, "no batch is out"
-        self.offered.redeliveries += 1
+        """The oldest batch out was refused: it and every batch out after it
+        stay out, to be handed out again in order.  Returns the oldest."""
+        assert self.out, "no batch is out"
+        for batch in self.out:
+            batch.redeliveries += 1
         self.redeliveries += 1
-        return self.offered
+        return self.out[0]
 
     def accepted(self) -> int:
-        """The listener accepted the batch: the offset to commit."""
-        assert self.offered is not None, "no batch is out"
-        batch, self.offered = self.offered, None
+        """The oldest batch out was accepted: the offset to commit."""
+        assert self.out, "no batch is out"
+        batch = self.out.pop(0)
         self.batches_accepted += 1
         return batch.commit_offset

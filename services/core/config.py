@@ -292,6 +292,9 @@ class GatewaySenderConfig(_Model):
     manual_start: bool = False
     group_transaction_events: bool = False
     retry_interval_ms: int = Field(5000, ge=1)
+    max_batches_in_flight: int = Field(
+        4, ge=1, le=64,
+        description="batches of a queue partition sent and waiting for their acks at once; removal stays in order")
     event_filters: tuple[str, ...] = _seq()
     event_substitution_filter: str | None = None
     remote: RemoteSiteConfig | None = None

@@ -130,6 +130,9 @@ def make_consumer(base: dict[str, Any], group_id: str | None = None, **settings:
     }
     conf.update(base)
     conf.update({k.replace("_", "."): v for k, v in settings.items()})
+    import os  # TEMP-DIAG
+    if group_id and os.environ.get("SLUICE_TMP_DEBUG"):  # TEMP-DIAG
+        conf["debug"] = os.environ["SLUICE_TMP_DEBUG"]  # TEMP-DIAG
     try:
         return Consumer(conf)
     except KafkaException as exc:

@@ -15,16 +15,18 @@ The story of a partition on its primary, step by step:
    not send an event back to a site it came from).
 2. ``PartitionBatcher`` (core/batching.py) assembles batches by size or time
    and conflates updates when the queue says so.
-3. ``deliver`` is called with a batch on one of ``dispatcher_threads`` worker
-   threads (an async event queue offers it to its listener, a gateway sender
-   sends it to the remote site and waits for the ack).  ``False`` or an
-   exception: the very same batch is delivered again with exponential
-   backoff (tenacity), forever, unless the queue is paused, stopped or the
-   partition revoked; nothing after it goes first.
-4. Delivered: the removal record (queue head) is written to the queue's
-   compacted removals topic, and once it is durable the group offset is
-   committed.  A crash anywhere before that only means the batch is
-   delivered again, flagged possibleDuplicate.
+3. ``deliver_group`` is called with the batches that are out (up to
+   ``max_in_flight``, oldest first) on one of ``dispatcher_threads`` worker
+   threads: an async event queue offers its one batch to its listener
+   (``deliver``), a gateway sender writes several batches to the remote site
+   and waits for their acks in order.  It answers how many batches, from the
+   oldest, were delivered.  None: the very same batches are delivered again
+   with exponential backoff (tenacity), forever, unless the queue is paused,
+   stopped or the partition revoked; nothing after them goes first.
+4. Delivered, oldest first: each batch's removal record (queue head) is
+   written to the queue's compacted removals topic, and once it is durable
+   the group offset is committed.  A crash anywhere before that only means
+   the batch is delivered again, flagged possibleDuplicate.
 
 ``sluice admin`` steers the queue through the site's control topic (latest
 record per queue wins: RUNNING, PAUSED, STOPPED); pause takes effect at a
@@ -103,14 +105,17 @@ class QueuePartition:
     events_dispatched: int = 0
     dead_lettered: int = 0
     last_removed_offset: int = -1
+    last_accepted_at: int = 0  # epoch ms of the last delivered batch (a sender: its last ack)
+    alerting_since: float = 0.0  # monotonic time of the last ALERT logged; 0 when none is due
 
 
 @dataclass(frozen=True, slots=True)
 class _OfferDone:
     partition: int
-    batch: Batch[AsyncEvent]
-    accepted: bool
+    batches: list[Batch[AsyncEvent]]
+    accepted: int  # how many of ``batches``, from the oldest, were delivered
     attempts: int
+    at_ms: int = 0
 
 
 class QueuePrimary:
@@ -134,7 +139,8 @@ class QueuePrimary:
         self.control_topic = names.control()
         self.status_topic = names.status()
         self.group_id = f"{cfg.kafka.topic_prefix}queue.{queue_id}.dispatch"
-        self.policy = BatchPolicy(settings.batch_size, settings.batch_time_interval_ms, settings.batch_conflation)
+        self.policy = BatchPolicy(settings.batch_size, settings.batch_time_interval_ms, settings.batch_conflation,
+                                  max_in_flight=self.max_in_flight())
         self.max_buffered_bytes = max(1, settings.maximum_queue_memory_mb) * 1024 * 1024
         self.state = ServiceState.NEW
         self.crash: BaseException | None = None
@@ -162,6 +168,18 @@ class QueuePrimary:
     def deliver(self, part: QueuePartition, batch: Batch[AsyncEvent]) -> bool:
         """Deliver one batch (worker thread); True when it may leave the queue."""
         raise NotImplementedError
+
+    def deliver_group(self, part: QueuePartition, batches: list[Batch[AsyncEvent]]) -> int:
+        """Deliver the batches out, in order (worker thread): how many, from the
+        oldest, may leave the queue.  Batches without events need no delivery."""
+        for i, batch in enumerate(batches):
+            if batch.events and not self.deliver(part, batch):
+                return i
+        return len(batches)
+
+    def max_in_flight(self) -> int:
+        """How many batches of a partition may be out at once."""
+        return 1
 
     def accepts(self, event: EntryEvent) -> bool:
         """False leaves the event out of the batches (it is still removed with them)."""
@@ -357,21 +375,24 @@ class QueuePrimary:
         for part in self._partitions.values():
             if part.in_flight or part.revoked:
                 continue
-            batch = part.batcher.offered or part.batcher.take(now_ms)
-            if batch is None:
-                continue
-            if not batch.events:
-                # Only dead letters or conflated-away records: nothing to offer.
-                self._inbox.put(("done", _OfferDone(part.tp.partition, batch, True, 0)))
-                part.in_flight = True
+            # What is still out (refused before) goes again first, then new batches.
+            while part.batcher.take(now_ms) is not None:
+                pass
+            group = list(part.batcher.out)
+            if not group:
                 continue
             part.in_flight = True
-            self._pool.submit(self._offer, part, batch)
+            if not any(b.events for b in group):
+                # Only dead letters, filtered or conflated-away records: nothing to offer.
+                self._inbox.put(("done", _OfferDone(part.tp.partition, group, len(group), 0, now_ms)))
+                continue
+            self._pool.submit(self._offer, part, group)
 
-    def _offer(self, part: QueuePartition, batch: Batch[AsyncEvent]) -> None:
-        """Worker thread: the same batch until accepted, or until dispatch must stop."""
+    def _offer(self, part: QueuePartition, group: list[Batch[AsyncEvent]]) -> None:
+        """Worker thread: the same batches until some are accepted, or until dispatch must stop."""
         attempts = 0
-        accepted = False
+        accepted = 0
+        first = group[0]
         try:
             for attempt in Retrying(
                 retry=retry_if_exception_type(Exception),
@@ -381,20 +402,21 @@ class QueuePrimary:
                 sleep=lambda seconds: self._stopping.wait(seconds) and None,
                 before_sleep=lambda state: log.warning(
                     "queue %s[%d]: batch %d offered again (attempt %d): %s", self.queue_id, part.tp.partition,
-                    batch.batch_id, state.attempt_number + 1,
+                    first.batch_id, state.attempt_number + 1,
                     state.outcome.exception() if state.outcome is not None else "?"),
                 reraise=False,
                 retry_error_callback=lambda state: None,
             ):
                 with attempt:
                     attempts += 1
-                    if not self.deliver(part, batch):
-                        raise Refused(f"batch {batch.batch_id} not delivered")
-                    accepted = True
+                    accepted = self.deliver_group(part, group)
+                    if accepted <= 0:
+                        raise Refused(f"batch {first.batch_id} not delivered")
         except Exception as exc:  # top of a worker: never lose the batch, report it
-            log.exception("offering batch %d of partition %d failed: %s", batch.batch_id, part.tp.partition, exc)
+            log.exception("offering batch %d of partition %d failed: %s", first.batch_id, part.tp.partition, exc)
         finally:
-            self._inbox.put(("done", _OfferDone(part.tp.partition, batch, accepted, attempts)))
+            self._inbox.put(("done", _OfferDone(part.tp.partition, group, max(0, accepted), attempts,
+                                                int(time.time() * 1000))))
 
     def _must_stop_offering(self, part: QueuePartition) -> bool:
         return self._stopping.is_set() or part.revoked or self.desired is not DesiredState.RUNNING
@@ -421,14 +443,18 @@ class QueuePrimary:
         part.in_flight = False
         for _ in range(redeliveries):
             part.batcher.rejected()
-        if not done.accepted:
-            return  # parked: offered again when dispatch may go on
-        commit = part.batcher.accepted()
-        part.events_dispatched += len(done.batch.events)
-        self.stats["batches"] += 1 if done.batch.events else 0
-        self.stats["events"] += len(done.batch.events)
-        self.stats["conflated"] += done.batch.conflated
-        self._write_removal(part, done.batch, commit)
+        for batch in done.batches[:done.accepted]:
+            assert part.batcher.offered is batch, "batches are accepted in order"
+            commit = part.batcher.accepted()
+            part.events_dispatched += len(batch.events)
+            part.last_accepted_at = done.at_ms
+            self.stats["batches"] += 1 if batch.events else 0
+            self.stats["events"] += len(batch.events)
+            self.stats["conflated"] += batch.conflated
+            self._write_removal(part, batch, commit)
+        if 0 < done.accepted < len(done.batches):
+            part.batcher.rejected()  # the rest go again, after the accepted ones' removals
+        # None accepted: parked, offered again when dispatch may go on.
 
     def _write_removal(self, part: QueuePartition, batch: Batch[AsyncEvent], commit: int) -> None:
         last = batch.events[-1].event_id.to_record() if batch.events else None
@@ -567,12 +593,7 @@ class QueuePrimary:
         threshold = self.alert_threshold_ms()
         for part in self._partitions.values():
             b = part.batcher
-            oldest = b.oldest() if threshold > 0 else None
-            if oldest is not None and now_ms - oldest.event.event_time > threshold:
-                self.stats["alerts"] = self.stats.get("alerts", 0) + 1
-                log.warning("ALERT %s %s[%d]: the oldest event waiting is %d ms old (alert_threshold_ms %d); "
-                            "%d events wait", self.kind, self.queue_id, part.tp.partition,
-                            now_ms - oldest.event.event_time, threshold, b.waiting)
+            self._check_alert(part, now_ms, threshold)
             record = {
                 "kind": self.kind,
                 "queue_id": self.queue_id,
@@ -585,12 +606,36 @@ class QueuePrimary:
                 "events_conflated": b.events_conflated,
                 "dead_lettered": part.dead_lettered,
                 "last_removed_offset": part.last_removed_offset,
-                "in_flight": 1 if part.in_flight else 0,
+                "in_flight": len(b.out) if part.in_flight else 0,
+                "last_accepted_at": part.last_accepted_at,
+                "waiting": b.waiting + sum(len(x.events) for x in b.out),
                 "updated_at": now_ms,
             }
             key = f"{self.kind}/{self.queue_id}/{part.tp.partition}".encode()
             self._producer.produce(self.status_topic, self._codec.encode("QueueStatus", record), key)
         self._producer.poll(0)
+
+
+    alert_repeat_s = 30.0
+
+    def _check_alert(self, part: QueuePartition, now_ms: int, threshold: int) -> None:
+        """Geode's alert-threshold: log while the oldest waiting event is older
+        than the threshold (when it starts, then every ``alert_repeat_s``), and
+        once when it is over."""
+        oldest = part.batcher.oldest() if threshold > 0 else None
+        age = now_ms - oldest.event.event_time if oldest is not None else 0
+        if oldest is not None and age > threshold:
+            now = time.monotonic()
+            if part.alerting_since == 0.0 or now - part.alerting_since >= self.alert_repeat_s:
+                part.alerting_since = now
+                self.stats["alerts"] = self.stats.get("alerts", 0) + 1
+                log.warning("ALERT %s %s[%d]: the oldest event waiting is %d ms old (alert_threshold_ms %d); "
+                            "%d events wait", self.kind, self.queue_id, part.tp.partition, age, threshold,
+                            part.batcher.waiting + sum(len(b.events) for b in part.batcher.out))
+        elif part.alerting_since:
+            part.alerting_since = 0.0
+            log.warning("alert over: %s %s[%d]: no waiting event is older than %d ms", self.kind, self.queue_id,
+                        part.tp.partition, threshold)
 
 
 class _StopWhen(stop_base):

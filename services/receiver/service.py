@@ -46,11 +46,13 @@ from ..core.errors import CodecError, SluiceError
 from ..core.events import EntryEvent, goes_to_gateway
 from ..core.kafka import (
     Consumer,
+    KafkaError,
     KafkaException,
     Message,
     TopicPartition,
     make_admin,
     make_consumer,
+    error_from_kafka_error,
     make_producer,
     read_to_end,
     translate,
@@ -59,6 +61,12 @@ from ..core.kafka import (
 log = logging.getLogger("sluice.receiver")
 
 REGION_CLIENT_PREFIX = "sluice-region@"
+
+#: Writing an ack or a dead letter: how long one flush waits, when to warn that
+#: the broker is not answering, and the pause before producing a record again.
+WRITE_WAIT_STEP_S = 0.5
+WRITE_WARN_AFTER_S = 5.0
+WRITE_RETRY_BACKOFF_S = 1.0
 
 
 class ServiceState(enum.Enum):
@@ -300,20 +308,73 @@ class ReceiverService:
             "exceptions": exceptions,
             "acked_at": int(time.time() * 1000),
         }
-        errors: list[Any] = []
-        self._producer.produce(self.acks, self._codec.encode("GatewayAck", record), key.encode(),
-                               partition=msg.partition(), on_delivery=lambda err, _m: errors.append(err))
-        if self._producer.flush(30) or errors != [None]:
-            raise SluiceError(f"ack of batch {batch['batch_id']} ({key}) not written: {errors}")
+        self._write(f"ack of batch {batch['batch_id']} ({key})", self.acks, self._codec.encode("GatewayAck", record),
+                    key.encode(), partition=msg.partition())
 
     def _dead_letter(self, msg: Message, reason: str, error_class: str) -> None:
         record = {"source_topic": msg.topic(), "source_partition": msg.partition(), "source_offset": msg.offset(),
                   "key": msg.key(), "value": msg.value(), "reason": reason, "error_class": error_class,
                   "event": None, "service": f"receiver {self.member_id}", "failed_at": int(time.time() * 1000)}
-        self._producer.produce(self.dead_letter, self._codec.encode("DeadLetter", record), msg.key())
-        if self._producer.flush(30):
-            raise SluiceError(f"dead letter for {msg.topic()}[{msg.partition()}]@{msg.offset()} not written")
+        self._write(f"dead letter for {msg.topic()}[{msg.partition()}]@{msg.offset()}", self.dead_letter,
+                    self._codec.encode("DeadLetter", record), msg.key())
         self.stats["dead_lettered"] += 1
+
+    def _write(self, what: str, topic: str, value: bytes, key: bytes | None, *, partition: int | None = None) -> None:
+        """Produce one record and wait until the broker has it, for as long as that takes.
+
+        This site's broker may be unreachable for any length of time (paused,
+        partitioned, restarting).  A fixed deadline here (it was ``flush(30)``)
+        turned an outage longer than the deadline into a crashed receiver:
+        the 30 s remote-broker pause test caught it with an ack in flight at
+        the moment of the pause.  So: wait in short flushes; a delivery that
+        fails retriably (``_MSG_TIMED_OUT`` once ``delivery.timeout.ms`` runs
+        out, ``_TRANSPORT``, …) is produced again, which is safe because the
+        record may then exist twice and a repeated ack or dead letter changes
+        nothing (senders drop an ack for a batch they no longer wait for).
+        Only a non-retriable failure raises.  Stopping raises ``_Stopping``:
+        the batch is then neither acknowledged for sure nor committed, so it is
+        read again and acknowledged as a duplicate.
+        """
+        extra = {} if partition is None else {"partition": partition}
+        started = time.monotonic()
+        warned = False
+        while True:
+            outcome: list[KafkaError | None] = []
+            self._produce(topic, value, key, outcome, extra)
+            while not outcome:
+                if self._stopping.is_set():
+                    raise _Stopping
+                self._producer.flush(WRITE_WAIT_STEP_S)
+                waited_s = time.monotonic() - started
+                if not outcome and not warned and waited_s >= WRITE_WARN_AFTER_S:
+                    warned = True
+                    log.warning("%s: not written after %.0f s; waiting for the broker", what, waited_s)
+            error = outcome[0]
+            if error is None:
+                if warned:
+                    log.info("%s: written after %.1f s", what, time.monotonic() - started)
+                return
+            failure = error_from_kafka_error(error, what)
+            if not failure.retriable:
+                raise failure
+            log.warning("%s: %s; producing it again", what, error.str())
+            if self._stopping.wait(WRITE_RETRY_BACKOFF_S):
+                raise _Stopping
+
+    def _produce(self, topic: str, value: bytes, key: bytes | None, outcome: list[KafkaError | None],
+                        extra: dict[str, Any]) -> None:
+        def on_delivery(error: KafkaError | None, _msg: Message) -> None:
+            outcome.append(error)
+
+        while True:
+            try:
+                self._producer.produce(topic, value, key, on_delivery=on_delivery, **extra)
+                return
+            except BufferError:
+                # The producer's queue is full: back-pressure, never a crash.
+                if self._stopping.is_set():
+                    raise _Stopping from None
+                self._producer.poll(WRITE_WAIT_STEP_S)
 
     def _commit(self, msg: Message) -> None:
         assert self._consumer is not None

@@ -53,6 +53,9 @@ class QueueTarget:
     partitions: int
     order_policy: str
     forward_expiration_destroy: bool = False
+    #: A gateway sender's before_enqueue filters and substitution filter:
+    #: (event, queue partition) -> the event to queue, or None to keep it out.
+    enqueue: Callable[[EntryEvent, int], EntryEvent | None] | None = None
 
     def accepts(self, op: Operation) -> bool:
         if self.kind == "gateway-sender":
@@ -254,8 +257,19 @@ class FanoutWriter:
             pending.done()
 
         for target in targets:
-            value = self._queued_fp + self._queue_id_bytes[target.id] + tail
-            self._produce(target.topic, key_bytes, value, target.partition_for(event, key_bytes), on_queue)
+            partition = target.partition_for(event, key_bytes)
+            if target.enqueue is None:
+                value = self._queued_fp + self._queue_id_bytes[target.id] + tail
+            else:
+                queued = target.enqueue(event, partition)
+                if queued is None:  # a before_enqueue filter kept it out of this queue
+                    progress.closed_one(slot)
+                    pending.done()
+                    continue
+                own_tail = tail if queued is event else (
+                    _varint(event.bucket) + _varint(offset) + _varint(now_ms) + entry_event_body(queued))
+                value = self._queued_fp + self._queue_id_bytes[target.id] + own_tail
+            self._produce(target.topic, key_bytes, value, partition, on_queue)
 
     def _produce(self, topic: str, key: bytes, value: bytes, partition: int, cb: Any) -> None:
         while True:

@@ -53,6 +53,7 @@ from ..core.errors import (
 from ..core.events import EntryEvent, EventID
 from ..core.kafka import AdminClient, KafkaException, make_admin, translate
 from .engine import Operation, OpResult, RegionEngine
+from ..core.gatewayfilters import SenderFilters
 from .fanout import QueueTarget
 from .state import Op
 
@@ -224,6 +225,7 @@ class RegionService:
         assert self.state is ServiceState.NEW, self.state
         self.bind()
         targets: dict[str, list[QueueTarget]] = {}
+        gates = {f.sender_id: f for f in (SenderFilters(s) for s in self.cfg.gateway_senders) if f.at_enqueue}
         for region in self.cfg.regions:
             targets[region.name] = [
                 QueueTarget(
@@ -236,6 +238,7 @@ class RegionService:
                     forward_expiration_destroy=(
                         self.cfg.queue(q.id).forward_expiration_destroy if q.kind == "async-event-queue" else False
                     ),
+                    enqueue=gates[q.id].on_enqueue if q.id in gates else None,
                 )
                 for q in self.cfg.attached_queues(region.name)
             ]

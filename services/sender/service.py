@@ -7,15 +7,19 @@ is a round trip to the remote site, through Kafka only:
    sites, and events that came from the remote site or were already sent to
    it (``origin_dsid`` / ``visited_dsids``), so nothing loops in a mesh or a
    ring.
-2. ``deliver`` writes the batch as one ``GatewayBatch`` into the remote
-   site's inbound topic, keyed ``<dsid>/<sender>/<queue partition>``; every
+2. ``deliver_group`` writes up to ``max_batches_in_flight`` batches of a
+   queue partition, each as one ``GatewayBatch`` (what the before_transmit
+   filters let through), into the remote site's inbound topic, each durable
+   before the next is written, keyed ``<dsid>/<sender>/<queue partition>``; every
    event now carries this site and every site this region's senders send to
    in ``visited_dsids``, so the receiving site forwards it nowhere those
    already get it from here.
-3. It then waits for the receiver's ``GatewayAck`` on the remote acks topic
-   (read by one thread for the whole sender).  No ack within
+3. It then takes the receiver's ``GatewayAck``s on the remote acks topic
+   (read by one thread for the whole sender) in batch order; the batches
+   acknowledged, oldest first, are removed, and the filters'
+   ``after_acknowledgement`` sees their events.  No ack within
    ``socket_read_timeout_ms`` (or the remote site unreachable): the batch is
-   not delivered and the loop sends the very same batch again, flagged
+   not delivered and the loop sends it again, with every batch after it, flagged
    possibleDuplicate, until it is acknowledged; the queue grows meanwhile and
    the loop's status pass logs an alert while its oldest event is older than
    ``alert_threshold_ms``.
@@ -51,6 +55,7 @@ from ..core.kafka import (
     partition_for_key,
     read_to_end,
 )
+from ..core.gatewayfilters import SenderFilters
 from ..core.queueloop import DesiredState, QueuePartition, QueuePrimary, ServiceState
 from ..core.topics import TopicNames
 
@@ -103,7 +108,9 @@ class GatewaySenderService(QueuePrimary):
         self._waiters_lock = threading.Lock()
         self._inbound_partitions = 0
         self._sent: set[tuple[int, int]] = set()  # batches sent at least once and not yet acknowledged
-        self.stats.update({"batches_sent": 0, "resends": 0, "acks": 0, "event_exceptions": 0})
+        self.stats.update({"batches_sent": 0, "resends": 0, "acks": 0, "event_exceptions": 0,
+                           "filtered_at_transmit": 0})
+        self._filters = SenderFilters(sender)
 
     # --- the remote site ---------------------------------------------------------------
 
@@ -216,10 +223,50 @@ class GatewaySenderService(QueuePrimary):
 
     # --- one batch --------------------------------------------------------------------------
 
-    def deliver(self, part: QueuePartition, batch: Batch[AsyncEvent]) -> bool:
+    def max_in_flight(self) -> int:
+        return self.queue.max_batches_in_flight
+
+    def deliver_group(self, part: QueuePartition, batches: list[Batch[AsyncEvent]]) -> int:
+        """Write the batches to the remote inbound topic, each durable before the
+        next is written (so the receiver sees them in order and an ack of one
+        means every earlier one was handled), then take their acks in order.
+        Returns how many, from the oldest, were acknowledged."""
+        partition = part.tp.partition
+        waiters = {b.batch_id: _Waiter() for b in batches}
+        with self._waiters_lock:
+            self._waiters.update({(partition, i): w for i, w in waiters.items()})
+        try:
+            sent: list[list[AsyncEvent]] = []  # what each written batch carried
+            for batch in batches:
+                events = self._write(part, batch) if batch.events else []
+                if events is None:
+                    break
+                sent.append(events)
+            acknowledged = 0
+            for batch, events in zip(batches, sent):
+                if batch.events and not self._await_ack(part, batch, events, waiters[batch.batch_id]):
+                    break
+                acknowledged += 1
+            return acknowledged
+        except SluiceError as exc:
+            log.warning("sender %s[%d]: %s; retrying", self.queue_id, partition, exc)
+            return 0
+        finally:
+            with self._waiters_lock:
+                for batch_id in waiters:
+                    self._waiters.pop((partition, batch_id), None)
+
+    def _write(self, part: QueuePartition, batch: Batch[AsyncEvent]) -> list[AsyncEvent] | None:
+        """One GatewayBatch into the remote inbound topic, durably: the events
+        it carries (before_transmit may leave some out), or None."""
         partition = part.tp.partition
         resend = batch.redeliveries > 0 or (partition, batch.batch_id) in self._sent
         key = f"{self.cfg.dsid}/{self.queue_id}/{partition}"
+        if self._filters.at_transmit:
+            events = [e for e in batch.events if self._filters.transmits(e)]
+            self.stats["filtered_at_transmit"] += len(batch.events) - len(events)
+        else:
+            events = batch.events
         record = {
             "sender_id": self.queue_id,
             "source_dsid": self.cfg.dsid,
@@ -230,46 +277,44 @@ class GatewaySenderService(QueuePrimary):
             "last_offset": batch.last_offset,
             "possible_duplicate": resend,
             "created_at": int(time.time() * 1000),
-            "events": [self._outgoing(e, resend) for e in batch.events],
+            "events": [self._outgoing(e, resend) for e in events],
             "signature": None,
         }
-        waiter = _Waiter()
-        with self._waiters_lock:
-            self._waiters[(partition, batch.batch_id)] = waiter
-        try:
-            inbound_partition = partition_for_key(key.encode(), self._remote_partitions())
-            errors: list[Any] = []
-            self._remote_producer.produce(self.remote_inbound, self._codec.encode("GatewayBatch", record),
-                                          key.encode(), partition=inbound_partition,
-                                          on_delivery=lambda err, _m: errors.append(err))
-            if self._remote_producer.flush(self.cfg.kafka.delivery_timeout_ms / 1000) or errors != [None]:
-                log.warning("sender %s[%d]: batch %d not written to dsid %d (%s)", self.queue_id, partition,
-                            batch.batch_id, self.remote_dsid, errors)
+        inbound_partition = partition_for_key(key.encode(), self._remote_partitions())
+        errors: list[Any] = []
+        self._remote_producer.produce(self.remote_inbound, self._codec.encode("GatewayBatch", record),
+                                      key.encode(), partition=inbound_partition,
+                                      on_delivery=lambda err, _m: errors.append(err))
+        if self._remote_producer.flush(self.cfg.kafka.delivery_timeout_ms / 1000) or errors != [None]:
+            log.warning("sender %s[%d]: batch %d not written to dsid %d (%s)", self.queue_id, partition,
+                        batch.batch_id, self.remote_dsid, errors)
+            return None
+        self._sent.add((partition, batch.batch_id))
+        self.stats["batches_sent"] += 1
+        if resend:
+            self.stats["resends"] += 1
+        return events
+
+    def _await_ack(self, part: QueuePartition, batch: Batch[AsyncEvent], sent: list[AsyncEvent],
+                   waiter: _Waiter) -> bool:
+        """The batch's ack, within socket_read_timeout_ms of the previous one."""
+        partition = part.tp.partition
+        end = time.monotonic() + self.ack_timeout_s
+        while not waiter.event.wait(0.2):
+            if time.monotonic() > end or self._stopping.is_set() or part.revoked \
+                    or self.desired is not DesiredState.RUNNING:
+                log.warning("sender %s[%d]: no ack for batch %d in %.1fs; it will be sent again",
+                            self.queue_id, partition, batch.batch_id, time.monotonic() - end + self.ack_timeout_s)
                 return False
-            self._sent.add((partition, batch.batch_id))
-            self.stats["batches_sent"] += 1
-            if resend:
-                self.stats["resends"] += 1
-            end = time.monotonic() + self.ack_timeout_s
-            while not waiter.event.wait(0.2):
-                if time.monotonic() > end or self._stopping.is_set() or part.revoked \
-                        or self.desired is not DesiredState.RUNNING:
-                    log.warning("sender %s[%d]: no ack for batch %d in %.1fs; it will be sent again",
-                                self.queue_id, partition, batch.batch_id, time.monotonic() - end + self.ack_timeout_s)
-                    return False
-            ack = waiter.ack
-            assert ack is not None
-            self.stats["acks"] += 1
-            if ack["exceptions"]:
-                self._dead_letter_exceptions(batch, ack)
-            self._sent.discard((partition, batch.batch_id))
-            return True
-        except SluiceError as exc:
-            log.warning("sender %s[%d]: %s; retrying", self.queue_id, partition, exc)
-            return False
-        finally:
-            with self._waiters_lock:
-                self._waiters.pop((partition, batch.batch_id), None)
+        ack = waiter.ack
+        assert ack is not None
+        self.stats["acks"] += 1
+        if ack["exceptions"]:
+            self._dead_letter_exceptions(sent, ack)
+        self._sent.discard((partition, batch.batch_id))
+        if self._filters.after_ack:
+            self._filters.acknowledged(sent)
+        return True
 
     def _outgoing(self, e: AsyncEvent, resend: bool) -> dict[str, Any]:
         record = e.event.to_record()
@@ -282,13 +327,13 @@ class GatewaySenderService(QueuePrimary):
     def alert_threshold_ms(self) -> int:
         return self.sender.alert_threshold_ms
 
-    def _dead_letter_exceptions(self, batch: Batch[AsyncEvent], ack: dict[str, Any]) -> None:
+    def _dead_letter_exceptions(self, sent: list[AsyncEvent], ack: dict[str, Any]) -> None:
         """Failed events, with their exceptions, go to the dead-letter topic before the batch is removed."""
         for exc in ack["exceptions"]:
             index = exc["index"]
-            if not 0 <= index < len(batch.events):
+            if not 0 <= index < len(sent):
                 continue
-            e = batch.events[index]
+            e = sent[index]
             record = {
                 "source_topic": self.topic, "source_partition": e.partition, "source_offset": e.offset,
                 "key": e.key.encode(), "value": e.event.value,

@@ -56,6 +56,23 @@ def test_nothing_after_an_offered_batch_goes_first_and_a_refused_batch_is_the_sa
     assert second.batch_id == first.batch_id + 1
 
 
+def test_several_batches_out_are_accepted_in_order_and_a_refusal_sends_them_all_again() -> None:
+    """With max_in_flight 3, three batches go out; refusal keeps all three, acceptance pops the oldest."""
+    b = PartitionBatcher(0, BatchPolicy(batch_size=2, batch_time_interval_ms=0, max_in_flight=3), next_batch_id=7)
+    for i in range(9):
+        b.add(Item(i, f"k{i}"), now_ms=0)
+    out = [b.take(0), b.take(0), b.take(0)]
+    assert all(x is not None for x in out) and b.take(0) is None and b.full
+    assert [x.batch_id for x in out if x] == [7, 8, 9]
+    assert [[i.offset for i in x.events] for x in out if x] == [[0, 1], [2, 3], [4, 5]]
+    assert b.oldest() == Item(0, "k0") and b.due_in_ms(0) is None
+    assert b.rejected() is out[0] and [x.redeliveries for x in out if x] == [1, 1, 1]
+    assert b.accepted() == 2 and b.offered is out[1] and not b.full
+    nxt = b.take(0)
+    assert nxt is not None and nxt.batch_id == 10 and [i.offset for i in nxt.events] == [6, 7]
+    assert b.accepted() == 4 and b.accepted() == 6 and b.accepted() == 8 and b.out == []
+
+
 def test_conflation_replaces_an_earlier_update_but_never_a_create_or_destroy() -> None:
     """An update replaces a waiting update of its key; creates and destroys stay, and break the run."""
     b = PartitionBatcher(0, BatchPolicy(batch_size=100, batch_time_interval_ms=0, conflation=True))

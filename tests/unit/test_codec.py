@@ -171,6 +171,8 @@ def record_strategies(millis: st.SearchStrategy[int] = longs) -> dict[str, st.Se
                 "dead_lettered": longs,
                 "last_removed_offset": longs,
                 "in_flight": ints,
+                "last_accepted_at": longs,
+                "waiting": longs,
                 "updated_at": millis,
             }
         ),
@@ -245,7 +247,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
                       "issued_at": 1_700_000_000_005},
     "QueueStatus": {"kind": "async-event-queue", "queue_id": "q", "partition": 3, "primary": "m-1",
                     "state": "running", "batches_dispatched": 10, "events_dispatched": 1000, "redeliveries": 2,
-                    "events_conflated": 0, "dead_lettered": 1, "last_removed_offset": 999, "in_flight": 1,
+                    "events_conflated": 0, "dead_lettered": 1, "last_removed_offset": 999, "in_flight": 1, "last_accepted_at": 1700000000005, "waiting": 12,
                     "updated_at": 1_700_000_000_006},
 }
 
