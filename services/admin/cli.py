@@ -65,6 +65,8 @@ class PartitionStatus:
     redeliveries: int
     dead_lettered: int
     updated_age_s: float | None
+    in_flight: int = 0
+    last_delivered_age_s: float | None = None
 
     @property
     def size(self) -> int:
@@ -72,7 +74,8 @@ class PartitionStatus:
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    # Piped (a log, CI, watch): wide enough that no column is cut.
+    console = Console() if sys.stdout.isatty() else Console(width=220)
     try:
         cfg = load_config(args.config)
         if args.bootstrap:
@@ -183,6 +186,9 @@ def queue_status(cfg: SiteConfig, queue_id: str) -> list[PartitionStatus]:
                 redeliveries=report["redeliveries"] if report else 0,
                 dead_lettered=report["dead_lettered"] if report else 0,
                 updated_age_s=(now_ms - report["updated_at"]) / 1000 if report else None,
+                in_flight=report["in_flight"] if fresh else 0,
+                last_delivered_age_s=(now_ms - report["last_accepted_at"]) / 1000
+                if report and report["last_accepted_at"] else None,
             ))
         return rows
     except KafkaException as exc:
@@ -194,11 +200,13 @@ def queue_status(cfg: SiteConfig, queue_id: str) -> list[PartitionStatus]:
 def print_status(console: Console, cfg: SiteConfig, rows: list[PartitionStatus]) -> None:
     table = Table(title=f"queues of site {cfg.site} (dsid {cfg.dsid}): gateway senders and async event queues")
     for col, justify in (("queue", "left"), ("partition", "right"), ("primary", "left"), ("state", "left"),
-                         ("queue size", "right"), ("oldest event", "right"), ("batches", "right"),
-                         ("events", "right"), ("redeliveries", "right"), ("dead letters", "right")):
+                         ("queue size", "right"), ("oldest event", "right"), ("in flight", "right"),
+                         ("last ack (ago)", "right"), ("batches", "right"), ("events", "right"),
+                         ("resends", "right"), ("dead letters", "right")):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for r in rows:
         table.add_row(r.queue_id, str(r.partition), r.primary, r.state, str(r.size),
-                      "—" if r.oldest_age_s is None else f"{r.oldest_age_s:.1f}s",
+                      "—" if r.oldest_age_s is None else f"{r.oldest_age_s:.1f}s", str(r.in_flight),
+                      "—" if r.last_delivered_age_s is None else f"{r.last_delivered_age_s:.1f}s",
                       str(r.batches), str(r.events), str(r.redeliveries), str(r.dead_lettered))
     console.print(table)
