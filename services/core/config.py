@@ -435,6 +435,14 @@ class SiteConfig(_Model):
     receiver: ReceiverConfig | None = None
     subscriptions: SubscriptionsConfig = Field(default_factory=SubscriptionsConfig)
     region_service: RegionServiceConfig = Field(default_factory=RegionServiceConfig)
+    gateway_conflict_resolver: str | None = Field(
+        None, description="import path of a WAN conflict resolver class (Geode's GatewayConflictResolver); "
+        "unset: the later timestamp wins, ties go to the higher dsid")
+
+    @field_validator("gateway_conflict_resolver")
+    @classmethod
+    def _check_resolver(cls, value: str | None) -> str | None:
+        return None if value is None else check_import_path(value)
 
     @model_validator(mode="after")
     def _check_site(self) -> SiteConfig:

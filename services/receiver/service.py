@@ -40,6 +40,8 @@ from typing import Any
 from tenacity import Retrying, retry_if_exception_type, wait_exponential
 
 from ..client.region import RegionClient, RegionError
+# What RegionClient raises once its own retries run out; see _apply_region.
+from ..client.region import _Transient as _RegionClientGaveUp
 from ..core.codec import get_codec
 from ..core.config import SiteConfig
 from ..core.errors import CodecError, SluiceError
@@ -269,11 +271,22 @@ class ReceiverService:
         return sorted(exceptions, key=lambda e: e["index"]), max(applied, default=-1)
 
     def _apply_region(self, region: str, events: list[EntryEvent]) -> dict[str, Any]:
-        """Retried here until the region service answers: nothing is acknowledged before that."""
+        """Retried here until the region service answers: nothing is acknowledged before that.
+
+        ``RegionClient`` retries transient failures for its own ``retry_for_s``
+        and then re-raises its internal ``_Transient``, which is not a
+        ``SluiceError``.  While this site's broker is unreachable for longer
+        than that (the region service answers 503 "not acknowledged by Kafka
+        in time" to every write), that escaped this loop and crashed the
+        receiver; so it is retried here like any transient failure.
+        """
         for attempt in Retrying(
-            retry=retry_if_exception_type((SluiceError,)),
+            retry=retry_if_exception_type((SluiceError, _RegionClientGaveUp)),
             wait=wait_exponential(multiplier=0.1, max=5),
             sleep=lambda s: self._stopping.wait(s) and None,
+            before_sleep=lambda state: log.warning(
+                "applying %d events to %s, attempt %d: %s; trying again", len(events), region,
+                state.attempt_number, state.outcome.exception() if state.outcome else None),
             reraise=True,
         ):
             with attempt:

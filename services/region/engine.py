@@ -66,6 +66,7 @@ from ..core.kafka import (
     translate,
 )
 from .fanout import BucketProgress, FanoutWriter, Pending, QueueTarget
+from .conflicts import ConflictResolver
 from .state import BucketState, ConflictLost, Duplicate, Op, Skipped
 
 log = logging.getLogger("sluice.region.engine")
@@ -141,6 +142,7 @@ class RegionEngine:
         commit_interval_s: float = 0.2,
         load_timeout_s: float = 60.0,
         event_tracking_timeout_s: float = 900.0,
+        conflict_resolver: ConflictResolver | None = None,
         on_crash: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.site = site
@@ -149,6 +151,7 @@ class RegionEngine:
         self.client_id = client_id
         self.group_id = group_id
         self.regions = regions
+        self.conflict_resolver = conflict_resolver
         self.changelog_topics = changelog_topics
         self._topic_region = {t: r for r, t in changelog_topics.items()}
         self._kafka_settings = kafka_settings
@@ -302,7 +305,7 @@ class RegionEngine:
                     if op.op is Op.REMOTE:
                         assert op.remote is not None
                         event_id = op.remote.event_id
-                        outcome = ob.state.prepare_remote(op.remote)
+                        outcome = ob.state.prepare_remote(op.remote, self.conflict_resolver)
                     else:
                         outcome = ob.state.prepare(op.op, op.key, op.value, event_id, now_ms, op.callback_argument)
                 except InvalidRequest as exc:

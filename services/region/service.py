@@ -54,6 +54,7 @@ from ..core.events import EntryEvent, EventID
 from ..core.kafka import AdminClient, KafkaException, make_admin, translate
 from .engine import Operation, OpResult, RegionEngine
 from ..core.gatewayfilters import SenderFilters
+from .conflicts import load_resolver
 from .fanout import QueueTarget
 from .state import Op
 
@@ -258,6 +259,7 @@ class RegionService:
             codec=get_codec(),
             load_timeout_s=self.cfg.region_service.load_timeout_s,
             event_tracking_timeout_s=self.cfg.region_service.event_tracking_timeout_s,
+            conflict_resolver=load_resolver(self.cfg.gateway_conflict_resolver),
             on_crash=self._crashed,
         )
         self.directory = OwnerDirectory(

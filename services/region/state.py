@@ -21,6 +21,7 @@ from typing import Iterator
 
 from ..core.errors import EntryExists, EntryNotFound
 from ..core.events import DESTROYS, EntryEvent, EventID, Operation, VersionTag
+from .conflicts import ConflictResolver, resolve
 
 
 class Op(str, enum.Enum):
@@ -57,18 +58,6 @@ class ConflictLost:
     event_id: EventID
     current: VersionTag
     incoming: VersionTag
-
-
-def remote_wins(current: VersionTag, incoming: VersionTag) -> bool:
-    """Geode's WAN conflict rule, the same whatever the arrival order.
-
-    An event from the distributed system that wrote the entry last is not a
-    conflict: it applies when its entry version is newer.  Otherwise the later
-    timestamp wins, and equal timestamps go to the higher dsid.
-    """
-    if incoming.dsid == current.dsid:
-        return incoming.entry_version > current.entry_version
-    return (incoming.timestamp, incoming.dsid) > (current.timestamp, current.dsid)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,14 +161,16 @@ class BucketState:
         self.replay(event)
         return event
 
-    def prepare_remote(self, event: EntryEvent) -> EntryEvent | Duplicate | ConflictLost:
+    def prepare_remote(self, event: EntryEvent, resolver: ConflictResolver | None = None
+                       ) -> EntryEvent | Duplicate | ConflictLost:
         """An event another site applied, received by this site's gateway receiver.
 
         Repeats (an EventID at or below the one that last wrote the key, from
         the same member and thread) are answered, not applied.  Against an existing
         entry (a tombstone included) the event applies only when it wins the
-        WAN conflict (``remote_wins``); it keeps its origin's version tag, so
-        every site ends with the same winner.  Only create, update and destroy
+        WAN conflict (``conflicts.resolve``: Geode's rule, or the site's
+        resolver); it keeps its origin's version tag, so every site ends with
+        the same winner.  Only create, update and destroy
         cross sites; a destroy of an absent key or a create of a present one
         is applied as the origin applied it (the sites converge on its version).
         """
@@ -192,8 +183,10 @@ class BucketState:
             seen = current.event_id
             if seen.stream == event.event_id.stream and event.event_id.sequence_id <= seen.sequence_id:
                 return Duplicate(event.event_id)
-            if not remote_wins(current.version, event.version):
+            resolved = resolve(resolver, self.region, current.value, current.version, event)
+            if resolved is None:
                 return ConflictLost(event.event_id, current.version, event.version)
+            event = resolved
         applied = replace(event, region=self.region, bucket=self.bucket,
                           value=None if event.operation.removes_value else event.value)
         self.replay(applied)
