@@ -93,7 +93,7 @@ _PATTERN_REASONS = {
 }
 
 #: Fields whose values are never shown, not even in an error.
-_SECRET_FIELDS = frozenset({"sasl_password", "ssl_key_password", "token"})
+_SECRET_FIELDS = frozenset({"sasl_password", "ssl_key_password", "token", "gateway_signing_key", "sender_keys"})
 _HIDDEN = "**********"
 
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
@@ -372,6 +372,25 @@ class ReceiverConfig(_Model):
     )
     max_time_between_pings_ms: int = Field(60000, ge=1)
     manual_start: bool = False
+    sender_keys: dict[Annotated[int, Field(ge=1, le=255)], SecretStr] = Field(
+        default_factory=dict, strict=False,
+        description="dsid -> that site's gateway_signing_key; when set, every accepted dsid needs one and "
+        "batches without a valid signature are rejected")
+
+    @model_validator(mode="after")
+    def _check_keys(self) -> ReceiverConfig:
+        if self.sender_keys:
+            missing = sorted(set(self.accepted_dsids) - set(self.sender_keys))
+            if missing:
+                raise _invalid(f"sender_keys has no key for accepted dsid(s) {missing}: with keys set, "
+                               "every accepted site's batches must be verifiable")
+            extra = sorted(set(self.sender_keys) - set(self.accepted_dsids))
+            if extra:
+                raise _invalid(f"sender_keys names dsid(s) {extra} that are not in accepted_dsids")
+            short = sorted(d for d, k in self.sender_keys.items() if len(k.get_secret_value()) < 16)
+            if short:
+                raise _invalid(f"the key of dsid(s) {short} is shorter than 16 characters")
+        return self
 
 
 class SubscriptionsConfig(_Model):
@@ -435,6 +454,9 @@ class SiteConfig(_Model):
     receiver: ReceiverConfig | None = None
     subscriptions: SubscriptionsConfig = Field(default_factory=SubscriptionsConfig)
     region_service: RegionServiceConfig = Field(default_factory=RegionServiceConfig)
+    gateway_signing_key: SecretStr | None = Field(
+        None, min_length=16, description="secret key this site's gateway senders sign their batches with "
+        "(HMAC-SHA256); receivers of other sites hold it in receiver.sender_keys")
     gateway_conflict_resolver: str | None = Field(
         None, description="import path of a WAN conflict resolver class (Geode's GatewayConflictResolver); "
         "unset: the later timestamp wins, ties go to the higher dsid")
@@ -881,8 +903,13 @@ def _suggest(word: str, choices: Sequence[str]) -> str:
 
 
 def _shown(field: str, value: Any) -> Any:
+    """The value as an error message may show it: secrets hidden, also inside a section."""
     if field in _SECRET_FIELDS or isinstance(value, SecretStr):
         return _HIDDEN
+    if isinstance(value, Mapping):
+        return {k: _shown(str(k), v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_shown("", v) for v in value)
     return value
 
 

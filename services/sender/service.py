@@ -56,6 +56,7 @@ from ..core.kafka import (
     read_to_end,
 )
 from ..core.gatewayfilters import SenderFilters
+from ..core.signing import sign
 from ..core.queueloop import DesiredState, QueuePartition, QueuePrimary, ServiceState
 from ..core.topics import TopicNames
 
@@ -111,6 +112,8 @@ class GatewaySenderService(QueuePrimary):
         self.stats.update({"batches_sent": 0, "resends": 0, "acks": 0, "event_exceptions": 0,
                            "filtered_at_transmit": 0})
         self._filters = SenderFilters(sender)
+        key = cfg.gateway_signing_key
+        self._signing_key = key.get_secret_value().encode() if key is not None else None
 
     # --- the remote site ---------------------------------------------------------------
 
@@ -280,6 +283,8 @@ class GatewaySenderService(QueuePrimary):
             "events": [self._outgoing(e, resend) for e in events],
             "signature": None,
         }
+        if self._signing_key is not None:
+            record["signature"] = sign(self._codec, self._signing_key, record)
         inbound_partition = partition_for_key(key.encode(), self._remote_partitions())
         errors: list[Any] = []
         self._remote_producer.produce(self.remote_inbound, self._codec.encode("GatewayBatch", record),

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
 from sluice.core.config import (
@@ -626,3 +627,23 @@ def test_site_config_validates_when_built_directly() -> None:
     """Building SiteConfig in code applies the same cross-section rules as loading a file."""
     with pytest.raises(ValidationError):
         SiteConfig.model_validate(set_path(minimal(), "gateway_senders[1].remote_dsid", 1))
+
+
+def test_receiver_sender_keys_must_cover_every_accepted_dsid_and_stay_hidden() -> None:
+    """With sender_keys set, every accepted dsid needs a key of 16+ characters; errors never show a key."""
+    base = "site: b\ndsid: 2\nkafka: {bootstrap_servers: 'x:1'}\nregions: [{name: orders}]\n"
+    ok = parse_config(yaml.safe_load(base + "receiver: {accepted_dsids: [1, 3], sender_keys: {1: 'k1-0123456789abcdef', "
+                                          "3: 'k3-0123456789abcdef'}}\n"))
+    assert ok.receiver is not None and ok.receiver.sender_keys[1].get_secret_value() == "k1-0123456789abcdef"
+    for receiver, needle in (
+        ("{accepted_dsids: [1, 3], sender_keys: {1: 'k1-0123456789abcdef'}}", "no key for accepted dsid(s) [3]"),
+        ("{accepted_dsids: [1], sender_keys: {1: 'k1-0123456789abcdef', 4: 'k4-0123456789abcdef'}}",
+         "dsid(s) [4] that are not in accepted_dsids"),
+        ("{accepted_dsids: [1], sender_keys: {1: 'short'}}", "shorter than 16"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            parse_config(yaml.safe_load(base + f"receiver: {receiver}\n"))
+        assert needle in str(err.value) and "0123456789abcdef" not in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        parse_config(yaml.safe_load(base + "gateway_signing_key: 'tiny'\n"))
+    assert "gateway_signing_key" in str(err.value) and "tiny" not in str(err.value)
