@@ -291,7 +291,7 @@ class GatewaySenderConfig(_Model):
     socket_read_timeout_ms: int = Field(0, ge=0, description="0 = wait for an ack forever")
     manual_start: bool = False
     group_transaction_events: bool = False
-    retry_interval_ms: int = Field(5000, ge=1)
+    retry_interval_ms: int = Field(5000, ge=1, description="longest wait between two attempts to send a batch the remote site did not take (Geode: 5 s)")
     max_batches_in_flight: int = Field(
         4, ge=1, le=64,
         description="batches of a queue partition sent and waiting for their acks at once; removal stays in order")

@@ -112,6 +112,10 @@ class GatewaySenderService(QueuePrimary):
         self.stats.update({"batches_sent": 0, "resends": 0, "acks": 0, "event_exceptions": 0,
                            "filtered_at_transmit": 0})
         self._filters = SenderFilters(sender)
+        # A batch that could not be sent or was not acknowledged goes again
+        # with backoff up to retry_interval_ms (Geode: every 5 s while no
+        # receiver answers).
+        self.backoff_max_s = sender.retry_interval_ms / 1000
         key = cfg.gateway_signing_key
         self._signing_key = key.get_secret_value().encode() if key is not None else None
 
