@@ -10,6 +10,13 @@ parsed once.  Decoding refuses, with a ``CodecError`` naming the problem,
 bytes without the marker, an unknown fingerprint, a truncated body, trailing
 bytes, or a record of another schema than the caller expected.
 
+Schemas evolve the Avro way: an older version of a schema is kept in
+``avro/history/<Name>.v<N>.avsc``, and a record written with it (its
+fingerprint) is read with Avro schema resolution into the current schema,
+new fields taking their defaults.  So a service of a newer release reads
+what an older one wrote (changelogs, queues, status), and a schema change
+must add fields with defaults, never remove or retype one.
+
 Timestamps are ``timestamp-millis`` in the schemas (so Spark and other
 readers see timestamps) but plain ints in Python: records are read with a
 copy of the schema stripped of logical types, which has the same canonical
@@ -146,6 +153,23 @@ class Codec:
             fp = bytes.fromhex(fingerprint(canonical, "CRC-64-AVRO"))
             self._fingerprints[name] = fp
             self._by_fingerprint[fp] = name
+        # Older versions: fingerprint -> the writer schema to resolve from.
+        self._older: dict[bytes, Any] = {}
+        for path in sorted((directory / "history").glob("*.avsc")):
+            name = path.name.split(".", 1)[0]
+            if name not in raw:
+                raise UnknownSchema(f"{path}: no current schema named {name!r} in {directory}")
+            old = json.loads(path.read_text())
+            full = f"{old.get('namespace', '')}.{old['name']}".lstrip(".")
+            canonical = to_parsing_canonical_form(
+                fastavro.parse_schema(_self_contained(copy.deepcopy(old), named_json, set()), named_schemas={})
+            )
+            fp = bytes.fromhex(fingerprint(canonical, "CRC-64-AVRO"))
+            if fp in self._by_fingerprint:
+                continue  # identical to the current version
+            others = {k: v for k, v in named_r.items() if k != full}
+            self._older[fp] = fastavro.parse_schema(_strip_logical_types(old), named_schemas=others)
+            self._by_fingerprint[fp] = name
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -207,8 +231,12 @@ class Codec:
             raise MalformedRecord(f"expected a {expected} record, got a {name} record")
         buf = io.BytesIO(data)
         buf.seek(HEADER_BYTES)
+        older = self._older.get(bytes(data[2:HEADER_BYTES])) if self._older else None
         try:
-            record = fastavro.schemaless_reader(buf, self._readers[name], None)
+            if older is None:
+                record = fastavro.schemaless_reader(buf, self._readers[name], None)
+            else:
+                record = fastavro.schemaless_reader(buf, older, self._readers[name])
         except (EOFError, StopIteration, ValueError, IndexError, UnicodeDecodeError, OverflowError, MemoryError) as exc:
             raise MalformedRecord(f"{name} body cannot be read: {type(exc).__name__}: {exc}") from exc
         if buf.tell() != len(data):

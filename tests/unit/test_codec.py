@@ -565,3 +565,27 @@ def test_encoding_under_an_unknown_schema_name_is_refused() -> None:
     """encode with a schema name not in avro/ is an UnknownSchema naming it."""
     with pytest.raises(UnknownSchema, match="'Nope'"):
         get_codec().encode("Nope", EVENT_ID)
+
+
+def test_a_record_written_with_an_older_schema_version_is_read_into_the_current_one() -> None:
+    """avro/history keeps older versions: their records decode, new fields taking their defaults."""
+    import io as _io
+    import json as _json
+
+    import fastavro as _fastavro
+
+    from sluice.core.codec import MARKER, schema_dir
+    from fastavro.schema import fingerprint, to_parsing_canonical_form
+
+    old = _json.loads((schema_dir() / "history" / "QueueStatus.v1.avsc").read_text())
+    parsed = _fastavro.parse_schema(old)
+    record = {"kind": "gateway-sender", "queue_id": "to-b", "partition": 2, "primary": "m", "state": "running",
+              "batches_dispatched": 3, "events_dispatched": 30, "redeliveries": 0, "events_conflated": 0,
+              "dead_lettered": 0, "last_removed_offset": 29, "in_flight": 1, "updated_at": 1700000000000}
+    fp = bytes.fromhex(fingerprint(to_parsing_canonical_form(parsed), "CRC-64-AVRO"))
+    buf = _io.BytesIO()
+    buf.write(MARKER + fp)
+    _fastavro.schemaless_writer(buf, parsed, record)
+    codec = get_codec()
+    assert fp != codec.fingerprint("QueueStatus")
+    assert codec.decode_as("QueueStatus", buf.getvalue()) == {**record, "last_accepted_at": 0, "waiting": 0}
