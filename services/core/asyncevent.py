@@ -93,6 +93,11 @@ class AsyncEvent:
         return self.event.version
 
     @property
+    def transaction(self) -> tuple[str, bool] | None:
+        """(id, last in its bucket) for the events of a put_all / remove_all, when marked."""
+        return self.event.transaction
+
+    @property
     def conflatable(self) -> bool:
         """Updates may replace an earlier update of the key (batch conflation)."""
         return self.event.operation in UPDATES

@@ -74,4 +74,6 @@ def entry_event_body(ev: EntryEvent) -> bytes:
     parts.append(b"\x00")
     parts.append(varint(ev.bucket))
     parts.append(varint(ev.event_time))
+    tx = ev.transaction
+    parts.append(b"\x00" if tx is None else b"\x02" + string(tx[0]) + (b"\x01" if tx[1] else b"\x00"))
     return b"".join(parts)

@@ -57,6 +57,9 @@ class BatchPolicy:
     conflation: bool = False
     #: How many batches may be out (handed out, not yet accepted) at once.
     max_in_flight: int = 1
+    #: Keep the events of one transaction (put_all / remove_all) in one batch.
+    group_transactions: bool = False
+    transaction_hold_ms: int = 2000
 
 
 @dataclass(slots=True)
@@ -204,14 +207,18 @@ class PartitionBatcher(Generic[T]):
         a = self._assembling
         if not a.covers_anything() or not (force or self.ready(now_ms)):
             return None
-        size = self.policy.batch_size
-        if a.waiting > size:
+        stop = a.head + min(self.policy.batch_size, a.waiting)
+        if self.policy.group_transactions and stop > a.head:
+            stop = self._transaction_boundary(stop, now_ms, force)
+            if stop is None:
+                return None
+        if stop < len(a.events):
             # More than a batch waits (a burst while a batch was out): hand
             # out the next batch_size events and keep the rest assembling.
             # Every event still waiting has an offset at or above the one
             # first appended at its index, and those increase with the index,
             # so the commit stops at the first waiting index's first offset.
-            start, stop = a.head, a.head + size
+            start = a.head
             events = a.events[start:stop]
             nbytes = sum(e.size_bytes for e in events)
             commit = a.first_offsets[stop]
@@ -230,6 +237,35 @@ class PartitionBatcher(Generic[T]):
         self.next_batch_id += 1
         self.out.append(batch)
         return batch
+
+    def _transaction_boundary(self, stop: int, now_ms: int, force: bool) -> int | None:
+        """Where a batch ending before ``stop`` may end without splitting the
+        events of one transaction (group-transaction-events): stretched past
+        batch_size to the transaction's last event when it is here, else cut
+        before the transaction; None when the batch would be nothing but an
+        incomplete transaction, held until its last event arrives (at most
+        ``transaction_hold_ms``: a writer that died mid-way must not stall the
+        queue)."""
+        a = self._assembling
+        events = a.events
+        tx = getattr(events[stop - 1], "transaction", None)
+        if tx is None or tx[1]:
+            return stop
+        while stop < len(events):
+            nxt = getattr(events[stop], "transaction", None)
+            if nxt is None or nxt[0] != tx[0]:
+                return stop  # the transaction ended without its flagged last event: do not wait
+            stop += 1
+            if nxt[1]:
+                return stop
+        start = stop - 1
+        while start > a.head and (getattr(events[start - 1], "transaction", None) or ("",))[0] == tx[0]:
+            start -= 1
+        if start > a.head:
+            return start
+        if force or now_ms - a.first_added_ms >= self.policy.transaction_hold_ms:
+            return stop
+        return None
 
     def _compact(self) -> None:
         """Drop the handed-out front of the backlog (amortized: rare, linear)."""

@@ -11,7 +11,8 @@ bytes without the marker, an unknown fingerprint, a truncated body, trailing
 bytes, or a record of another schema than the caller expected.
 
 Schemas evolve the Avro way: an older version of a schema is kept in
-``avro/history/<Name>.v<N>.avsc``, and a record written with it (its
+``avro/history/<Name>.v<N>.avsc`` (self-contained: the named types it
+uses spelled out as they were), and a record written with it (its
 fingerprint) is read with Avro schema resolution into the current schema,
 new fields taking their defaults.  So a service of a newer release reads
 what an older one wrote (changelogs, queues, status), and a schema change
@@ -159,16 +160,13 @@ class Codec:
             name = path.name.split(".", 1)[0]
             if name not in raw:
                 raise UnknownSchema(f"{path}: no current schema named {name!r} in {directory}")
+            # Self-contained: every named type it uses spelled out, as it was then.
             old = json.loads(path.read_text())
-            full = f"{old.get('namespace', '')}.{old['name']}".lstrip(".")
-            canonical = to_parsing_canonical_form(
-                fastavro.parse_schema(_self_contained(copy.deepcopy(old), named_json, set()), named_schemas={})
-            )
+            canonical = to_parsing_canonical_form(fastavro.parse_schema(copy.deepcopy(old), named_schemas={}))
             fp = bytes.fromhex(fingerprint(canonical, "CRC-64-AVRO"))
             if fp in self._by_fingerprint:
                 continue  # identical to the current version
-            others = {k: v for k, v in named_r.items() if k != full}
-            self._older[fp] = fastavro.parse_schema(_strip_logical_types(old), named_schemas=others)
+            self._older[fp] = fastavro.parse_schema(_strip_logical_types(old), named_schemas={})
             self._by_fingerprint[fp] = name
 
     @property

@@ -130,6 +130,9 @@ class EntryEvent:
     possible_duplicate: bool = False
     visited_dsids: tuple[int, ...] = field(default=())
     value_encoding: str = "json"
+    #: (id, last): set on the events of one put_all / remove_all when a
+    #: gateway sender of the region groups transaction events.
+    transaction: tuple[str, bool] | None = None
 
     def to_record(self) -> dict[str, Any]:
         return {
@@ -146,6 +149,8 @@ class EntryEvent:
             "visited_dsids": list(self.visited_dsids),
             "bucket": self.bucket,
             "event_time": self.event_time,
+            "transaction": None if self.transaction is None else
+            {"id": self.transaction[0], "last": self.transaction[1]},
         }
 
     @classmethod
@@ -164,6 +169,8 @@ class EntryEvent:
             possible_duplicate=r["possible_duplicate"],
             visited_dsids=tuple(r["visited_dsids"]),
             value_encoding=r.get("value_encoding", "json"),
+            transaction=None if r.get("transaction") is None else
+            (r["transaction"]["id"], r["transaction"]["last"]),
         )
 
     def as_possible_duplicate(self) -> "EntryEvent":

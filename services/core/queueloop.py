@@ -140,7 +140,8 @@ class QueuePrimary:
         self.status_topic = names.status()
         self.group_id = f"{cfg.kafka.topic_prefix}queue.{queue_id}.dispatch"
         self.policy = BatchPolicy(settings.batch_size, settings.batch_time_interval_ms, settings.batch_conflation,
-                                  max_in_flight=self.max_in_flight())
+                                  max_in_flight=self.max_in_flight(),
+                                  group_transactions=getattr(settings, "group_transaction_events", False))
         self.max_buffered_bytes = max(1, settings.maximum_queue_memory_mb) * 1024 * 1024
         self.state = ServiceState.NEW
         self.crash: BaseException | None = None

@@ -37,7 +37,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from ..core.codec import Codec
@@ -107,6 +107,9 @@ class Operation:
     bucket: int = -1
     #: For ``Op.REMOTE``: the event another site applied (its own EventID and version).
     remote: EntryEvent | None = None
+    #: put_all / remove_all for a region whose gateway senders group
+    #: transaction events: the id its events carry (see ``submit``).
+    transaction: str | None = None
 
 
 @dataclass(slots=True)
@@ -287,6 +290,7 @@ class RegionEngine:
         pending = Pending(finished)
         pending.add(1)  # held until every op is produced, so it cannot fire early
         now_ms = int(time.time() * 1000)
+        grouped: list[tuple[OpResult, OwnedBucket, str]] = []
         with self._lock:
             for op, result in zip(ops, results):
                 bucket = op.bucket if op.bucket >= 0 else self.bucket_of(op.region, op.key)
@@ -330,9 +334,28 @@ class RegionEngine:
                 result.event = outcome
                 ob.inflight[event_id] = pending
                 self.stats["applied"] += 1
-                self._writer.write(outcome, pending, ob.progress)
+                if op.transaction is None:
+                    self._writer.write(outcome, pending, ob.progress)
+                else:
+                    grouped.append((result, ob, op.transaction))
+            if grouped:
+                self._write_grouped(grouped, pending)
         pending.arm()
         pending.done()
+
+    def _write_grouped(self, grouped: list[tuple[OpResult, OwnedBucket, str]], pending: Pending) -> None:
+        """The events of one put_all / remove_all, marked with its transaction
+        id, the last of each bucket flagged: contiguous in each changelog and
+        queue partition (written under the lock), so a sender can keep them in
+        one batch.  Called with the lock held."""
+        last_of_bucket = {(r.event.region, r.event.bucket): i for i, (r, _, _) in enumerate(grouped)
+                          if r.event is not None}
+        for i, (result, ob, tx) in enumerate(grouped):
+            event = result.event
+            assert event is not None
+            event = replace(event, transaction=(tx, last_of_bucket[(event.region, event.bucket)] == i))
+            result.event = event
+            self._writer.write(event, pending, ob.progress)
 
     def read(self, region: str, bucket: int) -> BucketState:
         """The state of a READY bucket (callers read under ``read_lock``)."""

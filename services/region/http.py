@@ -256,11 +256,13 @@ def create_app(service: RegionService) -> FastAPI:
                       ) -> JSONResponse:
         service.region_config(region)
         ops = []
+        tx = service.transaction_for(region, body.event_id.to_event_id() if body.event_id else None)
         for i, (key, value) in enumerate(body.entries.items()):
             service.check_key(region, key, f"entries.{key}")
             data = service.encode_value(region, value, f"entries.{key}")
             ops.append(Operation(Op.PUT_ALL, region, key, data,
-                                 body.event_id.to_event_id(i) if body.event_id else None, body.callback_argument))
+                                 body.event_id.to_event_id(i) if body.event_id else None, body.callback_argument,
+                                 transaction=tx))
         return _bulk(await service.execute(ops, forwarded(request)), outcomes)
 
     @app.post("/regions/{region}/remove_all", tags=["bulk"], summary="Destroy many entries; absent keys are skipped")
@@ -268,10 +270,12 @@ def create_app(service: RegionService) -> FastAPI:
                          outcomes: str = Query("exceptions", pattern="^(exceptions|all)$")) -> JSONResponse:
         service.region_config(region)
         ops = []
+        tx = service.transaction_for(region, body.event_id.to_event_id() if body.event_id else None)
         for i, key in enumerate(body.keys):
             service.check_key(region, key, f"keys[{i}]")
             ops.append(Operation(Op.REMOVE_ALL, region, key, None,
-                                 body.event_id.to_event_id(i) if body.event_id else None, body.callback_argument))
+                                 body.event_id.to_event_id(i) if body.event_id else None, body.callback_argument,
+                                 transaction=tx))
         return _bulk(await service.execute(ops, forwarded(request)), outcomes)
 
     @app.post("/regions/{region}/get_all", tags=["bulk"], summary="Get many entries: key → entry or null")

@@ -226,6 +226,10 @@ class RegionService:
         assert self.state is ServiceState.NEW, self.state
         self.bind()
         targets: dict[str, list[QueueTarget]] = {}
+        self._grouping_regions = {
+            r.name for r in self.cfg.regions
+            if any(self.cfg.sender(s).group_transaction_events for s in r.gateway_senders)
+        }
         gates = {f.sender_id: f for f in (SenderFilters(s) for s in self.cfg.gateway_senders) if f.at_enqueue}
         for region in self.cfg.regions:
             targets[region.name] = [
@@ -345,6 +349,13 @@ class RegionService:
         if len(data) > limit:
             raise EntryTooLarge(field, f"{len(data)} bytes", f"larger than value_max_bytes={limit}")
         return data
+
+    def transaction_for(self, region: str, first: EventID | None) -> str | None:
+        """The transaction id of a put_all / remove_all, when a gateway sender of
+        the region groups transaction events (else None: nothing to mark)."""
+        if region not in self._grouping_regions:
+            return None
+        return str(first) if first is not None else f"{self.instance_id}/{uuid.uuid4().hex}"
 
     def check_key(self, region: str, key: Any, field: str = "key") -> str:
         if not isinstance(key, str) or key == "":
@@ -600,6 +611,7 @@ def _op_to_json(op: Operation) -> dict[str, Any]:
         "event_id": op.event_id.to_record() if op.event_id else None,
         "callback_argument": op.callback_argument,
         "remote": None if op.remote is None else encode_remote(op.remote),
+        "transaction": op.transaction,
     }
 
 
@@ -615,6 +627,7 @@ def op_from_json(d: dict[str, Any]) -> Operation:
         event_id=EventID.from_record(eid) if eid else None,
         callback_argument=d.get("callback_argument"),
         remote=None if remote is None else decode_remote(remote),
+        transaction=d.get("transaction"),
     )
 
 

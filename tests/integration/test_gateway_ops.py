@@ -140,3 +140,57 @@ def test_filters_substitution_pause_stop_and_status(site_a, unique_prefix, tmp_p
     finally:
         for proc in reversed(procs):
             proc.stop()
+
+
+def test_group_transaction_events_keeps_a_put_all_of_one_bucket_in_one_batch(site_a, unique_prefix, tmp_path: Path):
+    """batch_size 5, a put_all of 40 keys of one bucket: B receives the 40 events in one batch, applied together;
+    single puts around it still go in batches of at most 5."""
+    from sluice.core.codec import get_codec
+    from sluice.core.kafka import partition_for_key
+
+    from regionkit import read_topic
+
+    path_a, path_b, cfg_a = _sites(tmp_path, site_a.bootstrap, unique_prefix)
+    data = yaml.safe_load(path_a.read_text())
+    sender = data["gateway_senders"][0]
+    sender.update(batch_size=5, batch_time_interval_ms=50, group_transaction_events=True)
+    for key in ("event_filters", "event_substitution_filter"):
+        sender.pop(key)
+    path_a.write_text(yaml.safe_dump(data))
+    cfg_a = load_config(path_a)
+    cfg_b = load_config(path_b)
+    same_bucket = [k for k in (f"tx-{i}" for i in range(2000)) if partition_for_key(k.encode(), 8) == 3][:40]
+    procs: list[Any] = []
+    try:
+        region_a = RegionProcess(path_a, tmp_path / "region-a.log")
+        region_b = RegionProcess(path_b, tmp_path / "region-b.log")
+        procs += [region_a, region_b]
+        region_a.wait_ready()
+        region_b.wait_ready()
+        procs.append(ReceiverProcess(path_b, tmp_path / "receiver-b.log"))
+        procs.append(SenderProcess(path_a, "to-b", tmp_path / "sender-a.log"))
+        a, b = RegionClient([region_a.url]), RegionClient([region_b.url])
+        singles = [k for k in (f"one-{i}" for i in range(2000)) if partition_for_key(k.encode(), 8) == 3][:12]
+        for k in singles[:6]:
+            a.put("orders", k, {"single": k})
+        a.put_all("orders", {k: {"tx": k} for k in same_bucket})
+        for k in singles[6:]:
+            a.put("orders", k, {"single": k})
+        everything = same_bucket + singles
+        _wait("B has every key", lambda: len(_values(b, everything)) == len(everything))
+
+        codec = get_codec()
+        batches = [codec.decode_as("GatewayBatch", v) for _, _, v in
+                   read_topic(site_a.bootstrap, cfg_b.topics.gateway_inbound(), 2)]
+        keys_per_batch = [[e["key"] for e in batch["events"]] for batch in batches if batch["queue_partition"] == 3]
+        holding = [ks for ks in keys_per_batch if set(ks) & set(same_bucket)]
+        assert len(holding) == 1 and set(same_bucket) <= set(holding[0]), \
+            f"the put_all was split over {len(holding)} batches: {[len(ks) for ks in holding]}"
+        marks = [e["transaction"] for batch in batches for e in batch["events"] if e["key"] in same_bucket]
+        assert len({m["id"] for m in marks}) == 1 and [m["last"] for m in marks].count(True) == 1
+        others = [ks for ks in keys_per_batch if ks is not holding[0]]
+        assert all(len(ks) <= 5 for ks in others), f"batches beyond batch_size: {others}"
+        print(f"\nput_all of {len(same_bucket)} keys in one batch; {len(others)} other batches of ≤ 5")
+    finally:
+        for proc in reversed(procs):
+            proc.stop()

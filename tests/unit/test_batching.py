@@ -197,3 +197,57 @@ def test_a_long_backlog_is_cut_in_linear_time_and_stays_exact(conflation: bool) 
     assert len(offsets) == len(set(offsets)) and set(last_by_key.values()) <= set(offsets)
     if not conflation:
         assert offsets == list(range(1, 30_050))
+
+
+@dataclass(frozen=True)
+class TxItem:
+    offset: int
+    key: str
+    transaction: tuple[str, bool] | None = None
+    conflatable: bool = False
+
+    @property
+    def size_bytes(self) -> int:
+        return 10
+
+
+def _tx(offset: int, tx: str | None, last: bool = False) -> TxItem:
+    return TxItem(offset, f"k{offset}", None if tx is None else (tx, last))
+
+
+def test_group_transaction_events_stretches_a_batch_to_the_transactions_last_event() -> None:
+    """batch_size 3 would split transaction t (offsets 1..5): the batch takes all of it instead."""
+    b = PartitionBatcher(0, BatchPolicy(batch_size=3, batch_time_interval_ms=0, group_transactions=True,
+                                        max_in_flight=3))
+    items = [_tx(0, None), *[_tx(i, "t", i == 5) for i in range(1, 6)], _tx(6, None), _tx(7, None)]
+    for it in items:
+        b.add(it, now_ms=0)
+    first = b.take(0)
+    assert first is not None and [i.offset for i in first.events] == [0, 1, 2, 3, 4, 5]
+    assert first.commit_offset == 6
+    second = b.take(0)
+    assert second is not None and [i.offset for i in second.events] == [6, 7]
+
+
+def test_an_incomplete_transaction_is_cut_off_or_held_until_its_last_event_or_the_hold_ends() -> None:
+    """Events before an incomplete transaction go; the transaction waits for its last event (or the hold)."""
+    policy = BatchPolicy(batch_size=10, batch_time_interval_ms=0, group_transactions=True, transaction_hold_ms=100,
+                         max_in_flight=3)
+    b = PartitionBatcher(0, policy)
+    for it in (_tx(0, None), _tx(1, "t"), _tx(2, "t")):
+        b.add(it, now_ms=0)
+    before = b.take(0)
+    assert before is not None and [i.offset for i in before.events] == [0]
+    assert b.take(50) is None, "an incomplete transaction went out before its last event"
+    b.add(_tx(3, "t", last=True), now_ms=60)
+    whole = b.take(60)
+    assert whole is not None and [i.offset for i in whole.events] == [1, 2, 3]
+    b.add(_tx(4, "u"), now_ms=200)
+    assert b.take(250) is None
+    late = b.take(301)
+    assert late is not None and [i.offset for i in late.events] == [4], "the hold did not end"
+    b2 = PartitionBatcher(0, BatchPolicy(batch_size=2, batch_time_interval_ms=0, group_transactions=False))
+    for it in (_tx(0, "t"), _tx(1, "t"), _tx(2, "t", True)):
+        b2.add(it, now_ms=0)
+    off = b2.take(0)
+    assert off is not None and len(off.events) == 2, "without grouping, batch_size cuts a transaction"

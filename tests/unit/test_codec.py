@@ -23,11 +23,13 @@ import avro.errors
 import avro.io
 import avro.name
 import avro.schema
+import fastavro
 import pytest
+from fastavro.schema import fingerprint, to_parsing_canonical_form
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sluice.core.codec import HEADER_BYTES, MARKER, get_codec
+from sluice.core.codec import HEADER_BYTES, MARKER, get_codec, schema_dir
 from sluice.core.errors import CodecError, MalformedRecord, UnknownSchema
 from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
 
@@ -76,6 +78,7 @@ def record_strategies(millis: st.SearchStrategy[int] = longs) -> dict[str, st.Se
             "visited_dsids": st.lists(ints, max_size=6),
             "bucket": ints,
             "event_time": millis,
+            "transaction": st.none() | st.fixed_dictionaries({"id": texts, "last": st.booleans()}),
         }
     )
     batch_exception = st.fixed_dictionaries(
@@ -198,6 +201,7 @@ entry_events = st.builds(
     possible_duplicate=st.booleans(),
     visited_dsids=st.lists(ints, max_size=6).map(tuple),
     value_encoding=st.sampled_from(["json", "raw"]),
+    transaction=st.none() | st.tuples(texts, st.booleans()),
 )
 
 
@@ -219,6 +223,7 @@ ENTRY_EVENT = {
     "visited_dsids": [1, 2],
     "bucket": 5,
     "event_time": 1_700_000_000_000,
+    "transaction": {"id": "m-1/7/40", "last": False},
 }
 GATEWAY_BATCH = {
     "sender_id": "site1-sender", "source_dsid": 1, "target_dsid": 2, "queue_partition": 0, "batch_id": 9,
@@ -567,25 +572,29 @@ def test_encoding_under_an_unknown_schema_name_is_refused() -> None:
         get_codec().encode("Nope", EVENT_ID)
 
 
-def test_a_record_written_with_an_older_schema_version_is_read_into_the_current_one() -> None:
-    """avro/history keeps older versions: their records decode, new fields taking their defaults."""
-    import io as _io
-    import json as _json
+def _with_defaults_of_new_fields(name: str, record: Any) -> Any:
+    """The sample as an older writer could have written it: fields added since at their defaults."""
+    added = {"EntryEvent": {"transaction": None}, "QueueStatus": {"last_accepted_at": 0, "waiting": 0}}
+    out = {**record, **added.get(name, {})}
+    if name == "QueuedEvent":
+        out["event"] = _with_defaults_of_new_fields("EntryEvent", record["event"])
+    if name == "GatewayBatch":
+        out["events"] = [_with_defaults_of_new_fields("EntryEvent", e) for e in record["events"]]
+    if name == "DeadLetter" and record.get("event") is not None:
+        out["event"] = _with_defaults_of_new_fields("EntryEvent", record["event"])
+    return out
 
-    import fastavro as _fastavro
 
-    from sluice.core.codec import MARKER, schema_dir
-    from fastavro.schema import fingerprint, to_parsing_canonical_form
-
-    old = _json.loads((schema_dir() / "history" / "QueueStatus.v1.avsc").read_text())
-    parsed = _fastavro.parse_schema(old)
-    record = {"kind": "gateway-sender", "queue_id": "to-b", "partition": 2, "primary": "m", "state": "running",
-              "batches_dispatched": 3, "events_dispatched": 30, "redeliveries": 0, "events_conflated": 0,
-              "dead_lettered": 0, "last_removed_offset": 29, "in_flight": 1, "updated_at": 1700000000000}
-    fp = bytes.fromhex(fingerprint(to_parsing_canonical_form(parsed), "CRC-64-AVRO"))
-    buf = _io.BytesIO()
+@pytest.mark.parametrize("path", sorted((schema_dir() / "history").glob("*.avsc")), ids=lambda p: p.name)
+def test_a_record_written_with_an_older_schema_version_is_read_into_the_current_one(path) -> None:
+    """avro/history keeps older versions: their records decode, fields added since taking their defaults."""
+    name = path.name.split(".", 1)[0]
+    old = fastavro.parse_schema(json.loads(path.read_text()), named_schemas={})
+    fp = bytes.fromhex(fingerprint(to_parsing_canonical_form(old), "CRC-64-AVRO"))
+    expected = _with_defaults_of_new_fields(name, SAMPLES[name])
+    buf = io.BytesIO()
     buf.write(MARKER + fp)
-    _fastavro.schemaless_writer(buf, parsed, record)
+    fastavro.schemaless_writer(buf, old, expected)
     codec = get_codec()
-    assert fp != codec.fingerprint("QueueStatus")
-    assert codec.decode_as("QueueStatus", buf.getvalue()) == {**record, "last_accepted_at": 0, "waiting": 0}
+    assert fp != codec.fingerprint(name)
+    assert codec.decode_as(name, buf.getvalue()) == expected
