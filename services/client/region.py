@@ -48,8 +48,11 @@ class RegionError(SluiceError):
         super().__init__(f"{status} {self.error}: {body.get('message', body)}")
 
 
-class _Transient(Exception):
-    """Internal: a failure worth another try (carries the last cause)."""
+class _Transient(SluiceError):
+    """A failure worth another try (carries the last cause); what a request
+    raises once its retries for ``retry_for_s`` are spent."""
+
+    retriable = True
 
 
 class RegionClient:

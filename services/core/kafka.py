@@ -11,6 +11,8 @@ relies on (idempotence, acks, offset storage) rather than leaning on defaults.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from typing import Any, Callable, Iterable, Iterator
 
@@ -30,6 +32,8 @@ from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, Resourc
 
 from .errors import BrokerUnavailable, KafkaFatal, SluiceError
 
+log = logging.getLogger("sluice.kafka")
+
 __all__ = [
     "OFFSET_BEGINNING",
     "OFFSET_END",
@@ -38,6 +42,7 @@ __all__ = [
     "ConfigResource",
     "Consumer",
     "ConsumerGroupTopicPartitions",
+    "Interrupted",
     "KafkaError",
     "Message",
     "NewTopic",
@@ -49,6 +54,7 @@ __all__ = [
     "make_producer",
     "murmur2",
     "partition_for_key",
+    "produce_durably",
     "read_to_end",
     "translate",
 ]
@@ -130,9 +136,6 @@ def make_consumer(base: dict[str, Any], group_id: str | None = None, **settings:
     }
     conf.update(base)
     conf.update({k.replace("_", "."): v for k, v in settings.items()})
-    import os  # TEMP-DIAG
-    if group_id and os.environ.get("SLUICE_TMP_DEBUG"):  # TEMP-DIAG
-        conf["debug"] = os.environ["SLUICE_TMP_DEBUG"]  # TEMP-DIAG
     try:
         return Consumer(conf)
     except KafkaException as exc:
@@ -247,3 +250,62 @@ def read_to_end(consumer: Consumer, topic: str, partition: int = 0, deadline_s: 
                     yield msg
     finally:
         consumer.unassign()
+
+
+class Interrupted(Exception):
+    """``produce_durably`` gave up because the caller is stopping."""
+
+
+#: produce_durably: one flush's wait, when to warn that the broker is not
+#: answering, and the pause before producing a failed record again.
+WRITE_WAIT_STEP_S = 0.5
+WRITE_WARN_AFTER_S = 5.0
+WRITE_RETRY_BACKOFF_S = 1.0
+
+
+def produce_durably(producer: Producer, topic: str, value: bytes, key: bytes | None, *, what: str,
+                    stopping: threading.Event, partition: int | None = None) -> None:
+    """Produce one record and wait until the broker has it, for as long as that takes.
+
+    A site's broker may be unreachable for any length of time (paused,
+    partitioned, restarting), and a fixed deadline turns an outage longer
+    than it into a crashed service.  So: wait in short flushes; a delivery
+    that fails retriably (``_MSG_TIMED_OUT`` once ``delivery.timeout.ms``
+    runs out, ``_TRANSPORT``, …) is produced again, so callers must write
+    records whose repetition changes nothing (acks, dead letters, removal
+    and epoch records).  A full producer queue is back-pressure: it waits.
+    Only a non-retriable failure raises (a ``SluiceError``); ``stopping``
+    set raises ``Interrupted``.
+    """
+    extra = {} if partition is None else {"partition": partition}
+    started = time.monotonic()
+    warned = False
+    while True:
+        outcome: list[KafkaError | None] = []
+        while True:
+            try:
+                producer.produce(topic, value, key, on_delivery=lambda err, _m: outcome.append(err), **extra)
+                break
+            except BufferError:
+                if stopping.is_set():
+                    raise Interrupted(what) from None
+                producer.poll(WRITE_WAIT_STEP_S)
+        while not outcome:
+            if stopping.is_set():
+                raise Interrupted(what)
+            producer.flush(WRITE_WAIT_STEP_S)
+            waited_s = time.monotonic() - started
+            if not outcome and not warned and waited_s >= WRITE_WARN_AFTER_S:
+                warned = True
+                log.warning("%s: not written after %.0f s; waiting for the broker", what, waited_s)
+        error = outcome[0]
+        if error is None:
+            if warned:
+                log.info("%s: written after %.1f s", what, time.monotonic() - started)
+            return
+        failure = error_from_kafka_error(error, what)
+        if not failure.retriable:
+            raise failure
+        log.warning("%s: %s; producing it again", what, error.str())
+        if stopping.wait(WRITE_RETRY_BACKOFF_S):
+            raise Interrupted(what)

@@ -58,17 +58,19 @@ from .asyncevent import AsyncEvent
 from .batching import Batch, BatchPolicy, PartitionBatcher
 from .codec import get_codec
 from .config import SiteConfig
-from .errors import CodecError, SluiceError
+from .errors import CodecError
 from .events import EntryEvent
 from .kafka import (
     OFFSET_BEGINNING,
     Consumer,
+    Interrupted,
     KafkaError,
     KafkaException,
     Message,
     TopicPartition,
     make_consumer,
     make_producer,
+    produce_durably,
     read_to_end,
     translate,
 )
@@ -238,6 +240,8 @@ class QueuePrimary:
                 if time.monotonic() >= next_status:
                     self._publish_status()
                     next_status = time.monotonic() + self.status_interval_s
+        except Interrupted:
+            pass  # stopping while a record waited for an absent broker: nothing was committed past it
         except BaseException as exc:
             if not isinstance(exc, KeyboardInterrupt):
                 self.crash = exc
@@ -349,11 +353,11 @@ class QueuePrimary:
             "service": f"{self.kind} {self.member_id}",
             "failed_at": int(time.time() * 1000),
         }
-        self._producer.produce(self.dlq_topic, self._codec.encode("DeadLetter", record), msg.key())
-        # Durable before anything after it can be committed past it.
-        remaining = self._producer.flush(30)
-        if remaining:
-            raise SluiceError(f"dead-lettering {msg.topic()}[{msg.partition()}]@{msg.offset()} not acknowledged")
+        # Durable before anything after it can be committed past it, however
+        # long the broker is away.
+        produce_durably(self._producer, self.dlq_topic, self._codec.encode("DeadLetter", record), msg.key(),
+                        what=f"dead letter of {msg.topic()}[{msg.partition()}]@{msg.offset()}",
+                        stopping=self._stopping)
         self.stats["dead_lettered"] += 1
         log.warning("queue %s[%d]@%d dead-lettered: %s", msg.topic(), msg.partition(), msg.offset(), exc)
 
@@ -499,10 +503,7 @@ class QueuePrimary:
         consumer.assign(partitions)
         dispatched_before = self._partitions_dispatched_before()
         for tp in partitions:
-            try:
-                _, high = consumer.get_watermark_offsets(TopicPartition(self.topic, tp.partition), timeout=10)
-            except KafkaException as exc:
-                raise translate(exc, f"reading the end of {self.topic}[{tp.partition}]") from exc
+            high = self._end_offset(consumer, tp.partition)
             # What a previous primary may have offered (everything up to the
             # end as it is now) comes again flagged possibleDuplicate; a
             # partition nobody ever dispatched has nothing to flag.
@@ -513,6 +514,20 @@ class QueuePrimary:
             )
         log.info("queue %s: primary for partitions %s", self.queue_id, sorted(tp.partition for tp in partitions))
         self._publish_status()
+
+    def _end_offset(self, consumer: Consumer, partition: int) -> int:
+        """The partition's end offset, asked again while the broker does not answer
+        (an exception here would leave the rebalance callback and end the service)."""
+        while True:
+            try:
+                return int(consumer.get_watermark_offsets(TopicPartition(self.topic, partition), timeout=10)[1])
+            except KafkaException as exc:
+                error = translate(exc, f"reading the end of {self.topic}[{partition}]")
+                if not error.retriable:
+                    raise error from exc
+                log.warning("queue %s: %s; asking again", self.queue_id, error)
+                if self._stopping.wait(1.0):
+                    raise Interrupted(f"assignment of {self.topic}[{partition}]") from exc
 
     def _partitions_dispatched_before(self) -> set[int] | None:
         """Partitions some primary has reported on (every primary reports as it

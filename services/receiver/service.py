@@ -40,22 +40,20 @@ from typing import Any
 from tenacity import Retrying, retry_if_exception_type, wait_exponential
 
 from ..client.region import RegionClient, RegionError
-# What RegionClient raises once its own retries run out; see _apply_region.
-from ..client.region import _Transient as _RegionClientGaveUp
 from ..core.codec import get_codec
 from ..core.config import SiteConfig
 from ..core.errors import CodecError, SluiceError
 from ..core.events import EntryEvent, goes_to_gateway
 from ..core.kafka import (
     Consumer,
-    KafkaError,
+    Interrupted,
     KafkaException,
     Message,
     TopicPartition,
     make_admin,
     make_consumer,
-    error_from_kafka_error,
     make_producer,
+    produce_durably,
     read_to_end,
     translate,
 )
@@ -64,11 +62,8 @@ log = logging.getLogger("sluice.receiver")
 
 REGION_CLIENT_PREFIX = "sluice-region@"
 
-#: Writing an ack or a dead letter: how long one flush waits, when to warn that
-#: the broker is not answering, and the pause before producing a record again.
-WRITE_WAIT_STEP_S = 0.5
-WRITE_WARN_AFTER_S = 5.0
-WRITE_RETRY_BACKOFF_S = 1.0
+#: The pause before reading the acks on assignment again.
+READ_RETRY_BACKOFF_S = 1.0
 
 
 class ServiceState(enum.Enum):
@@ -177,6 +172,24 @@ class ReceiverService:
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         consumer.assign(partitions)
+        # The broker that just handed out this assignment can become
+        # unreachable again at once (a flapping network, a broker paused
+        # again): an exception raised here leaves consume() and would crash
+        # the receiver over a transient fault, so the read is retried.
+        while True:
+            try:
+                self._read_acks(partitions)
+                break
+            except SluiceError as exc:
+                if not exc.retriable:
+                    raise
+                log.warning("receiver %s: %s; reading them again", self.member_id, exc)
+                if self._stopping.wait(READ_RETRY_BACKOFF_S):
+                    return
+        log.info("receiver %s: inbound partitions %s, %d sender partitions tracked", self.member_id,
+                 sorted(tp.partition for tp in partitions), len(self._last_batch))
+
+    def _read_acks(self, partitions: list[TopicPartition]) -> None:
         reader = make_consumer(self.cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 10})
         try:
             for tp in partitions:
@@ -191,8 +204,6 @@ class ReceiverService:
             raise translate(exc, f"reading {self.acks}") from exc
         finally:
             reader.close()
-        log.info("receiver %s: inbound partitions %s, %d sender partitions tracked", self.member_id,
-                 sorted(tp.partition for tp in partitions), len(self._last_batch))
 
     # --- one batch -----------------------------------------------------------------------
 
@@ -274,14 +285,13 @@ class ReceiverService:
         """Retried here until the region service answers: nothing is acknowledged before that.
 
         ``RegionClient`` retries transient failures for its own ``retry_for_s``
-        and then re-raises its internal ``_Transient``, which is not a
-        ``SluiceError``.  While this site's broker is unreachable for longer
-        than that (the region service answers 503 "not acknowledged by Kafka
-        in time" to every write), that escaped this loop and crashed the
-        receiver; so it is retried here like any transient failure.
+        and then raises a retriable ``SluiceError``: while this site's broker
+        is unreachable for longer than that (the region service answers 503
+        "not acknowledged by Kafka in time" to every write), it is retried
+        here, for as long as it takes.
         """
         for attempt in Retrying(
-            retry=retry_if_exception_type((SluiceError, _RegionClientGaveUp)),
+            retry=retry_if_exception_type((SluiceError,)),
             wait=wait_exponential(multiplier=0.1, max=5),
             sleep=lambda s: self._stopping.wait(s) and None,
             before_sleep=lambda state: log.warning(
@@ -333,61 +343,14 @@ class ReceiverService:
         self.stats["dead_lettered"] += 1
 
     def _write(self, what: str, topic: str, value: bytes, key: bytes | None, *, partition: int | None = None) -> None:
-        """Produce one record and wait until the broker has it, for as long as that takes.
-
-        This site's broker may be unreachable for any length of time (paused,
-        partitioned, restarting).  A fixed deadline here (it was ``flush(30)``)
-        turned an outage longer than the deadline into a crashed receiver:
-        the 30 s remote-broker pause test caught it with an ack in flight at
-        the moment of the pause.  So: wait in short flushes; a delivery that
-        fails retriably (``_MSG_TIMED_OUT`` once ``delivery.timeout.ms`` runs
-        out, ``_TRANSPORT``, …) is produced again, which is safe because the
-        record may then exist twice and a repeated ack or dead letter changes
-        nothing (senders drop an ack for a batch they no longer wait for).
-        Only a non-retriable failure raises.  Stopping raises ``_Stopping``:
-        the batch is then neither acknowledged for sure nor committed, so it is
-        read again and acknowledged as a duplicate.
-        """
-        extra = {} if partition is None else {"partition": partition}
-        started = time.monotonic()
-        warned = False
-        while True:
-            outcome: list[KafkaError | None] = []
-            self._produce(topic, value, key, outcome, extra)
-            while not outcome:
-                if self._stopping.is_set():
-                    raise _Stopping
-                self._producer.flush(WRITE_WAIT_STEP_S)
-                waited_s = time.monotonic() - started
-                if not outcome and not warned and waited_s >= WRITE_WARN_AFTER_S:
-                    warned = True
-                    log.warning("%s: not written after %.0f s; waiting for the broker", what, waited_s)
-            error = outcome[0]
-            if error is None:
-                if warned:
-                    log.info("%s: written after %.1f s", what, time.monotonic() - started)
-                return
-            failure = error_from_kafka_error(error, what)
-            if not failure.retriable:
-                raise failure
-            log.warning("%s: %s; producing it again", what, error.str())
-            if self._stopping.wait(WRITE_RETRY_BACKOFF_S):
-                raise _Stopping
-
-    def _produce(self, topic: str, value: bytes, key: bytes | None, outcome: list[KafkaError | None],
-                        extra: dict[str, Any]) -> None:
-        def on_delivery(error: KafkaError | None, _msg: Message) -> None:
-            outcome.append(error)
-
-        while True:
-            try:
-                self._producer.produce(topic, value, key, on_delivery=on_delivery, **extra)
-                return
-            except BufferError:
-                # The producer's queue is full: back-pressure, never a crash.
-                if self._stopping.is_set():
-                    raise _Stopping from None
-                self._producer.poll(WRITE_WAIT_STEP_S)
+        """One ack or dead letter, durable however long this site's broker is away
+        (``produce_durably``).  Stopping raises ``_Stopping``: the batch is then
+        not committed, so it is read again and acknowledged as a duplicate."""
+        try:
+            produce_durably(self._producer, topic, value, key, what=what, stopping=self._stopping,
+                            partition=partition)
+        except Interrupted:
+            raise _Stopping from None
 
     def _commit(self, msg: Message) -> None:
         assert self._consumer is not None

@@ -32,6 +32,7 @@ one thread.
 
 from __future__ import annotations
 
+import concurrent.futures
 import enum
 import logging
 import queue
@@ -596,7 +597,10 @@ class RegionEngine:
         assert self._admin is not None
         request = ConsumerGroupTopicPartitions(self.group_id, [TopicPartition(topic, bucket)])
         futures = self._admin.list_consumer_group_offsets([request], request_timeout=10)
-        result = futures[self.group_id].result(timeout=15)
+        try:
+            result = futures[self.group_id].result(timeout=15)
+        except concurrent.futures.TimeoutError:
+            raise BrokerUnavailable(f"committed offset of {topic}[{bucket}]: no answer in 15 s") from None
         for tp in result.topic_partitions:
             if tp.topic == topic and tp.partition == bucket:
                 if tp.error is not None:

@@ -53,6 +53,7 @@ from ..core.kafka import (
     make_consumer,
     make_producer,
     partition_for_key,
+    produce_durably,
     read_to_end,
 )
 from ..core.gatewayfilters import SenderFilters
@@ -205,11 +206,9 @@ class GatewaySenderService(QueuePrimary):
             "removed_count": 0,
             "removed_at": int(time.time() * 1000),
         }
-        errors: list[Any] = []
-        self._producer.produce(self.removals_topic, self._codec.encode("RemovalRecord", record),
-                               str(partition).encode(), on_delivery=lambda err, _m: errors.append(err))
-        if self._producer.flush(30) or errors != [None]:
-            raise SluiceError(f"could not open epoch {epoch} of {self.queue_id}[{partition}]: {errors}")
+        produce_durably(self._producer, self.removals_topic, self._codec.encode("RemovalRecord", record),
+                        str(partition).encode(), what=f"epoch {epoch} of {self.queue_id}[{partition}]",
+                        stopping=self._stopping)
         log.info("sender %s[%d]: epoch %d", self.queue_id, partition, epoch)
         return first + 1
 
@@ -350,12 +349,12 @@ class GatewaySenderService(QueuePrimary):
                 "error_class": exc["exception_class"], "event": e.event.to_record(),
                 "service": f"sender {self.member_id}", "failed_at": int(time.time() * 1000),
             }
-            self._producer.produce(self.dlq_topic, self._codec.encode("DeadLetter", record), e.key.encode())
+            produce_durably(self._producer, self.dlq_topic, self._codec.encode("DeadLetter", record),
+                            e.key.encode(), what=f"dead letter of refused event {e.event_id}",
+                            stopping=self._stopping)
             self.stats["event_exceptions"] += 1
             log.warning("sender %s: event %s refused by dsid %d: %s: %s", self.queue_id, e.event_id,
                         self.remote_dsid, exc["exception_class"], exc["message"])
-        if self._producer.flush(30):
-            raise SluiceError("dead letters of refused events not acknowledged")
 
     def release(self) -> None:
         if self._ack_thread is not None:

@@ -304,7 +304,6 @@ def test_three_sites_apply_every_event_once_and_nothing_circulates(topology, sit
             proc.stop()
 
 
-@pytest.mark.slow
 def test_a_paused_remote_broker_grows_the_queue_alerts_then_drains_losing_nothing(
     site_a, site_b, unique_prefix, tmp_path: Path
 ):
@@ -369,6 +368,8 @@ def test_a_paused_remote_broker_grows_the_queue_alerts_then_drains_losing_nothin
         client_b = RegionClient([region_b.url], retry_for_s=120)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
+            for proc in procs:
+                assert proc.proc.poll() is None, f"{proc.log_path.name} exited:\n{proc.log_tail()}"
             b = {k: (e or {}).get("value") for k, e in client_b.get_all("orders", sorted(written)).items()}
             if b == written and sum(r.size for r in queue_status(cfgs["a"], "to-b")) == 0:
                 break
