@@ -5,9 +5,16 @@ keyed ``<source dsid>/<sender id>/<queue partition>``; receivers share its
 partitions through a consumer group (HA, scaled by partition).  The story of
 one batch, step by step:
 
+0. Each inbound partition this instance is assigned has a lane: a thread
+   that handles its batches one after another, in order, while the lanes of
+   other partitions work at the same time (a sender partition always writes
+   to the same inbound partition, so per-key order holds).  A lane more than
+   a few batches behind pauses its partition's fetching.
 1. A record that cannot be decoded goes to the site's region dead-letter
-   topic with the reason.  A batch from a dsid not in ``receiver.accepted_dsids``
-   is rejected: counted, dead-lettered, never applied, never acknowledged.
+   topic with the reason.  A batch from a dsid not in ``receiver.accepted_dsids``,
+   or, when ``receiver.sender_keys`` is set, without a valid signature of
+   its site's key (core/signing.py), is rejected: counted, dead-lettered,
+   never applied, never acknowledged.
 2. A batch id at or below the last one applied for its sender partition is
    acknowledged again (``duplicate_batch``) and not applied again (Geode's
    duplicateBatchesReceived).  That tracking survives restarts and failovers:
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import queue
 import threading
 import time
 import uuid
@@ -44,6 +52,7 @@ from ..core.codec import get_codec
 from ..core.config import SiteConfig
 from ..core.errors import CodecError, SluiceError
 from ..core.events import EntryEvent, goes_to_gateway
+from ..core.signing import verify
 from ..core.kafka import (
     Consumer,
     Interrupted,
@@ -92,8 +101,46 @@ def region_service_urls(admin: Any, group_id: str) -> list[str]:
                    if m.client_id.startswith(REGION_CLIENT_PREFIX)})
 
 
+class _Lane:
+    """The batches of one inbound partition, handled in order by one thread."""
+
+    def __init__(self, partition: int, receiver: "ReceiverService") -> None:
+        self.partition = partition
+        self.queue: queue.Queue[Message | None] = queue.Queue()
+        self.stop = threading.Event()  # set on revoke or shutdown
+        self.paused = False
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(receiver,), daemon=True,
+                                       name=f"receiver-lane-{partition}")
+        self.thread.start()
+
+    def _run(self, receiver: "ReceiverService") -> None:
+        try:
+            while not self.stop.is_set():
+                msg = self.queue.get()
+                if msg is None or self.stop.is_set():
+                    return
+                receiver._handle(msg, self.stop)
+        except _Stopping:
+            return
+        except BaseException as exc:  # top of a thread: the service's loop re-raises it
+            self.error = exc
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop after the batch in hand (its retries cut short); what is queued is dropped, not committed."""
+        self.stop.set()
+        self.queue.put(None)
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            log.warning("receiver lane %d still busy after %.0f s", self.partition, timeout_s)
+
+
 class ReceiverService:
     """One gateway-receiver instance of a site."""
+
+    #: A lane this many batches behind pauses its partition; it resumes below LANE_RESUME.
+    LANE_DEPTH = 8
+    LANE_RESUME = 2
 
     def __init__(self, cfg: SiteConfig, *, member_id: str | None = None) -> None:
         if cfg.receiver is None:
@@ -117,8 +164,18 @@ class ReceiverService:
         self._producer: Any = None
         self._admin: Any = None
         self._client: RegionClient | None = None
-        self.stats = {"batches": 0, "duplicate_batches": 0, "rejected_batches": 0, "events_applied": 0,
-                      "events_duplicate": 0, "conflicts": 0, "exceptions": 0, "dead_lettered": 0}
+        self._client_lock = threading.Lock()
+        self._lanes: dict[int, _Lane] = {}
+        self._done: queue.Queue[TopicPartition] = queue.Queue()  # offsets to commit, from the lanes
+        self._sender_keys = {dsid: key.get_secret_value().encode()
+                             for dsid, key in cfg.receiver.sender_keys.items()}
+        if not self._sender_keys:
+            log.warning("receiver of dsid %d: no sender_keys, batches are not verified (accepted dsids %s)",
+                        cfg.dsid, sorted(self.accepted))
+        self._stats_lock = threading.Lock()
+        self.stats = {"batches": 0, "duplicate_batches": 0, "rejected_batches": 0, "bad_signatures": 0,
+                      "events_applied": 0, "events_duplicate": 0, "conflicts": 0, "exceptions": 0,
+                      "dead_lettered": 0}
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -134,29 +191,37 @@ class ReceiverService:
         if self.state in (ServiceState.NEW, ServiceState.RUNNING):
             self.state = ServiceState.STOPPING
         self._stopping.set()
+        for lane in list(self._lanes.values()):
+            lane.stop.set()
 
     def run(self) -> None:
         consumer = self._consumer
         assert consumer is not None
-        consumer.subscribe([self.inbound], on_assign=self._on_assign)
+        consumer.subscribe([self.inbound], on_assign=self._on_assign, on_revoke=self._on_revoke,
+                           on_lost=self._on_revoke)
         try:
             while not self._stopping.is_set():
                 try:
-                    msgs = consumer.consume(1, 0.1)
+                    msgs = consumer.consume(100, 0.1)
                 except KafkaException as exc:
                     raise translate(exc, f"consuming {self.inbound}") from exc
                 for msg in msgs:
                     if msg.error() is None:
-                        try:
-                            self._handle(msg)
-                        except _Stopping:
-                            break
+                        lane = self._lanes.get(msg.partition())
+                        if lane is not None:
+                            lane.queue.put(msg)
+                self._commit_done(consumer)
+                self._tend_lanes(consumer)
         except BaseException as exc:
             if not isinstance(exc, KeyboardInterrupt):
                 self.crash = exc
                 self.state = ServiceState.CRASHED
             raise
         finally:
+            for lane in list(self._lanes.values()):
+                lane.close()
+            self._lanes.clear()
+            self._commit_done(consumer, asynchronous=False)
             try:
                 consumer.close()
             except (KafkaException, RuntimeError) as exc:
@@ -169,6 +234,28 @@ class ReceiverService:
                 self.state = ServiceState.STOPPED
 
     # --- assignment: rebuild the duplicate-batch tracking from our own acks ----------
+
+    def _tend_lanes(self, consumer: Consumer) -> None:
+        """Re-raise a lane's crash; pause a partition whose lane is behind, resume it when caught up."""
+        for lane in list(self._lanes.values()):
+            if lane.error is not None:
+                raise lane.error
+            depth = lane.queue.qsize()
+            tp = [TopicPartition(self.inbound, lane.partition)]
+            if not lane.paused and depth >= self.LANE_DEPTH:
+                consumer.pause(tp)
+                lane.paused = True
+            elif lane.paused and depth <= self.LANE_RESUME:
+                consumer.resume(tp)
+                lane.paused = False
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Lanes of revoked partitions finish the batch in hand (or give it up) before the next owner starts."""
+        for tp in partitions:
+            lane = self._lanes.pop(tp.partition, None)
+            if lane is not None:
+                lane.close()
+        self._commit_done(consumer, asynchronous=False)
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         consumer.assign(partitions)
@@ -186,6 +273,11 @@ class ReceiverService:
                 log.warning("receiver %s: %s; reading them again", self.member_id, exc)
                 if self._stopping.wait(READ_RETRY_BACKOFF_S):
                     return
+        for tp in partitions:
+            old = self._lanes.pop(tp.partition, None)
+            if old is not None:
+                old.close()
+            self._lanes[tp.partition] = _Lane(tp.partition, self)
         log.info("receiver %s: inbound partitions %s, %d sender partitions tracked", self.member_id,
                  sorted(tp.partition for tp in partitions), len(self._last_batch))
 
@@ -207,35 +299,54 @@ class ReceiverService:
 
     # --- one batch -----------------------------------------------------------------------
 
-    def _handle(self, msg: Message) -> None:
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self.stats[name] += n
+
+    def _handle(self, msg: Message, stop: threading.Event) -> None:
+        """One batch, on its partition's lane; ``stop`` cuts retries short (revoke, shutdown)."""
         try:
             batch = self._codec.decode_as("GatewayBatch", msg.value())
         except CodecError as exc:
-            self._dead_letter(msg, f"undecodable gateway batch: {exc}", type(exc).__name__)
+            self._dead_letter(msg, f"undecodable gateway batch: {exc}", type(exc).__name__, stop)
             self._commit(msg)
             return
         source = batch["source_dsid"]
         key = f"{source}/{batch['sender_id']}/{batch['queue_partition']}"
-        if source not in self.accepted or batch["target_dsid"] != self.cfg.dsid:
-            self.stats["rejected_batches"] += 1
-            reason = (f"batch {batch['batch_id']} from dsid {source} rejected: accepted dsids are "
-                      f"{sorted(self.accepted)}" if source not in self.accepted
-                      else f"batch for dsid {batch['target_dsid']} reached dsid {self.cfg.dsid}")
-            log.warning("%s (sender %s)", reason, batch["sender_id"])
-            self._dead_letter(msg, reason, "RejectedBatch")
+        rejection = self._rejection(batch)
+        if rejection is not None:
+            self._count("rejected_batches")
+            log.warning("%s (sender %s)", rejection[1], batch["sender_id"])
+            self._dead_letter(msg, rejection[1], rejection[0], stop)
             self._commit(msg)
             return
         if batch["batch_id"] <= self._last_batch.get(key, -1):
-            self.stats["duplicate_batches"] += 1
-            self._ack(msg, key, batch, last_applied=len(batch["events"]) - 1, exceptions=[], duplicate=True)
+            self._count("duplicate_batches")
+            self._ack(msg, key, batch, last_applied=len(batch["events"]) - 1, exceptions=[], duplicate=True,
+                      stop=stop)
             self._commit(msg)
             return
         events = [EntryEvent.from_record(e) for e in batch["events"]]
-        exceptions, last_applied = self._apply(events)
-        self._ack(msg, key, batch, last_applied=last_applied, exceptions=exceptions, duplicate=False)
+        exceptions, last_applied = self._apply(events, stop)
+        self._ack(msg, key, batch, last_applied=last_applied, exceptions=exceptions, duplicate=False, stop=stop)
         self._last_batch[key] = batch["batch_id"]
-        self.stats["batches"] += 1
+        self._count("batches")
         self._commit(msg)
+
+    def _rejection(self, batch: dict[str, Any]) -> tuple[str, str] | None:
+        """(error class, reason) when the batch must not be applied here."""
+        source = batch["source_dsid"]
+        if source not in self.accepted:
+            return "RejectedBatch", (f"batch {batch['batch_id']} from dsid {source} rejected: accepted dsids are "
+                                     f"{sorted(self.accepted)}")
+        if batch["target_dsid"] != self.cfg.dsid:
+            return "RejectedBatch", f"batch for dsid {batch['target_dsid']} reached dsid {self.cfg.dsid}"
+        if self._sender_keys and not verify(self._codec, self._sender_keys[source], batch):
+            self._count("bad_signatures")
+            return "BadSignature", (f"batch {batch['batch_id']} from dsid {source} rejected: "
+                                    + ("it is not signed" if not batch.get("signature") else
+                                       "its signature does not match dsid's key in receiver.sender_keys"))
+        return None
 
     def _refusal(self, event: EntryEvent) -> tuple[str, str] | None:
         region = self.regions.get(event.region)
@@ -251,7 +362,7 @@ class ReceiverService:
             return "EntryTooLarge", f"value of {len(event.value)} bytes > value_max_bytes {region.value_max_bytes}"
         return None
 
-    def _apply(self, events: list[EntryEvent]) -> tuple[list[dict[str, Any]], int]:
+    def _apply(self, events: list[EntryEvent], stop: threading.Event) -> tuple[list[dict[str, Any]], int]:
         """Apply what can be applied; (per-event exceptions, index of the last applied event)."""
         exceptions: list[dict[str, Any]] = []
         by_region: dict[str, list[tuple[int, EntryEvent]]] = defaultdict(list)
@@ -264,7 +375,7 @@ class ReceiverService:
             by_region[event.region].append((i, event))
         applied: set[int] = set()
         for region, items in by_region.items():
-            answer = self._apply_region(region, [e for _, e in items])
+            answer = self._apply_region(region, [e for _, e in items], stop)
             for (i, event), outcome in zip(items, answer["outcomes"]):
                 status = outcome["status"]
                 if status == "error":
@@ -274,14 +385,14 @@ class ReceiverService:
                                        "message": err.get("message", "")})
                     continue
                 applied.add(i)
-                self.stats["events_applied" if status == "ok" else "events_duplicate" if status == "duplicate"
-                           else "conflicts"] += 1
-        self.stats["exceptions"] += len(exceptions)
+                self._count("events_applied" if status == "ok" else "events_duplicate" if status == "duplicate"
+                            else "conflicts")
+        self._count("exceptions", len(exceptions))
         for e in exceptions:
             log.warning("event %d refused: %s: %s", e["index"], e["exception_class"], e["message"])
         return sorted(exceptions, key=lambda e: e["index"]), max(applied, default=-1)
 
-    def _apply_region(self, region: str, events: list[EntryEvent]) -> dict[str, Any]:
+    def _apply_region(self, region: str, events: list[EntryEvent], stop: threading.Event) -> dict[str, Any]:
         """Retried here until the region service answers: nothing is acknowledged before that.
 
         ``RegionClient`` retries transient failures for its own ``retry_for_s``
@@ -293,31 +404,32 @@ class ReceiverService:
         for attempt in Retrying(
             retry=retry_if_exception_type((SluiceError,)),
             wait=wait_exponential(multiplier=0.1, max=5),
-            sleep=lambda s: self._stopping.wait(s) and None,
+            sleep=lambda s: stop.wait(s) and None,
             before_sleep=lambda state: log.warning(
                 "applying %d events to %s, attempt %d: %s; trying again", len(events), region,
                 state.attempt_number, state.outcome.exception() if state.outcome else None),
             reraise=True,
         ):
             with attempt:
-                if self._stopping.is_set():
+                if stop.is_set():
                     raise _Stopping
                 answer = self._region_client().apply_remote(region, events, outcomes="all")
                 return answer
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _region_client(self) -> RegionClient:
-        if self._client is None:
-            urls = region_service_urls(self._admin, self.region_group)
-            if not urls:
-                raise _NoRegionService("no region-service instance is running at this site")
-            self._client = RegionClient(urls, retry_for_s=30)
-        return self._client
+        with self._client_lock:
+            if self._client is None:
+                urls = region_service_urls(self._admin, self.region_group)
+                if not urls:
+                    raise _NoRegionService("no region-service instance is running at this site")
+                self._client = RegionClient(urls, retry_for_s=30)
+            return self._client
 
     # --- acks, dead letters, commits ---------------------------------------------------------
 
     def _ack(self, msg: Message, key: str, batch: dict[str, Any], *, last_applied: int,
-             exceptions: list[dict[str, Any]], duplicate: bool) -> None:
+             exceptions: list[dict[str, Any]], duplicate: bool, stop: threading.Event) -> None:
         events = batch["events"]
         record = {
             "sender_id": batch["sender_id"],
@@ -332,33 +444,47 @@ class ReceiverService:
             "acked_at": int(time.time() * 1000),
         }
         self._write(f"ack of batch {batch['batch_id']} ({key})", self.acks, self._codec.encode("GatewayAck", record),
-                    key.encode(), partition=msg.partition())
+                    key.encode(), stop, partition=msg.partition())
 
-    def _dead_letter(self, msg: Message, reason: str, error_class: str) -> None:
+    def _dead_letter(self, msg: Message, reason: str, error_class: str, stop: threading.Event) -> None:
         record = {"source_topic": msg.topic(), "source_partition": msg.partition(), "source_offset": msg.offset(),
                   "key": msg.key(), "value": msg.value(), "reason": reason, "error_class": error_class,
                   "event": None, "service": f"receiver {self.member_id}", "failed_at": int(time.time() * 1000)}
         self._write(f"dead letter for {msg.topic()}[{msg.partition()}]@{msg.offset()}", self.dead_letter,
-                    self._codec.encode("DeadLetter", record), msg.key())
-        self.stats["dead_lettered"] += 1
+                    self._codec.encode("DeadLetter", record), msg.key(), stop)
+        self._count("dead_lettered")
 
-    def _write(self, what: str, topic: str, value: bytes, key: bytes | None, *, partition: int | None = None) -> None:
+    def _write(self, what: str, topic: str, value: bytes, key: bytes | None, stop: threading.Event, *,
+               partition: int | None = None) -> None:
         """One ack or dead letter, durable however long this site's broker is away
         (``produce_durably``).  Stopping raises ``_Stopping``: the batch is then
         not committed, so it is read again and acknowledged as a duplicate."""
         try:
-            produce_durably(self._producer, topic, value, key, what=what, stopping=self._stopping,
-                            partition=partition)
+            produce_durably(self._producer, topic, value, key, what=what, stopping=stop, partition=partition)
         except Interrupted:
             raise _Stopping from None
 
     def _commit(self, msg: Message) -> None:
-        assert self._consumer is not None
+        """Lane side: the batch is done.  The consumer is the main loop's: a
+        commit from a lane while the loop sits in consume() blocks, so the
+        loop commits (``_commit_done``)."""
+        self._done.put(TopicPartition(msg.topic(), msg.partition(), msg.offset() + 1))
+
+    def _commit_done(self, consumer: Consumer, asynchronous: bool = True) -> None:
+        """Commit the newest done offset of each partition."""
+        newest: dict[int, TopicPartition] = {}
+        while True:
+            try:
+                tp = self._done.get_nowait()
+            except queue.Empty:
+                break
+            newest[tp.partition] = tp
+        if not newest:
+            return
         try:
-            self._consumer.commit(offsets=[TopicPartition(msg.topic(), msg.partition(), msg.offset() + 1)],
-                                  asynchronous=True)
+            consumer.commit(offsets=list(newest.values()), asynchronous=asynchronous)
         except KafkaException as exc:
-            log.warning("committing %s[%d]: %s", msg.topic(), msg.partition(), exc)
+            log.warning("committing %s: %s", sorted(newest), exc)
 
 
 __all__ = ["ReceiverService", "RegionError", "region_service_urls"]

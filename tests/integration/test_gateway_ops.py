@@ -21,6 +21,7 @@ from sluice.core.topics import apply_topics
 pytestmark = pytest.mark.timeout(300)
 
 HERE = str(Path(__file__).resolve().parent)
+SIGNING_KEY = "site-a-signing-key-0123456789"
 FILTERS = ["gateway_filters:KeepLocalOut", "gateway_filters:HoldSecrets", "gateway_filters:RecordAcks"]
 
 
@@ -28,6 +29,7 @@ def _sites(tmp_path: Path, bootstrap: str, prefix: str) -> tuple[Path, Path, Any
     kafka = {"bootstrap_servers": bootstrap, "session_timeout_ms": 3000, "heartbeat_interval_ms": 500}
     site_a = {
         "site": "a", "dsid": 1, "kafka": {**kafka, "topic_prefix": f"{prefix}a."},
+        "gateway_signing_key": SIGNING_KEY,  # B verifies every batch with it
         "regions": [{"name": "orders", "buckets": 8, "gateway_senders": ["to-b"]}],
         "gateway_senders": [{
             "id": "to-b", "remote_dsid": 2, "parallel": True, "batch_size": 10, "batch_time_interval_ms": 20,
@@ -39,7 +41,7 @@ def _sites(tmp_path: Path, bootstrap: str, prefix: str) -> tuple[Path, Path, Any
     site_b = {
         "site": "b", "dsid": 2, "kafka": {**kafka, "topic_prefix": f"{prefix}b."},
         "regions": [{"name": "orders", "buckets": 8}],
-        "receiver": {"inbound_partitions": 2, "accepted_dsids": [1]},
+        "receiver": {"inbound_partitions": 2, "accepted_dsids": [1], "sender_keys": {1: SIGNING_KEY}},
     }
     paths = []
     cfg_a = None

@@ -117,3 +117,57 @@ def test_batches_are_applied_acknowledged_deduplicated_and_screened(site_a, uniq
     finally:
         receiver.stop()
         region.stop()
+
+
+def test_with_sender_keys_only_batches_signed_by_the_sites_key_are_applied(site_a, unique_prefix, tmp_path: Path):
+    """Unsigned, wrongly signed and altered-after-signing batches are rejected (BadSignature, nothing applied,
+    no ack); a batch signed with dsid 1's key is applied and acknowledged."""
+    from sluice.core.signing import sign
+
+    key_a = "site-a-secret-0123456789"
+    path = tmp_path / "site-b.yaml"
+    cfg = _site_b(path, site_a.bootstrap, site_a.topic_prefix(unique_prefix))
+    data = yaml.safe_load(path.read_text())
+    data["receiver"]["sender_keys"] = {1: key_a}
+    path.write_text(yaml.safe_dump(data))
+    cfg = load_config(path)
+    codec = get_codec()
+
+    def batch(batch_id: int, key: str, signing_key: str | None, tamper: bool = False) -> dict[str, Any]:
+        record = {"sender_id": "orders-to-b", "source_dsid": 1, "target_dsid": 2, "queue_partition": 0,
+                  "batch_id": batch_id, "first_offset": 0, "last_offset": 0, "possible_duplicate": False,
+                  "created_at": int(time.time() * 1000),
+                  "events": [_event(key, Operation.CREATE, b'{"v": 1}', batch_id)], "signature": None}
+        if signing_key is not None:
+            record["signature"] = sign(codec, signing_key.encode(), record)
+        if tamper:
+            record["events"][0]["value"] = b'{"v": 666}'
+        return record
+
+    producer = Producer({"bootstrap.servers": site_a.bootstrap})
+    kafka_key = b"1/orders-to-b/0"
+    region = RegionProcess(path, tmp_path / "region.log")
+    receiver = ReceiverProcess(path, tmp_path / "receiver.log")
+    try:
+        region.wait_ready()
+        client = RegionClient([region.url])
+        for record in (batch(1, "unsigned", None), batch(2, "forged", "another-key-0123456789"),
+                       batch(3, "altered", key_a, tamper=True), batch(4, "signed", key_a)):
+            producer.produce(cfg.topics.gateway_inbound(), codec.encode("GatewayBatch", record), kafka_key,
+                             partition=partition_for_key(kafka_key, 2))
+        assert producer.flush(10) == 0
+        acks = _acks(cfg, site_a.bootstrap, 1)
+        assert [a["batch_id"] for a in acks] == [4] and client.get("orders", "signed") == {"v": 1}
+        end = time.monotonic() + 30
+        letters: list[dict[str, Any]] = []
+        while time.monotonic() < end and len(letters) < 3:
+            letters = [codec.decode_as("DeadLetter", v) for _, _, v in
+                       read_topic(site_a.bootstrap, cfg.topics.region_dead_letter(), 1)]
+            time.sleep(0.2)
+        assert [lt["error_class"] for lt in letters] == ["BadSignature"] * 3
+        assert "not signed" in letters[0]["reason"] and "does not match" in letters[1]["reason"]
+        for key in ("unsigned", "forged", "altered"):
+            assert client.get_entry("orders", key) is None, f"the {key} batch was applied"
+    finally:
+        receiver.stop()
+        region.stop()
