@@ -289,6 +289,7 @@ def load_benchmarks() -> dict[str, Entry]:
     """Import every module that registers benchmarks (the import registers them)."""
     from . import region  # noqa: F401
     from . import dispatcher  # noqa: F401
+    from . import gateway  # noqa: F401
 
     return REGISTRY
 

@@ -11,20 +11,43 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
+#: Areas left out of the smoke run.  ``gateway``: a quick gateway run takes
+#: ~40–75 s on the 2-core machines (a second broker, four services, and
+#: MirrorMaker 2's JVM, whose start alone is ~10–20 s), more than this test
+#: may take; run ``python -m bench --only gateway --quick`` by hand.
+SKIPPED_AREAS = {"gateway"}
 
-@pytest.mark.timeout(240)
+
+def bench_areas() -> list[str]:
+    """The areas (``region`` of ``region.put_all.ingest``) of every registered benchmark, in order."""
+    listed = subprocess.run([sys.executable, "-m", "bench", "--list"], cwd=REPO, capture_output=True, text=True,
+                            timeout=60, check=True)
+    areas: list[str] = []
+    for line in listed.stdout.splitlines():
+        area = line.split(".", 1)[0].strip()
+        if area and area not in areas:
+            areas.append(area)
+    return areas
+
+
+@pytest.mark.timeout(300)
 def test_quick_bench_run_writes_results_with_ratios(tmp_path: Path) -> None:
     """`python -m bench --quick` exits 0 and writes every figure with its same-run baseline and ratio."""
-    out = tmp_path / "results.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "bench", "--quick", "--output", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=220,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    data = json.loads(out.read_text())
-    assert {"machine", "time", "results"} <= set(data)
-    names = {r["name"] for r in data["results"]}
+    areas = [a for a in bench_areas() if a not in SKIPPED_AREAS]
+    assert {"region", "dispatcher"} <= set(areas)
+    results = []
+    for area in areas:
+        out = tmp_path / f"{area}.json"
+        done = subprocess.run(
+            [sys.executable, "-m", "bench", "--quick", "--only", area, "--output", str(out)],
+            cwd=REPO, capture_output=True, text=True, timeout=220,
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        data = json.loads(out.read_text())
+        assert {"machine", "time", "results"} <= set(data)
+        results += data["results"]
+    names = {r["name"] for r in results}
     assert {"region.put_all.ingest", "region.put.latency.p50", "region.put.latency.p99"} <= names
-    for r in data["results"]:
+    for r in results:
         assert r["value"] > 0 and r["baseline_value"] > 0, r
         assert r["ratio"] == pytest.approx(r["value"] / r["baseline_value"])
