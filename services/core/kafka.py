@@ -49,6 +49,7 @@ __all__ = [
     "Producer",
     "ResourceType",
     "TopicPartition",
+    "consume_available",
     "make_admin",
     "make_consumer",
     "make_producer",
@@ -211,6 +212,17 @@ def describe_group_members(admin: AdminClient, group_id: str, timeout_s: float =
         tps = member.assignment.topic_partitions if member.assignment else []
         out.append((member.client_id, [(tp.topic, tp.partition) for tp in tps]))
     return out
+
+
+def consume_available(consumer: Consumer, max_messages: int, timeout_s: float) -> list[Message]:
+    """What has arrived, as soon as anything has: up to ``timeout_s`` for the
+    first message, then whatever else is already fetched.  (``consume(n, t)``
+    waits out all of ``t`` unless ``n`` messages arrive, which delays every
+    message of a slow stream by up to ``t``.)"""
+    first = consumer.poll(timeout_s)
+    if first is None:
+        return []
+    return [first, *consumer.consume(max_messages - 1, 0)] if max_messages > 1 else [first]
 
 
 def iter_messages(consumer: Consumer, timeout_s: float, batch: int = 1000) -> Iterable[Message]:

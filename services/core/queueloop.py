@@ -68,6 +68,7 @@ from .kafka import (
     KafkaException,
     Message,
     TopicPartition,
+    consume_available,
     make_consumer,
     make_producer,
     produce_durably,
@@ -227,7 +228,7 @@ class QueuePrimary:
             while not self._stopping.is_set():
                 timeout = self._poll_timeout_s()
                 try:
-                    msgs = consumer.consume(500, timeout)
+                    msgs = consume_available(consumer, 500, timeout)
                 except KafkaException as exc:
                     raise translate(exc, f"consuming {self.topic}") from exc
                 now_ms = int(time.time() * 1000)
@@ -364,14 +365,21 @@ class QueuePrimary:
     # --- dispatching ------------------------------------------------------------------
 
     def _poll_timeout_s(self) -> float:
+        """How long the loop may wait for records: until a batch is due, and
+        briefly while a batch is out (its result comes through the inbox,
+        which does not wake the consumer)."""
         if not self._inbox.empty():
             return 0.0
         now_ms = int(time.time() * 1000)
-        due = [p.batcher.due_in_ms(now_ms) for p in self._partitions.values()]
+        # A partition with batches out takes nothing new before they are done.
+        due = [p.batcher.due_in_ms(now_ms) for p in self._partitions.values() if not p.in_flight]
         due_ms = [d for d in due if d is not None]
+        wait = 0.05
         if due_ms and self.desired is DesiredState.RUNNING:
-            return min(0.05, min(due_ms) / 1000)
-        return 0.05
+            wait = min(wait, min(due_ms) / 1000)
+        if any(p.in_flight for p in self._partitions.values()):
+            wait = min(wait, 0.005)
+        return wait
 
     def _dispatch_ready(self) -> None:
         if self.desired is not DesiredState.RUNNING:

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import base64
 
-from .codec import get_codec
+from .avrowire import entry_event_body
+from .codec import MARKER, get_codec
 from .errors import CodecError, InvalidRequest
 from .events import EntryEvent
 
 
 def encode_remote(event: EntryEvent) -> str:
-    return base64.b64encode(get_codec().encode("EntryEvent", event.to_record())).decode("ascii")
+    codec = get_codec()
+    # The hand-written encoder: byte for byte what the codec writes, at a fraction of the cost.
+    data = MARKER + codec.fingerprint("EntryEvent") + entry_event_body(event)
+    return base64.b64encode(data).decode("ascii")
 
 
 def decode_remote(text: str, field: str = "events") -> EntryEvent:

@@ -59,6 +59,7 @@ from ..core.kafka import (
     KafkaException,
     Message,
     TopicPartition,
+    consume_available,
     make_admin,
     make_consumer,
     make_producer,
@@ -202,7 +203,7 @@ class ReceiverService:
         try:
             while not self._stopping.is_set():
                 try:
-                    msgs = consumer.consume(100, 0.1)
+                    msgs = consume_available(consumer, 100, 0.1)
                 except KafkaException as exc:
                     raise translate(exc, f"consuming {self.inbound}") from exc
                 for msg in msgs:
@@ -405,9 +406,9 @@ class ReceiverService:
             retry=retry_if_exception_type((SluiceError,)),
             wait=wait_exponential(multiplier=0.1, max=5),
             sleep=lambda s: stop.wait(s) and None,
-            before_sleep=lambda state: log.warning(
-                "applying %d events to %s, attempt %d: %s; trying again", len(events), region,
-                state.attempt_number, state.outcome.exception() if state.outcome else None),
+            before_sleep=lambda state: self._forget_region_client(
+                f"applying {len(events)} events to {region}, attempt {state.attempt_number}: "
+                f"{state.outcome.exception() if state.outcome else None}; trying again"),
             reraise=True,
         ):
             with attempt:
@@ -416,6 +417,13 @@ class ReceiverService:
                 answer = self._region_client().apply_remote(region, events, outcomes="all")
                 return answer
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _forget_region_client(self, why: str) -> None:
+        """After a failure the region-service instances are looked up again (one may have moved)."""
+        log.warning("%s", why)
+        with self._client_lock:
+            # Not closed: another lane may be using it; it goes with its last user.
+            self._client = None
 
     def _region_client(self) -> RegionClient:
         with self._client_lock:

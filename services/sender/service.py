@@ -50,6 +50,7 @@ from ..core.kafka import (
     OFFSET_END,
     KafkaException,
     TopicPartition,
+    consume_available,
     make_consumer,
     make_producer,
     partition_for_key,
@@ -109,6 +110,8 @@ class GatewaySenderService(QueuePrimary):
         self._waiters: dict[tuple[int, int], _Waiter] = {}
         self._waiters_lock = threading.Lock()
         self._inbound_partitions = 0
+        self._removals: dict[int, dict[str, Any]] = {}
+        self._removals_read_at: float | None = None
         self._sent: set[tuple[int, int]] = set()  # batches sent at least once and not yet acknowledged
         self.stats.update({"batches_sent": 0, "resends": 0, "acks": 0, "event_exceptions": 0,
                            "filtered_at_transmit": 0})
@@ -164,7 +167,7 @@ class GatewaySenderService(QueuePrimary):
                     self._stopping.wait(self.sender.retry_interval_ms / 1000)
                     continue
             try:
-                msgs = reader.consume(500, 0.1)
+                msgs = consume_available(reader, 500, 0.1)
             except KafkaException as exc:
                 log.warning("reading acks: %s", exc)
                 continue
@@ -213,16 +216,24 @@ class GatewaySenderService(QueuePrimary):
         return first + 1
 
     def _last_removal(self, partition: int) -> dict[str, Any] | None:
+        """The partition's latest removal record.  An assignment opens the
+        epochs of all its partitions one after another: one read of the
+        removals topic serves them all."""
+        now = time.monotonic()
+        if self._removals_read_at is None or now - self._removals_read_at > 2.0:
+            self._removals = self._read_removals()
+            self._removals_read_at = now
+        return self._removals.get(partition)
+
+    def _read_removals(self) -> dict[int, dict[str, Any]]:
         reader = make_consumer(self.cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 10})
-        key = str(partition).encode()
-        latest = None
+        latest: dict[int, dict[str, Any]] = {}
         try:
             for msg in read_to_end(reader, self.removals_topic):
-                if msg.key() == key:
-                    try:
-                        latest = self._codec.decode_as("RemovalRecord", msg.value())
-                    except CodecError:
-                        continue
+                try:
+                    latest[int(msg.key() or b"")] = self._codec.decode_as("RemovalRecord", msg.value())
+                except (CodecError, ValueError):
+                    continue
         finally:
             reader.close()
         return latest
@@ -290,7 +301,8 @@ class GatewaySenderService(QueuePrimary):
             record["signature"] = sign(self._codec, self._signing_key, record)
         inbound_partition = partition_for_key(key.encode(), self._remote_partitions())
         errors: list[Any] = []
-        self._remote_producer.produce(self.remote_inbound, self._codec.encode("GatewayBatch", record),
+        # Built from typed events: encoded without the validation pass.
+        self._remote_producer.produce(self.remote_inbound, self._codec.encode("GatewayBatch", record, validate=False),
                                       key.encode(), partition=inbound_partition,
                                       on_delivery=lambda err, _m: errors.append(err))
         if self._remote_producer.flush(self.cfg.kafka.delivery_timeout_ms / 1000) or errors != [None]:
@@ -309,10 +321,15 @@ class GatewaySenderService(QueuePrimary):
         partition = part.tp.partition
         end = time.monotonic() + self.ack_timeout_s
         while not waiter.event.wait(0.2):
-            if time.monotonic() > end or self._stopping.is_set() or part.revoked \
-                    or self.desired is not DesiredState.RUNNING:
+            if time.monotonic() > end:
                 log.warning("sender %s[%d]: no ack for batch %d in %.1fs; it will be sent again",
-                            self.queue_id, partition, batch.batch_id, time.monotonic() - end + self.ack_timeout_s)
+                            self.queue_id, partition, batch.batch_id, self.ack_timeout_s)
+                return False
+            if self._stopping.is_set() or part.revoked or self.desired is not DesiredState.RUNNING:
+                why = "stopping" if self._stopping.is_set() else "partition revoked" if part.revoked \
+                    else self.desired.value.lower()
+                log.info("sender %s[%d]: %s while batch %d waits for its ack; it stays queued", self.queue_id,
+                         partition, why, batch.batch_id)
                 return False
         ack = waiter.ack
         assert ack is not None
