@@ -155,7 +155,7 @@ class QueuePrimary:
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._stopping = threading.Event()
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=settings.dispatcher_threads, thread_name_prefix=f"{self.kind}-{queue_id}"
+            max_workers=self.worker_threads(), thread_name_prefix=f"{self.kind}-{queue_id}"
         )
         self._consumer: Consumer | None = None
         self._producer: Any = None
@@ -184,6 +184,10 @@ class QueuePrimary:
     def max_in_flight(self) -> int:
         """How many batches of a partition may be out at once."""
         return 1
+
+    def worker_threads(self) -> int:
+        """The threads that deliver batches (one partition at a time each)."""
+        return int(self.queue.dispatcher_threads)
 
     def accepts(self, event: EntryEvent) -> bool:
         """False leaves the event out of the batches (it is still removed with them)."""
@@ -465,9 +469,9 @@ class QueuePrimary:
             self.stats["events"] += len(batch.events)
             self.stats["conflated"] += batch.conflated
             self._write_removal(part, batch, commit)
-        if 0 < done.accepted < len(done.batches):
-            part.batcher.rejected()  # the rest go again, after the accepted ones' removals
-        # None accepted: parked, offered again when dispatch may go on.
+        # The rest stay out and are offered again, after the accepted ones'
+        # removals (a sender still awaits their acks); none accepted: parked,
+        # offered again when dispatch may go on.
 
     def _write_removal(self, part: QueuePartition, batch: Batch[AsyncEvent], commit: int) -> None:
         last = batch.events[-1].event_id.to_record() if batch.events else None

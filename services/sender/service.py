@@ -69,11 +69,14 @@ __all__ = ["DesiredState", "GatewaySenderService", "ServiceState"]
 EPOCH_SHIFT = 32
 
 
-class _Waiter:
-    __slots__ = ("event", "ack")
+class _InFlight:
+    """A batch written to the remote inbound topic and waiting for its ack."""
+
+    __slots__ = ("sent", "written_at", "ack")
 
     def __init__(self) -> None:
-        self.event = threading.Event()
+        self.sent: list[AsyncEvent] | None = None  # what it carried (after before_transmit); None until written
+        self.written_at = 0.0
         self.ack: dict[str, Any] | None = None
 
 
@@ -107,8 +110,9 @@ class GatewaySenderService(QueuePrimary):
         self._remote_producer: Any = None
         self._ack_reader: Any = None
         self._ack_thread: threading.Thread | None = None
-        self._waiters: dict[tuple[int, int], _Waiter] = {}
-        self._waiters_lock = threading.Lock()
+        # (queue partition, batch id) -> the batch written and waiting for its ack.
+        self._in_flight: dict[tuple[int, int], _InFlight] = {}
+        self._acked = threading.Condition()
         self._inbound_partitions = 0
         self._removals: dict[int, dict[str, Any]] = {}
         self._removals_read_at: float | None = None
@@ -135,6 +139,15 @@ class GatewaySenderService(QueuePrimary):
                                                         "fetch.wait.max.ms": 20})
         self._ack_thread = threading.Thread(target=self._read_acks, name=f"acks-{self.queue_id}", daemon=True)
         self._ack_thread.start()
+
+    def _inbound_partition(self, partition: int) -> int:
+        """Where the batches of a queue partition go in the remote inbound topic:
+        always the same one (the receiver applies a partition's batches in
+        order), and this sender's partitions side by side from a place of
+        their own, so that up to ``inbound_partitions`` of them are applied at
+        once rather than sharing partitions where their keys hash alike."""
+        n = self._remote_partitions()
+        return (partition_for_key(f"{self.cfg.dsid}/{self.queue_id}".encode(), n) + partition) % n
 
     def _remote_partitions(self) -> int:
         """The remote inbound topic's partition count (asked again until the remote answers)."""
@@ -181,11 +194,11 @@ class GatewaySenderService(QueuePrimary):
                     continue
                 if ack["sender_id"] != self.queue_id or ack["source_dsid"] != self.cfg.dsid:
                     continue
-                with self._waiters_lock:
-                    waiter = self._waiters.get((ack["queue_partition"], ack["batch_id"]))
-                if waiter is not None:
-                    waiter.ack = ack
-                    waiter.event.set()
+                with self._acked:
+                    entry = self._in_flight.get((ack["queue_partition"], ack["batch_id"]))
+                    if entry is not None:
+                        entry.ack = ack
+                        self._acked.notify_all()
         reader.close()
 
     # --- what crosses ---------------------------------------------------------------------
@@ -243,39 +256,60 @@ class GatewaySenderService(QueuePrimary):
     def max_in_flight(self) -> int:
         return self.queue.max_batches_in_flight
 
+    def worker_threads(self) -> int:
+        """Waiting for acks is not dispatching (Geode reads acks on a thread of
+        its own): every queue partition may wait at once, besides the
+        dispatcher_threads that write."""
+        partitions = next(q.partitions for q in self.cfg.all_attached_queues() if q.id == self.queue_id)
+        return max(self.queue.dispatcher_threads, partitions)
+
     def deliver_group(self, part: QueuePartition, batches: list[Batch[AsyncEvent]]) -> int:
-        """Write the batches to the remote inbound topic, each durable before the
-        next is written (so the receiver sees them in order and an ack of one
-        means every earlier one was handled), then take their acks in order.
-        Returns how many, from the oldest, were acknowledged."""
+        """Write the batches not yet written to the remote inbound topic, each
+        durable before the next (so the receiver sees them in order and an ack
+        of one means every earlier one was handled); wait for the oldest one's
+        ack, and take the acks already there of those after it.  Returns how
+        many, from the oldest, were acknowledged: the others stay written and
+        awaited, and the next call adds new batches behind them (a sliding
+        window of ``max_batches_in_flight``)."""
         partition = part.tp.partition
-        waiters = {b.batch_id: _Waiter() for b in batches}
-        with self._waiters_lock:
-            self._waiters.update({(partition, i): w for i, w in waiters.items()})
         try:
-            sent: list[list[AsyncEvent]] = []  # what each written batch carried
             for batch in batches:
-                events = self._write(part, batch) if batch.events else []
-                if events is None:
-                    break
-                sent.append(events)
+                if batch.events and (partition, batch.batch_id) not in self._in_flight:
+                    if not self._write(part, batch):
+                        break
             acknowledged = 0
-            for batch, events in zip(batches, sent):
-                if batch.events and not self._await_ack(part, batch, events, waiters[batch.batch_id]):
+            waited = False
+            for batch in batches:
+                if not batch.events:
+                    acknowledged += 1
+                    continue
+                entry = self._in_flight.get((partition, batch.batch_id))
+                if entry is None:
+                    break  # not written
+                if not waited:
+                    waited = True
+                    if not self._await_ack(part, batch, entry):
+                        self._forget(partition, batches)
+                        return 0
+                elif entry.ack is None:
                     break
+                self._take_ack(partition, batch, entry)
                 acknowledged += 1
             return acknowledged
         except SluiceError as exc:
             log.warning("sender %s[%d]: %s; retrying", self.queue_id, partition, exc)
+            self._forget(partition, batches)
             return 0
-        finally:
-            with self._waiters_lock:
-                for batch_id in waiters:
-                    self._waiters.pop((partition, batch_id), None)
 
-    def _write(self, part: QueuePartition, batch: Batch[AsyncEvent]) -> list[AsyncEvent] | None:
-        """One GatewayBatch into the remote inbound topic, durably: the events
-        it carries (before_transmit may leave some out), or None."""
+    def _forget(self, partition: int, batches: list[Batch[AsyncEvent]]) -> None:
+        """The batches will be written again (possibleDuplicate), not awaited as they are."""
+        with self._acked:
+            for batch in batches:
+                self._in_flight.pop((partition, batch.batch_id), None)
+
+    def _write(self, part: QueuePartition, batch: Batch[AsyncEvent]) -> bool:
+        """One GatewayBatch into the remote inbound topic, durably, registered
+        as in flight (before it is written, so its ack cannot be missed)."""
         partition = part.tp.partition
         resend = batch.redeliveries > 0 or (partition, batch.batch_id) in self._sent
         key = f"{self.cfg.dsid}/{self.queue_id}/{partition}"
@@ -299,7 +333,10 @@ class GatewaySenderService(QueuePrimary):
         }
         if self._signing_key is not None:
             record["signature"] = sign(self._codec, self._signing_key, record)
-        inbound_partition = partition_for_key(key.encode(), self._remote_partitions())
+        inbound_partition = self._inbound_partition(partition)
+        entry = _InFlight()
+        with self._acked:
+            self._in_flight[(partition, batch.batch_id)] = entry
         errors: list[Any] = []
         # Built from typed events: encoded without the validation pass.
         self._remote_producer.produce(self.remote_inbound, self._codec.encode("GatewayBatch", record, validate=False),
@@ -308,38 +345,48 @@ class GatewaySenderService(QueuePrimary):
         if self._remote_producer.flush(self.cfg.kafka.delivery_timeout_ms / 1000) or errors != [None]:
             log.warning("sender %s[%d]: batch %d not written to dsid %d (%s)", self.queue_id, partition,
                         batch.batch_id, self.remote_dsid, errors)
-            return None
+            with self._acked:
+                self._in_flight.pop((partition, batch.batch_id), None)
+            return False
+        entry.sent = events
+        entry.written_at = time.monotonic()
         self._sent.add((partition, batch.batch_id))
         self.stats["batches_sent"] += 1
         if resend:
             self.stats["resends"] += 1
-        return events
+        return True
 
-    def _await_ack(self, part: QueuePartition, batch: Batch[AsyncEvent], sent: list[AsyncEvent],
-                   waiter: _Waiter) -> bool:
-        """The batch's ack, within socket_read_timeout_ms of the previous one."""
+    def _await_ack(self, part: QueuePartition, batch: Batch[AsyncEvent], entry: _InFlight) -> bool:
+        """Wait for the batch's ack, up to socket_read_timeout_ms after it was written."""
         partition = part.tp.partition
-        end = time.monotonic() + self.ack_timeout_s
-        while not waiter.event.wait(0.2):
-            if time.monotonic() > end:
-                log.warning("sender %s[%d]: no ack for batch %d in %.1fs; it will be sent again",
-                            self.queue_id, partition, batch.batch_id, self.ack_timeout_s)
-                return False
-            if self._stopping.is_set() or part.revoked or self.desired is not DesiredState.RUNNING:
-                why = "stopping" if self._stopping.is_set() else "partition revoked" if part.revoked \
-                    else self.desired.value.lower()
-                log.info("sender %s[%d]: %s while batch %d waits for its ack; it stays queued", self.queue_id,
-                         partition, why, batch.batch_id)
-                return False
-        ack = waiter.ack
-        assert ack is not None
+        end = entry.written_at + self.ack_timeout_s
+        with self._acked:
+            while entry.ack is None:
+                if time.monotonic() > end:
+                    log.warning("sender %s[%d]: no ack for batch %d in %.1fs; it will be sent again",
+                                self.queue_id, partition, batch.batch_id, self.ack_timeout_s)
+                    return False
+                if self._stopping.is_set() or part.revoked or self.desired is not DesiredState.RUNNING:
+                    why = "stopping" if self._stopping.is_set() else "partition revoked" if part.revoked \
+                        else self.desired.value.lower()
+                    log.info("sender %s[%d]: %s while batch %d waits for its ack; it stays queued", self.queue_id,
+                             partition, why, batch.batch_id)
+                    return False
+                self._acked.wait(0.2)
+        return True
+
+    def _take_ack(self, partition: int, batch: Batch[AsyncEvent], entry: _InFlight) -> None:
+        """The batch is acknowledged: dead-letter what the remote refused, tell the filters."""
+        ack, sent = entry.ack, entry.sent
+        assert ack is not None and sent is not None
         self.stats["acks"] += 1
         if ack["exceptions"]:
             self._dead_letter_exceptions(sent, ack)
+        with self._acked:
+            self._in_flight.pop((partition, batch.batch_id), None)
         self._sent.discard((partition, batch.batch_id))
         if self._filters.after_ack:
             self._filters.acknowledged(sent)
-        return True
 
     def _outgoing(self, e: AsyncEvent, resend: bool) -> dict[str, Any]:
         record = e.event.to_record()
