@@ -519,8 +519,40 @@ def run_raw_mirror(bootstrap_a: str, bootstrap_b: str, topic: str, target_topic:
         sink.close()
 
 
-class RawMirrorProcess:
-    """The raw mirror as a child process (``run_raw_mirror``); stopped with SIGTERM."""
+class _Child:
+    """A child process of the benchmark with a log file: its pid, log tail, and a SIGTERM stop."""
+
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    _log: Any
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self) -> int | None:
+        """SIGTERM, SIGKILL after 30 s; its exit status.  Idempotent."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self._log.close()
+        return self.proc.returncode
+
+
+class RawMirrorProcess(_Child):
+    """The raw mirror as a child process (``run_raw_mirror``); SIGTERM makes it flush and check its deliveries."""
 
     def __init__(self, bootstrap_a: str, bootstrap_b: str, topic: str, target_topic: str, log_path: Path) -> None:
         self.log_path = log_path
@@ -535,29 +567,6 @@ class RawMirrorProcess:
         if not line.startswith("raw mirror ready"):
             self.stop()
             raise RuntimeError(f"the raw mirror did not start (exit {self.proc.poll()}): {self.log_tail()}")
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def log_tail(self, chars: int = 2000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    def stop(self) -> int | None:
-        """SIGTERM (it flushes and checks its deliveries), SIGKILL after 30 s; its exit status.  Idempotent."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        self._log.close()
         return self.proc.returncode
 
 
@@ -658,7 +667,7 @@ def mm2_properties(bootstrap_a: str, bootstrap_b: str, topic: str) -> dict[str, 
     }
 
 
-class MirrorMakerProcess:
+class MirrorMakerProcess(_Child):
     """``org.apache.kafka.connect.mirror.MirrorMaker mm2.properties`` in a JVM of its own."""
 
     def __init__(self, libs: Path, properties: dict[str, str], workdir: Path) -> None:
@@ -677,26 +686,6 @@ class MirrorMakerProcess:
         self.started = time.monotonic()
         self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True, preexec_fn=die_with_parent)  # noqa: PLW1509
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def log_tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self._log.close()
 
 
 # --- helpers ----------------------------------------------------------------------------------
