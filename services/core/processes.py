@@ -146,13 +146,13 @@ class ServiceProcess:
 
 
 class RegionProcess(ServiceProcess):
-    """``sluice region -c FILE --port 0``; ``url`` is where it listens."""
+    """``sluice region -c FILE --port N`` (any free port by default); ``url`` is where it listens."""
 
     banner = "region service "
 
-    def __init__(self, config_path: Path, log_path: Path, **kwargs: Any) -> None:
+    def __init__(self, config_path: Path, log_path: Path, *, port: int = 0, **kwargs: Any) -> None:
         self.config_path = config_path
-        super().__init__(["region", "-c", str(config_path), "--port", "0"], log_path, **kwargs)
+        super().__init__(["region", "-c", str(config_path), "--port", str(port)], log_path, **kwargs)
         self.url = self.announcement.split(" on ", 1)[1].split(" ", 1)[0]
 
     def wait_ready(self, timeout_s: float = 60.0) -> float:

@@ -203,6 +203,9 @@ class QueuePrimary:
     def release(self) -> None:
         """At shutdown, after the last delivery."""
 
+    def partitions_released(self, partitions: list[int]) -> None:
+        """These partitions were revoked or lost: forget what was kept for them."""
+
     def alert_threshold_ms(self) -> int:
         """Alert when the oldest event waiting in a partition is older than this (0: never)."""
         return 0
@@ -588,6 +591,7 @@ class QueuePrimary:
                 log.warning("committing on revoke: %s", exc)
         for part in revoked:
             self._partitions.pop(part.tp.partition, None)
+        self.partitions_released([p.tp.partition for p in revoked])
         log.info("queue %s: revoked partitions %s", self.queue_id, sorted(p.tp.partition for p in revoked))
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -595,6 +599,7 @@ class QueuePrimary:
             part = self._partitions.pop(tp.partition, None)
             if part is not None:
                 part.revoked = True
+        self.partitions_released([tp.partition for tp in partitions])
         log.warning("queue %s: lost partitions %s", self.queue_id, sorted(tp.partition for tp in partitions))
 
     # --- memory bound and status -----------------------------------------------------------

@@ -418,6 +418,16 @@ class ReceiverService:
                 return answer
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _configured_region_url(self) -> list[str]:
+        """When the group lists no members (a broker that describes groups
+        without them, such as Tansu 0.6), the site file's region-service
+        address: ``advertised_url`` (e.g. a Kubernetes Service in front of
+        every instance), else ``host:port`` when the port is fixed."""
+        rs = self.cfg.region_service
+        if rs.advertised_url:
+            return [rs.advertised_url]
+        return [f"http://{rs.host}:{rs.port}"] if rs.port else []
+
     def _forget_region_client(self, why: str) -> None:
         """After a failure the region-service instances are looked up again (one may have moved)."""
         log.warning("%s", why)
@@ -428,7 +438,7 @@ class ReceiverService:
     def _region_client(self) -> RegionClient:
         with self._client_lock:
             if self._client is None:
-                urls = region_service_urls(self._admin, self.region_group)
+                urls = region_service_urls(self._admin, self.region_group) or self._configured_region_url()
                 if not urls:
                     raise _NoRegionService("no region-service instance is running at this site")
                 self._client = RegionClient(urls, retry_for_s=30)

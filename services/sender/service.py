@@ -116,7 +116,7 @@ class GatewaySenderService(QueuePrimary):
         self._inbound_partitions = 0
         self._removals: dict[int, dict[str, Any]] = {}
         self._removals_read_at: float | None = None
-        self._sent: set[tuple[int, int]] = set()  # batches sent at least once and not yet acknowledged
+        self._sent: set[tuple[int, int]] = set()  # batches sent at least once and not yet acknowledged (guarded by _acked)
         self.stats.update({"batches_sent": 0, "resends": 0, "acks": 0, "event_exceptions": 0,
                            "filtered_at_transmit": 0})
         self._filters = SenderFilters(sender)
@@ -301,6 +301,14 @@ class GatewaySenderService(QueuePrimary):
             self._forget(partition, batches)
             return 0
 
+    def partitions_released(self, partitions: list[int]) -> None:
+        """A new primary sends their batches again (with new ids): nothing of theirs is awaited here."""
+        released = set(partitions)
+        with self._acked:
+            for key in [k for k in self._in_flight if k[0] in released]:
+                del self._in_flight[key]
+            self._sent.difference_update([k for k in self._sent if k[0] in released])
+
     def _forget(self, partition: int, batches: list[Batch[AsyncEvent]]) -> None:
         """The batches will be written again (possibleDuplicate), not awaited as they are."""
         with self._acked:
@@ -350,7 +358,8 @@ class GatewaySenderService(QueuePrimary):
             return False
         entry.sent = events
         entry.written_at = time.monotonic()
-        self._sent.add((partition, batch.batch_id))
+        with self._acked:
+            self._sent.add((partition, batch.batch_id))
         self.stats["batches_sent"] += 1
         if resend:
             self.stats["resends"] += 1
@@ -384,7 +393,7 @@ class GatewaySenderService(QueuePrimary):
             self._dead_letter_exceptions(sent, ack)
         with self._acked:
             self._in_flight.pop((partition, batch.batch_id), None)
-        self._sent.discard((partition, batch.batch_id))
+            self._sent.discard((partition, batch.batch_id))
         if self._filters.after_ack:
             self._filters.acknowledged(sent)
 
