@@ -27,6 +27,7 @@ events = st.builds(
     possible_duplicate=st.booleans(),
     visited_dsids=st.lists(INT32, max_size=5).map(tuple),
     value_encoding=st.sampled_from(["json", "raw"]),
+    transaction=st.none() | st.tuples(st.text(max_size=20), st.booleans()),
 )
 
 
