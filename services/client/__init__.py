@@ -1,4 +1,5 @@
-"""Client libraries: ``RegionClient`` for the region service's HTTP API."""
+"""Client libraries: ``RegionClient`` for the region service's HTTP API; ``interest`` and ``cache``,
+the client side of subscriptions (interest matching, register-interest load rules, repeat tracking)."""
 
 from .region import RegionClient, RegionError
 

@@ -1,0 +1,133 @@
+"""A client's interest in a region's keys (Geode's registerInterest), and what it receives.
+
+A registration names keys (one key, a list of keys, ``ALL_KEYS``, or a
+regular expression matched against the whole key), whether it is durable,
+and whether the client receives values (``receive_values=True``: the new
+value of each update) or only invalidates of the entries it holds
+(``False``).  A client's interest in a region is the union of its
+registrations; a key may be of interest before it exists.  When a key
+matches registrations of both kinds, values win.
+
+The ``result_policy`` of a registration decides its initial load from the
+region's current state: ``KEYS_VALUES`` (keys and values, the default),
+``KEYS`` (keys only: invalid entries) or ``NONE``.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+
+from ..core.errors import InvalidRequest
+
+ALL_KEYS = "ALL_KEYS"
+
+
+class ResultPolicy(str, enum.Enum):
+    KEYS_VALUES = "KEYS_VALUES"
+    KEYS = "KEYS"
+    NONE = "NONE"
+
+
+class Delivery(str, enum.Enum):
+    """What a matching update brings the client."""
+
+    VALUES = "values"
+    INVALIDATES = "invalidates"
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """One registerInterest call: keys (a tuple), ALL_KEYS, or a regex."""
+
+    keys: tuple[str, ...] = ()
+    all_keys: bool = False
+    regex: str | None = None
+    durable: bool = False
+    receive_values: bool = True
+    result_policy: ResultPolicy = ResultPolicy.KEYS_VALUES
+
+    @classmethod
+    def of_keys(cls, keys: str | list[str] | tuple[str, ...], **options: object) -> Registration:
+        """``register_interest(key | [keys] | ALL_KEYS, ...)``."""
+        if keys == ALL_KEYS:
+            return cls(all_keys=True, **options)  # type: ignore[arg-type]
+        listed = (keys,) if isinstance(keys, str) else tuple(keys)
+        if not listed or not all(isinstance(k, str) and k for k in listed):
+            raise InvalidRequest("keys", keys, "a key, a non-empty list of non-empty keys, or ALL_KEYS")
+        return cls(keys=listed, **options)  # type: ignore[arg-type]
+
+    @classmethod
+    def of_regex(cls, pattern: str, **options: object) -> Registration:
+        """``register_interest_regex(pattern, ...)``: the whole key must match."""
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise InvalidRequest("regex", pattern, f"not a regular expression: {exc}") from None
+        return cls(regex=pattern, **options)  # type: ignore[arg-type]
+
+
+@dataclass(slots=True)
+class _Kind:
+    """The keys, ALL_KEYS flag and regexes of registrations that share a delivery and durability."""
+
+    keys: set[str] = field(default_factory=set)
+    all_keys: bool = False
+    regexes: dict[str, re.Pattern[str]] = field(default_factory=dict)
+
+    def matches(self, key: str) -> bool:
+        return self.all_keys or key in self.keys or any(p.fullmatch(key) for p in self.regexes.values())
+
+    def add(self, r: Registration) -> None:
+        self.keys.update(r.keys)
+        self.all_keys = self.all_keys or r.all_keys
+        if r.regex is not None:
+            self.regexes[r.regex] = re.compile(r.regex)
+
+    def remove(self, r: Registration) -> None:
+        self.keys.difference_update(r.keys)
+        if r.all_keys:
+            self.all_keys = False
+        if r.regex is not None:
+            self.regexes.pop(r.regex, None)
+
+    def empty(self) -> bool:
+        return not (self.keys or self.all_keys or self.regexes)
+
+
+class RegionInterest:
+    """The union of one client's registrations on one region."""
+
+    def __init__(self) -> None:
+        # (receive_values, durable) -> what was registered so
+        self._kinds: dict[tuple[bool, bool], _Kind] = {}
+
+    def register(self, r: Registration) -> None:
+        self._kinds.setdefault((r.receive_values, r.durable), _Kind()).add(r)
+
+    def unregister(self, r: Registration) -> None:
+        """Geode's unregisterInterest: the keys, ALL_KEYS or the regex, whatever options they came with."""
+        for kind in self._kinds.values():
+            kind.remove(r)
+        self._kinds = {k: v for k, v in self._kinds.items() if not v.empty()}
+
+    def drop_non_durable(self) -> None:
+        """A durable client disconnected: only its durable interest is kept."""
+        self._kinds = {k: v for k, v in self._kinds.items() if k[1]}
+
+    def delivery(self, key: str) -> Delivery | None:
+        """What an update of ``key`` brings this client, or None when it is of no interest."""
+        invalidates = False
+        for (values, _durable), kind in self._kinds.items():
+            if kind.matches(key):
+                if values:
+                    return Delivery.VALUES
+                invalidates = True
+        return Delivery.INVALIDATES if invalidates else None
+
+    def empty(self) -> bool:
+        return not self._kinds
+
+
+__all__ = ["ALL_KEYS", "Delivery", "Registration", "RegionInterest", "ResultPolicy"]
