@@ -8,8 +8,9 @@ from hypothesis import strategies as st
 
 from sluice.client.cache import EventTracker, RegionCache
 from sluice.client.interest import ALL_KEYS, Delivery, RegionInterest, Registration, ResultPolicy
+from sluice.client.messages import ClientEvent, MessageProcessor
 from sluice.core.errors import InvalidRequest
-from sluice.core.events import EventID
+from sluice.core.events import EventID, Operation
 
 
 def test_interest_is_the_union_of_registrations_and_values_win_over_invalidates() -> None:
@@ -120,3 +121,60 @@ def test_replaying_any_suffix_of_a_per_key_ordered_stream_is_all_repeats(events,
         assert not tracker.is_repeat(EventID("m", thread, seq), key, 0)
     cut = rng.randint(0, len(stream))
     assert all(tracker.is_repeat(EventID("m", t, s), k, 0) for k, t, s in stream[cut:])
+
+
+# --- the message stream -------------------------------------------------------------------
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+
+    def __getattr__(self, name: str):
+        if not name.startswith("after_"):
+            raise AttributeError(name)
+        return lambda arg: self.calls.append((name, getattr(arg, "key", arg), getattr(arg, "replayed", None)))
+
+
+def _event(key: str | None, op: Operation, value: object, seq: int, delivery: Delivery = Delivery.VALUES,
+           thread: int = 1) -> ClientEvent:
+    return ClientEvent("orders", key, op, value, EventID("writer", thread, seq), delivery)
+
+
+def test_before_the_marker_events_are_replayed_not_applied_then_applied_after_it() -> None:
+    """A durable client's queued events reach its listeners marked replayed and leave the cache alone; at the
+    marker after_region_live fires; then the cache follows the stream; repeats are dropped all along."""
+    cache, listener = RegionCache("orders"), Recorder()
+    proc = MessageProcessor({"orders": cache}, EventTracker(900_000), {"orders": [listener]})
+    proc.on_event(_event("a", Operation.CREATE, 1, 1), 0)
+    proc.on_event(_event("a", Operation.UPDATE, 2, 2), 0)
+    assert len(cache) == 0 and [c[2] for c in listener.calls] == [True, True]
+    proc.on_marker()
+    assert listener.calls[-1] == ("after_region_live", "orders", None)
+    assert not proc.on_event(_event("a", Operation.UPDATE, 2, 2), 0), "a repeat after the marker"
+    proc.on_event(_event("a", Operation.UPDATE, 3, 3), 0)
+    proc.on_event(_event("b", Operation.UPDATE, 9, 4), 0)
+    assert cache.get("a") == 3 and cache.get("b") == 9
+    assert listener.calls[-2:] == [("after_create", "a", False), ("after_create", "b", False)], \
+        "an update of a key the client does not hold creates it locally"
+    proc.on_event(_event("a", Operation.UPDATE, 4, 5, delivery=Delivery.INVALIDATES), 0)
+    assert cache.contains_key("a") and cache.get("a") is None
+    assert not proc.on_event(_event("zz", Operation.UPDATE, 1, 6, delivery=Delivery.INVALIDATES), 0), \
+        "an invalidate of an entry the client does not hold does nothing"
+    proc.on_event(_event("b", Operation.DESTROY, None, 7), 0)
+    proc.on_event(_event(None, Operation.REGION_CLEAR, None, 8), 0)
+    assert len(cache) == 0
+    assert [c[0] for c in listener.calls[-3:]] == ["after_invalidate", "after_destroy", "after_region_clear"]
+    assert proc.stats == {"applied": 5, "replayed": 2, "repeats": 1, "ignored": 1}
+
+
+def test_a_listener_that_raises_does_not_stop_the_stream() -> None:
+    class Broken:
+        def after_create(self, event: ClientEvent) -> None:
+            raise RuntimeError("listener bug")
+
+    cache, good = RegionCache("orders"), Recorder()
+    proc = MessageProcessor({"orders": cache}, EventTracker(900_000), {"orders": [Broken(), good]})
+    proc.on_marker()
+    assert proc.on_event(_event("a", Operation.CREATE, 1, 1), 0)
+    assert cache.get("a") == 1 and good.calls[-1] == ("after_create", "a", False)

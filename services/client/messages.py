@@ -1,0 +1,135 @@
+"""What a client does with each subscription message: repeats, replay up to the marker, cache, listeners.
+
+The story of one message:
+
+1. A repeat (``cache.EventTracker``: at or below the highest sequence seen
+   for its writer thread and key) is discarded and counted.
+2. Before the marker (``ready_for_events`` places it; a client's first start
+   too), a message is *replayed*: its listeners see it with
+   ``replayed=True`` and the cache is left as it is.  At the marker each
+   region's listeners get ``after_region_live`` and normal processing starts.
+3. Afterwards the message is applied to the local cache and its listeners
+   called: values put (``after_create`` when the client did not hold the
+   key, else ``after_update``), invalidates invalidate an entry the client
+   holds (``after_invalidate``; nothing when it holds none), destroys destroy
+   (``after_destroy``), a region clear empties the region
+   (``after_region_clear``), a region destroy empties it and ends its
+   subscription (``after_region_destroy``).
+
+A listener is any object with some of those methods; one that raises is
+logged and the others still run: a listener's bug never stops the stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from ..core.events import CREATES, DESTROYS, EventID, Operation
+from .cache import EventTracker, RegionCache
+from .interest import Delivery
+
+log = logging.getLogger("sluice.client")
+
+
+@dataclass(frozen=True, slots=True)
+class ClientEvent:
+    """What a client's listener sees."""
+
+    region: str
+    key: str | None  # None for region operations
+    operation: Operation
+    new_value: Any
+    event_id: EventID
+    delivery: Delivery
+    replayed: bool = False  # before the marker: shown, not applied
+    possible_duplicate: bool = False
+    callback_argument: str | None = None
+
+
+class MessageProcessor:
+    """One client's handling of its subscription stream."""
+
+    def __init__(self, caches: dict[str, RegionCache], tracker: EventTracker,
+                 listeners: dict[str, list[Any]] | None = None) -> None:
+        self.caches = caches
+        self.tracker = tracker
+        self.listeners = listeners or {}
+        self.live = False
+        self.stats = {"applied": 0, "replayed": 0, "repeats": 0, "ignored": 0}
+
+    def on_event(self, event: ClientEvent, now_ms: int) -> bool:
+        """Steps 1–3 for one event; True when it reached the listeners."""
+        if event.key is not None and self.tracker.is_repeat(event.event_id, event.key, now_ms):
+            self.stats["repeats"] += 1
+            return False
+        cache = self.caches.get(event.region)
+        if cache is None:
+            self.stats["ignored"] += 1
+            return False
+        if not self.live:
+            self.stats["replayed"] += 1
+            replayed = dataclasses.replace(event, replayed=True)
+            self._call(event.region, self._callback_for(event, held=event.operation not in CREATES), replayed)
+            return True
+        callback = self._apply(cache, event)
+        if callback is None:
+            self.stats["ignored"] += 1
+            return False
+        self.stats["applied"] += 1
+        self._call(event.region, callback, event)
+        return True
+
+    def on_marker(self) -> None:
+        """The marker: what came before was replay; now the cache follows the stream."""
+        self.live = True
+        for region in self.caches:
+            self._call(region, "after_region_live", region)
+
+    # --- applying -------------------------------------------------------------------------
+
+    def _apply(self, cache: RegionCache, event: ClientEvent) -> str | None:
+        op = event.operation
+        if op is Operation.REGION_CLEAR:
+            cache.clear()
+            return "after_region_clear"
+        if op is Operation.REGION_DESTROY:
+            cache.clear()
+            return "after_region_destroy"
+        assert event.key is not None
+        if op in DESTROYS:
+            cache.destroy(event.key)
+            return "after_destroy"
+        if event.delivery is Delivery.INVALIDATES or op in (Operation.INVALIDATE, Operation.EXPIRE_INVALIDATE):
+            return "after_invalidate" if cache.invalidate(event.key) else None
+        held = cache.contains_key(event.key)
+        cache.put(event.key, event.new_value)
+        return "after_update" if held else "after_create"
+
+    @staticmethod
+    def _callback_for(event: ClientEvent, held: bool) -> str:
+        op = event.operation
+        if op is Operation.REGION_CLEAR:
+            return "after_region_clear"
+        if op is Operation.REGION_DESTROY:
+            return "after_region_destroy"
+        if op in DESTROYS:
+            return "after_destroy"
+        if event.delivery is Delivery.INVALIDATES or op in (Operation.INVALIDATE, Operation.EXPIRE_INVALIDATE):
+            return "after_invalidate"
+        return "after_update" if held else "after_create"
+
+    def _call(self, region: str, name: str, arg: Any) -> None:
+        for listener in self.listeners.get(region, ()):
+            method = getattr(listener, name, None)
+            if method is None:
+                continue
+            try:
+                method(arg)
+            except Exception:
+                log.exception("listener %s.%s raised on %s", type(listener).__name__, name, arg)
+
+
+__all__ = ["ClientEvent", "MessageProcessor"]
