@@ -86,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
                 kind_of(cfg, queue_id)
             rows = [row for queue_id in queues for row in queue_status(cfg, queue_id)]
             print_status(console, cfg, rows)
+            if cfg.receiver is not None and not args.queue:
+                print_receivers(console, cfg, receiver_status(cfg))
             return 0
         if not args.queue:
             print(f"sluice admin {args.command}: name the queue", file=sys.stderr)
@@ -195,6 +197,41 @@ def queue_status(cfg: SiteConfig, queue_id: str) -> list[PartitionStatus]:
         raise translate(exc, f"reading the status of {queue_id}") from exc
     finally:
         consumer.close()
+
+
+def receiver_status(cfg: SiteConfig) -> list[dict[str, Any]]:
+    """What each gateway receiver of the site last reported, with ``age_s``, newest first."""
+    codec = get_codec()
+    consumer = make_consumer(cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 50})
+    now_ms = int(time.time() * 1000)
+    try:
+        reports = []
+        for key, value in _read_compacted(consumer, cfg.topics.status()).items():
+            if key.startswith(b"receiver/"):
+                try:
+                    report = codec.decode_as("ReceiverStatus", value)
+                except CodecError:
+                    continue
+                reports.append({**report, "age_s": (now_ms - report["updated_at"]) / 1000})
+        return sorted(reports, key=lambda r: r["age_s"])
+    except KafkaException as exc:
+        raise translate(exc, "reading the receivers' status") from exc
+    finally:
+        consumer.close()
+
+
+def print_receivers(console: Console, cfg: SiteConfig, reports: list[dict[str, Any]]) -> None:
+    table = Table(title=f"gateway receivers of site {cfg.site} (dsid {cfg.dsid}); "
+                        f"accepted dsids {sorted(cfg.receiver.accepted_dsids) if cfg.receiver else []}")
+    for col in ("receiver", "state", "partitions", "batches", "duplicate batches", "rejected", "bad signatures",
+                "events applied", "repeats discarded", "conflicts lost", "refused events"):
+        table.add_column(col, justify="left" if col in ("receiver", "state", "partitions") else "right")
+    for r in reports:
+        state = "running" if r["age_s"] < 30 else f"no report for {r['age_s']:.0f}s"
+        table.add_row(r["member"], state, ",".join(map(str, r["partitions"])) or "—", str(r["batches"]),
+                      str(r["duplicate_batches"]), str(r["rejected_batches"]), str(r["bad_signatures"]),
+                      str(r["events_applied"]), str(r["events_duplicate"]), str(r["conflicts"]), str(r["exceptions"]))
+    console.print(table)
 
 
 def print_status(console: Console, cfg: SiteConfig, rows: list[PartitionStatus]) -> None:

@@ -55,6 +55,7 @@ SCHEMA_ORDER = (
     "DeadLetter",
     "ControlRecord",
     "QueueStatus",
+    "ReceiverStatus",
 )
 
 

@@ -234,7 +234,7 @@ def plan_topics(cfg: SiteConfig) -> list[TopicSpec]:
         )
     )
     for name, purpose in ((names.control(), "desired state of each queue, set by sluice admin"),
-                          (names.status(), "per-partition status reported by queue primaries")):
+                          (names.status(), "status reported by queue primaries (per partition) and gateway receivers")):
         specs.append(TopicSpec(name=name, partitions=1, compacted=True, config=_compacted(), purpose=purpose))
     return specs
 

@@ -139,6 +139,7 @@ class _Lane:
 class ReceiverService:
     """One gateway-receiver instance of a site."""
 
+    status_interval_s = 2.0
     #: A lane this many batches behind pauses its partition; it resumes below LANE_RESUME.
     LANE_DEPTH = 8
     LANE_RESUME = 2
@@ -200,6 +201,7 @@ class ReceiverService:
         assert consumer is not None
         consumer.subscribe([self.inbound], on_assign=self._on_assign, on_revoke=self._on_revoke,
                            on_lost=self._on_revoke)
+        next_status = time.monotonic()
         try:
             while not self._stopping.is_set():
                 try:
@@ -213,6 +215,9 @@ class ReceiverService:
                             lane.queue.put(msg)
                 self._commit_done(consumer)
                 self._tend_lanes(consumer)
+                if time.monotonic() >= next_status:
+                    self._publish_status()
+                    next_status = time.monotonic() + self.status_interval_s
         except BaseException as exc:
             if not isinstance(exc, KeyboardInterrupt):
                 self.crash = exc
@@ -299,6 +304,15 @@ class ReceiverService:
             reader.close()
 
     # --- one batch -----------------------------------------------------------------------
+
+    def _publish_status(self) -> None:
+        """What ``sluice admin status`` shows of this receiver, to the site's compacted status topic."""
+        with self._stats_lock:
+            record = {"member": self.member_id, "dsid": self.cfg.dsid, "partitions": sorted(self._lanes),
+                      **self.stats, "updated_at": int(time.time() * 1000)}
+        self._producer.produce(self.cfg.topics.status(), self._codec.encode("ReceiverStatus", record),
+                               f"receiver/{self.member_id}".encode())
+        self._producer.poll(0)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._stats_lock:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -10,6 +12,7 @@ import pytest
 import yaml
 from confluent_kafka import Producer
 
+from sluice.admin.cli import receiver_status
 from sluice.client import RegionClient
 from sluice.core.codec import get_codec
 from sluice.core.config import load_config
@@ -107,6 +110,20 @@ def test_batches_are_applied_acknowledged_deduplicated_and_screened(site_a, uniq
         assert letter["error_class"] == "RejectedBatch" and "dsid 9" in letter["reason"]
         assert client.get_entry("orders", "rogue") is None
         assert len(_acks(cfg, site_a.bootstrap, 3)) == 3
+
+        # The receiver reports its counts where `sluice admin status` shows them.
+        end = time.monotonic() + 15
+        report: dict[str, Any] = {}
+        while time.monotonic() < end and report.get("rejected_batches") != 1:
+            report = next(iter(receiver_status(cfg)), {})
+            time.sleep(0.5)
+        assert (report["batches"], report["duplicate_batches"], report["rejected_batches"],
+                report["events_applied"], report["exceptions"]) == (2, 1, 1, 8, 1), report
+        assert sorted(report["partitions"]) == [0, 1]
+        shown = subprocess.run([sys.executable, "-m", "sluice.cli", "admin", "-c", str(tmp_path / "site-b.yaml"),
+                                "status"], capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0 and "gateway receivers" in shown.stdout and report["member"] in shown.stdout, \
+            shown.stdout + shown.stderr
 
         # A restarted receiver still knows batch 2 of that sender partition was applied.
         receiver.stop()

@@ -179,6 +179,23 @@ def record_strategies(millis: st.SearchStrategy[int] = longs) -> dict[str, st.Se
                 "updated_at": millis,
             }
         ),
+        "ReceiverStatus": st.fixed_dictionaries(
+            {
+                "member": texts,
+                "dsid": ints,
+                "partitions": st.lists(ints, max_size=8),
+                "batches": longs,
+                "duplicate_batches": longs,
+                "rejected_batches": longs,
+                "bad_signatures": longs,
+                "events_applied": longs,
+                "events_duplicate": longs,
+                "conflicts": longs,
+                "exceptions": longs,
+                "dead_lettered": longs,
+                "updated_at": millis,
+            }
+        ),
     }
 
 
@@ -252,8 +269,12 @@ SAMPLES: dict[str, dict[str, Any]] = {
                       "issued_at": 1_700_000_000_005},
     "QueueStatus": {"kind": "async-event-queue", "queue_id": "q", "partition": 3, "primary": "m-1",
                     "state": "running", "batches_dispatched": 10, "events_dispatched": 1000, "redeliveries": 2,
-                    "events_conflated": 0, "dead_lettered": 1, "last_removed_offset": 999, "in_flight": 1, "last_accepted_at": 1700000000005, "waiting": 12,
-                    "updated_at": 1_700_000_000_006},
+                    "events_conflated": 0, "dead_lettered": 1, "last_removed_offset": 999, "in_flight": 1,
+                    "last_accepted_at": 1_700_000_000_005, "waiting": 12, "updated_at": 1_700_000_000_006},
+    "ReceiverStatus": {"member": "b-receiver-1", "dsid": 2, "partitions": [0, 3], "batches": 40,
+                       "duplicate_batches": 2, "rejected_batches": 1, "bad_signatures": 0, "events_applied": 3990,
+                       "events_duplicate": 10, "conflicts": 3, "exceptions": 1, "dead_lettered": 1,
+                       "updated_at": 1_700_000_000_007},
 }
 
 
