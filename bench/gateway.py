@@ -62,7 +62,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -91,6 +90,7 @@ from sluice.core.kafka import (
 from sluice.core.processes import ReceiverProcess, RegionProcess, SenderProcess, die_with_parent
 from sluice.core.topics import apply_topics
 
+from .dispatcher import raw_consumer_settings
 from .harness import REPO, Context, Result, benchmark, cpu_seconds
 from .region import (
     BATCH_ENTRIES,
@@ -291,15 +291,7 @@ def wait_receiver_assigned(sites: Sites, receiver: ReceiverProcess, timeout_s: f
 
 def watcher_settings(bootstrap: str) -> dict[str, Any]:
     """The measuring consumer: assign only, answers within ~5 ms of a record's arrival."""
-    return {
-        "bootstrap.servers": bootstrap,
-        "group.id": f"bench-watch-{uuid.uuid4().hex[:8]}",
-        "enable.auto.commit": False,
-        "auto.offset.reset": "earliest",
-        "enable.partition.eof": False,
-        "fetch.wait.max.ms": 5,
-        "isolation.level": "read_committed",
-    }
+    return {**raw_consumer_settings(bootstrap), "fetch.wait.max.ms": 5, "isolation.level": "read_committed"}
 
 
 class TopicWatcher:
@@ -427,16 +419,9 @@ def process_gone(*procs: Any) -> Callable[[], str | None]:
 
 def raw_mirror_consumer_settings(bootstrap: str) -> dict[str, Any]:
     """The raw mirror's consumer: what a user writes to copy a topic (assign only, no commits)."""
-    return {
-        "bootstrap.servers": bootstrap,
-        "group.id": f"bench-mirror-{uuid.uuid4().hex[:8]}",
-        "enable.auto.commit": False,
-        "auto.offset.reset": "earliest",
-        "enable.partition.eof": False,
-        # librdkafka's default, stated: under a steady flow a fetch returns
-        # as soon as a record is there (fetch.min.bytes 1).
-        "fetch.wait.max.ms": 500,
-    }
+    # librdkafka's default fetch wait, stated: under a steady flow a fetch
+    # returns as soon as a record is there (fetch.min.bytes 1).
+    return {**raw_consumer_settings(bootstrap), "fetch.wait.max.ms": 500}
 
 
 def mirror_once(bootstrap_a: str, bootstrap_b: str, topic: str, target_topic: str,

@@ -69,12 +69,7 @@ class AsyncEvent:
     @property
     def value(self) -> Any:
         """The deserialized value (None for destroy and invalidate)."""
-        data = self.event.value
-        if data is None:
-            return None
-        if self.event.value_encoding != "json":
-            return data
-        return jsonvalue.loads(data)
+        return jsonvalue.decode(self.event.value, self.event.value_encoding)
 
     @property
     def callback_argument(self) -> str | None:

@@ -102,15 +102,11 @@ class SenderFilters:
             return event
         if substitute is None:
             return event
-        if event.value_encoding == "json":
-            data = jsonvalue.dumps(substitute)
-        elif isinstance(substitute, (bytes, bytearray)):
-            data = bytes(substitute)
-        else:
-            log.error("substitution filter of sender %s returned %s for a raw value; the original is sent",
-                      self.sender_id, type(substitute).__name__)
+        try:
+            return dataclasses.replace(event, value=jsonvalue.encode(substitute, event.value_encoding))
+        except (TypeError, ValueError) as exc:  # raw value not bytes, or not JSON-able
+            log.error("substitution filter of sender %s: %s; the original is sent", self.sender_id, exc)
             return event
-        return dataclasses.replace(event, value=data)
 
     # --- sender -----------------------------------------------------------------------------
 

@@ -28,3 +28,19 @@ def dumps(value: Any) -> bytes:
         return orjson.dumps(value)
     except orjson.JSONEncodeError:
         return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def decode(data: bytes | None, encoding: str) -> Any:
+    """An entry's stored value as the application sees it: JSON parsed, raw bytes as they are."""
+    if data is None:
+        return None
+    return loads(data) if encoding == "json" else data
+
+
+def encode(value: Any, encoding: str) -> bytes:
+    """The stored form of a value the application gives; TypeError for a raw value that is not bytes."""
+    if encoding == "json":
+        return dumps(value)
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    raise TypeError(f"a raw-encoded value must be bytes, not {type(value).__name__}")

@@ -59,6 +59,7 @@ from .batching import Batch, BatchPolicy, PartitionBatcher
 from .codec import get_codec
 from .config import SiteConfig
 from .errors import CodecError
+from .lifecycle import ServiceState
 from .events import EntryEvent
 from .kafka import (
     OFFSET_BEGINNING,
@@ -77,14 +78,6 @@ from .kafka import (
 )
 
 log = logging.getLogger("sluice.queue")
-
-class ServiceState(enum.Enum):
-    NEW = "new"
-    RUNNING = "running"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-    CRASHED = "crashed"
-
 
 class DesiredState(str, enum.Enum):
     RUNNING = "RUNNING"

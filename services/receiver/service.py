@@ -36,7 +36,6 @@ members' client ids carry their URLs, so the receiver needs no address list.
 
 from __future__ import annotations
 
-import enum
 import logging
 import queue
 import threading
@@ -52,6 +51,7 @@ from ..core.codec import get_codec
 from ..core.config import SiteConfig
 from ..core.errors import CodecError, SluiceError
 from ..core.events import EntryEvent, goes_to_gateway
+from ..core.lifecycle import ServiceState
 from ..core.signing import verify
 from ..core.kafka import (
     Consumer,
@@ -74,14 +74,6 @@ REGION_CLIENT_PREFIX = "sluice-region@"
 
 #: The pause before reading the acks on assignment again.
 READ_RETRY_BACKOFF_S = 1.0
-
-
-class ServiceState(enum.Enum):
-    NEW = "new"
-    RUNNING = "running"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-    CRASHED = "crashed"
 
 
 class _NoRegionService(SluiceError):

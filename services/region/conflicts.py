@@ -50,12 +50,6 @@ def remote_wins(current: VersionTag, incoming: VersionTag) -> bool:
     return (incoming.timestamp, incoming.dsid) > (current.timestamp, current.dsid)
 
 
-def _decode(data: bytes | None, encoding: str) -> Any:
-    if data is None:
-        return None
-    return jsonvalue.loads(data) if encoding == "json" else data
-
-
 @dataclass(frozen=True, slots=True)
 class TimestampedEntryEvent:
     """What a resolver sees (Geode's TimestampedEntryEvent)."""
@@ -113,8 +107,8 @@ def resolve(resolver: ConflictResolver | None, region: str, current_value: bytes
         return event if remote_wins(current, event.version) else None
     view = TimestampedEntryEvent(
         region=region, key=event.key, operation=event.operation,
-        new_value=_decode(event.value, event.value_encoding),
-        old_value=_decode(current_value, event.value_encoding),
+        new_value=jsonvalue.decode(event.value, event.value_encoding),
+        old_value=jsonvalue.decode(current_value, event.value_encoding),
         new_timestamp=event.version.timestamp, old_timestamp=current.timestamp,
         new_distributed_system_id=event.version.dsid, old_distributed_system_id=current.dsid, event=event,
     )
@@ -129,16 +123,11 @@ def resolve(resolver: ConflictResolver | None, region: str, current_value: bytes
         return None
     if not helper.changed or event.value is None:
         return event
-    value = helper.value
-    if event.value_encoding == "json":
-        data = jsonvalue.dumps(value)
-    elif isinstance(value, (bytes, bytearray)):
-        data = bytes(value)
-    else:
-        log.error("conflict resolver gave %s for the raw value of %s/%s; the event is applied unchanged",
-                  type(value).__name__, region, event.key)
+    try:
+        return dataclasses.replace(event, value=jsonvalue.encode(helper.value, event.value_encoding))
+    except (TypeError, ValueError) as exc:  # raw value not bytes, or not JSON-able
+        log.error("conflict resolver's value for %s/%s: %s; the event is applied unchanged", region, event.key, exc)
         return event
-    return dataclasses.replace(event, value=data)
 
 
 __all__ = ["ConflictHelper", "ConflictResolver", "TimestampedEntryEvent", "load_resolver", "remote_wins", "resolve"]

@@ -23,7 +23,6 @@ duplicate tracking makes the retry safe.
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import socket
 import threading
@@ -51,6 +50,7 @@ from ..core.errors import (
     UnknownRegion,
 )
 from ..core.events import EntryEvent, EventID
+from ..core.lifecycle import ServiceState
 from ..core.kafka import AdminClient, KafkaException, make_admin, translate
 from .engine import Operation, OpResult, RegionEngine
 from ..core.gatewayfilters import SenderFilters
@@ -62,14 +62,6 @@ log = logging.getLogger("sluice.region")
 
 FORWARDED_HEADER = "x-sluice-forwarded"
 CLIENT_ID_PREFIX = "sluice-region@"
-
-
-class ServiceState(enum.Enum):
-    NEW = "new"
-    RUNNING = "running"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-    CRASHED = "crashed"
 
 
 @dataclass(frozen=True, slots=True)
