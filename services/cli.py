@@ -18,6 +18,7 @@ examples:
   sluice topics apply -c deploy/sites/site-a.yaml
   sluice region -c deploy/sites/site-a.yaml --port 7071
   sluice dispatcher -c deploy/sites/site-a.yaml --queue orders-jdbc
+  sluice subscriptions -c deploy/sites/site-b.yaml
   sluice admin -c deploy/sites/site-a.yaml status
   sluice demo                                   # the whole thing on embedded brokers
 """
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .receiver import cli as receiver_cli
     from .sender import cli as sender_cli
     from .region import cli as region_cli
+    from .subscriptions import cli as subscriptions_cli
 
     parser = argparse.ArgumentParser(
         prog="sluice",
@@ -48,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     dispatcher_cli.add_parser(sub)
     receiver_cli.add_parser(sub)
     sender_cli.add_parser(sub)
+    subscriptions_cli.add_parser(sub)
     admin_cli.add_parser(sub)
     demo.add_parser(sub)
     return parser

@@ -2,6 +2,8 @@
 the client side of subscriptions (interest matching, register-interest load rules, repeat tracking,
 replay up to the marker: ``messages``)."""
 
+from .interest import ALL_KEYS, ResultPolicy
 from .region import RegionClient, RegionError
+from .subscriber import ClientCache, ClientRegion
 
-__all__ = ["RegionClient", "RegionError"]
+__all__ = ["ALL_KEYS", "ClientCache", "ClientRegion", "RegionClient", "RegionError", "ResultPolicy"]

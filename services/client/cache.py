@@ -107,8 +107,12 @@ class RegionCache:
                 self.entries.pop(key, None)
         self._loads += 1
 
-    def finish_load(self, loaded: Mapping[str, Any], policy: ResultPolicy) -> int:
-        """Step 3: the initial load, losing to what happened since step 1; how many entries it set."""
+    def finish_load(self, loaded: Mapping[str, Any], policy: ResultPolicy,
+                    invalid: frozenset[str] | set[str] = frozenset()) -> int:
+        """Step 3: the initial load, losing to what happened since step 1; how many entries it set.
+
+        ``invalid`` names loaded keys that are invalid in the region (no value).
+        """
         applied = 0
         try:
             if policy is ResultPolicy.NONE:
@@ -117,8 +121,8 @@ class RegionCache:
                 touched = self._touched.get(key)
                 if touched in (_VALID, _DESTROYED):
                     continue
-                self.entries[key] = CachedEntry(value if policy is ResultPolicy.KEYS_VALUES else None,
-                                                valid=policy is ResultPolicy.KEYS_VALUES)
+                with_value = policy is ResultPolicy.KEYS_VALUES and key not in invalid
+                self.entries[key] = CachedEntry(value if with_value else None, valid=with_value)
                 applied += 1
             return applied
         finally:

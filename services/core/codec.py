@@ -56,6 +56,11 @@ SCHEMA_ORDER = (
     "ControlRecord",
     "QueueStatus",
     "ReceiverStatus",
+    "ClientInterest",
+    "ClientRegistration",
+    "ClientMessage",
+    "ClientAck",
+    "FillCheckpoint",
 )
 
 

@@ -402,6 +402,13 @@ class SubscriptionsConfig(_Model):
     subscription_message_tracking_timeout_ms: int = Field(900000, ge=1)
     subscription_ack_interval_ms: int = Field(100, ge=1)
     maximum_message_count: int = Field(230000, ge=1)
+    maximum_time_between_pings_ms: int = Field(
+        60000, ge=1, description="a connected client silent this long is taken as crashed (Geode's "
+        "maximum-time-between-pings)")
+    ping_interval_ms: int = Field(10000, ge=1, description="how often an idle client pings (Geode's ping-interval)")
+    registry_partitions: int = Field(
+        8, ge=1, le=1024, description="partitions of the client registry: the units subscription instances share "
+        "as primaries")
 
 
 class RegionServiceConfig(_Model):

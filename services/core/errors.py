@@ -197,3 +197,17 @@ class BrokerStartError(SluiceError):
 
 class ClosedError(SluiceError):
     """The object was closed by us; using it is a bug in the caller."""
+
+
+class NoServersAvailable(SluiceError):
+    """A client could not reach any server for an operation that needs one (Geode's
+    NoAvailableServersException): nothing was applied."""
+
+    retriable = True
+    http_status = 503
+
+
+class CacheWriterAbort(SluiceError):
+    """A client's cache writer refused an operation: nothing was sent or applied."""
+
+    http_status = 409

@@ -204,3 +204,13 @@ class SenderProcess(ServiceProcess):
         command = "parallel-sender" if parallel else "serial-sender"
         super().__init__([command, "-c", str(config_path), "--sender", sender_id], log_path, **kwargs)
         self.member_id = self.announcement.split()[1]
+
+
+class SubscriptionsProcess(ServiceProcess):
+    """``sluice subscriptions -c FILE``."""
+
+    banner = "subscriptions "
+
+    def __init__(self, config_path: Path, log_path: Path, **kwargs: Any) -> None:
+        super().__init__(["subscriptions", "-c", str(config_path)], log_path, **kwargs)
+        self.member_id = self.announcement.split()[1]

@@ -109,6 +109,22 @@ class TopicNames:
     def region_dead_letter(self) -> str:
         return f"{self.prefix}region.dlq"
 
+    def subscription_registry(self) -> str:
+        """Every subscription client: identity, durability, interest, connection (compacted, by client id)."""
+        return f"{self.prefix}subscriptions.registry"
+
+    def subscription_acks(self) -> str:
+        """Each client's acknowledged queue position and last ping (compacted, by client id)."""
+        return f"{self.prefix}subscriptions.acks"
+
+    def subscription_fill(self) -> str:
+        """How far each registry partition's clients' queues are filled (compacted, by registry partition)."""
+        return f"{self.prefix}subscriptions.fill"
+
+    def client_queue(self, client_id: str, incarnation: str) -> str:
+        """One client's subscription queue; a new incarnation per new (or timed-out and returning) client."""
+        return f"{self.prefix}subscription.{client_id}.{incarnation}"
+
     def control(self) -> str:
         """Desired state of queues (``sluice admin pause|resume|stop|start``)."""
         return f"{self.prefix}control"
@@ -233,6 +249,12 @@ def plan_topics(cfg: SiteConfig) -> list[TopicSpec]:
             purpose="region operations that could not be read or applied",
         )
     )
+    partitions = cfg.subscriptions.registry_partitions
+    for name, purpose in ((names.subscription_registry(), "subscription clients: interest, durability, connection"),
+                          (names.subscription_acks(), "subscription clients' acknowledged queue positions and pings"),
+                          (names.subscription_fill(), "how far subscription queues are filled, per registry partition")):
+        specs.append(TopicSpec(name=name, partitions=partitions, compacted=True, config=_compacted(),
+                               purpose=purpose))
     for name, purpose in ((names.control(), "desired state of each queue, set by sluice admin"),
                           (names.status(), "status reported by queue primaries (per partition) and gateway receivers")):
         specs.append(TopicSpec(name=name, partitions=1, compacted=True, config=_compacted(), purpose=purpose))

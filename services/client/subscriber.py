@@ -1,0 +1,593 @@
+"""``ClientCache``: a downstream service's subscribed, locally cached view of a site's regions.
+
+Geode's client cache with a subscription-enabled pool, on Kafka:
+
+* region operations (create, put, destroy) pass the region's cache writer,
+  go to the region service, then into the local cache, and the region's
+  listeners hear of them; ``local_invalidate`` stays local;
+* ``register_interest`` / ``register_interest_regex`` record interest with
+  the subscription service (in its registry), wait until the service
+  answers that the interest is in force, then load the cache (keys and
+  values, keys, or nothing) following Geode's rules;
+* a thread reads the client's queue: repeats are discarded by EventID,
+  messages before the marker are replayed to listeners without touching
+  the cache, ``after_region_live`` fires at the marker, then events update
+  the cache and reach the listeners; what was read is acknowledged every
+  ``subscription-ack-interval`` (an idle client pings);
+* a durable client (``durable=True``) that closes with ``keep_alive=True``,
+  crashes or loses its connection keeps its queue and durable interest until
+  its ``durable-client-timeout``; reconnecting with the same id resumes the
+  queue where it was acknowledged.  A queue found gone (timed out, or its
+  unacknowledged head expired) makes the client start over as a new one:
+  its interest is fetched again into the cache, with no events.
+
+Example::
+
+    from sluice.client import ClientCache, ALL_KEYS
+
+    cache = ClientCache("deploy/sites/site-b.yaml", client_id="pricing-1", durable=True)
+    orders = cache.region("orders")
+    orders.add_listener(MyListener())               # after_create, after_update, after_destroy, ...
+    orders.register_interest(ALL_KEYS, durable=True)
+    cache.ready_for_events()
+    orders.get("o-1")                               # from the local cache
+    orders.put("o-2", {"qty": 1})                   # through the region service
+    cache.close(keep_alive=True)                    # the queue keeps filling while away
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterable
+
+from ..core.codec import get_codec
+from ..core.config import SiteConfig, load_config
+from ..core.errors import CacheWriterAbort, CodecError, InvalidRequest, NoServersAvailable, SluiceError
+from ..core.events import EventID, Operation
+from ..core.jsonvalue import decode as decode_value
+from ..core.kafka import (
+    KafkaError,
+    KafkaException,
+    TopicPartition,
+    consume_available,
+    make_admin,
+    make_consumer,
+    make_producer,
+    translate,
+)
+from .cache import EventTracker, RegionCache
+from .interest import ALL_KEYS, Delivery, Registration, RegionInterest, ResultPolicy
+from .messages import ClientEvent, MessageProcessor
+from .region import RegionClient, RegionError
+from ..subscriptions.registry import create_queue, read_latest, registry_partition
+
+log = logging.getLogger("sluice.client")
+
+CLIENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$")
+#: Keys asked of the region service per get_all during a load.
+LOAD_CHUNK = 1000
+
+
+class ClientRegion:
+    """One region as a client sees it: the local cache, interest, writer and listeners."""
+
+    def __init__(self, owner: "ClientCache", name: str) -> None:
+        self._owner = owner
+        self.name = name
+        self.cache = RegionCache(name)
+        self.interest = RegionInterest()
+        self.registrations: list[Registration] = []
+        self.listeners: list[Any] = []
+        self.cache_writer: Any = None
+
+    # --- listeners and writer -----------------------------------------------------------
+
+    def add_listener(self, listener: Any) -> None:
+        """A listener: any object with some of after_create, after_update, after_invalidate,
+        after_destroy, after_region_clear, after_region_destroy, after_region_live."""
+        self.listeners.append(listener)
+
+    def set_cache_writer(self, writer: Any) -> None:
+        """A writer with before_create / before_update / before_destroy(event); raising aborts the operation."""
+        self.cache_writer = writer
+
+    # --- reads ---------------------------------------------------------------------------
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The local value; a key not held (or invalid) is fetched from the region service
+        and kept; unreachable servers: the local cache's answer."""
+        with self._owner._lock:
+            if self.cache.contains_value_for_key(key):
+                return self.cache.get(key)
+        try:
+            entry = self._owner._region_client().get_entry(self.name, key)
+        except (NoServersAvailable, SluiceError) as exc:
+            if isinstance(exc, RegionError) and not exc.retriable:
+                raise
+            return default
+        if entry is None or entry.get("invalid"):
+            return default
+        with self._owner._lock:
+            if not self.cache.contains_value_for_key(key):
+                self.cache.put(key, entry["value"])
+            return self.cache.get(key)
+
+    def get_local(self, key: str, default: Any = None) -> Any:
+        with self._owner._lock:
+            return self.cache.get(key) if self.cache.contains_value_for_key(key) else default
+
+    def keys(self) -> list[str]:
+        with self._owner._lock:
+            return list(self.cache.entries)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Key → value (None for an invalid entry) of everything held locally."""
+        with self._owner._lock:
+            return {k: e.value if e.valid else None for k, e in self.cache.entries.items()}
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+    # --- writes: writer → region service → local cache → listeners -------------------------
+
+    def create(self, key: str, value: Any, *, callback_argument: str | None = None) -> None:
+        self._write(Operation.CREATE, key, value, callback_argument)
+
+    def put(self, key: str, value: Any, *, callback_argument: str | None = None) -> None:
+        self._write(None, key, value, callback_argument)
+
+    def destroy(self, key: str, *, callback_argument: str | None = None) -> None:
+        """Destroy on the server, whether or not this client holds the key."""
+        self._write(Operation.DESTROY, key, None, callback_argument)
+
+    def local_invalidate(self, key: str) -> bool:
+        """Invalidate the local entry only (nothing is sent)."""
+        with self._owner._lock:
+            return self.cache.invalidate(key)
+
+    def _write(self, op: Operation | None, key: str, value: Any, callback_argument: str | None) -> None:
+        owner = self._owner
+        with owner._lock:
+            held = self.cache.contains_key(key)
+        if op is None:
+            op = Operation.UPDATE if held else Operation.CREATE
+        client = owner._region_client()
+        event_id = client.next_event_id()
+        event = ClientEvent(self.name, key, op, value, event_id, Delivery.VALUES, callback_argument=callback_argument)
+        writer = self.cache_writer
+        if writer is not None:
+            method = {Operation.CREATE: "before_create", Operation.UPDATE: "before_update",
+                      Operation.DESTROY: "before_destroy"}[op]
+            hook = getattr(writer, method, None)
+            if hook is not None:
+                try:
+                    hook(event)
+                except Exception as exc:
+                    raise CacheWriterAbort(f"{type(writer).__name__}.{method} refused {op.value} of "
+                                           f"{self.name}/{key}: {exc}") from exc
+        try:
+            if op is Operation.DESTROY:
+                client.destroy(self.name, key, event_id=event_id)
+            elif op is Operation.CREATE:
+                client.create(self.name, key, value, callback_argument=callback_argument, event_id=event_id)
+            else:
+                client.put(self.name, key, value, callback_argument=callback_argument, event_id=event_id)
+        except RegionError:
+            raise
+        except SluiceError as exc:
+            if exc.retriable:
+                raise NoServersAvailable(
+                    f"no region service instance answered ({', '.join(owner.region_urls)}): "
+                    f"{op.value} of {self.name}/{key} was not applied; reads are served from the local cache "
+                    f"({exc})") from exc
+            raise
+        with owner._lock:
+            if op is Operation.DESTROY:
+                existed = self.cache.destroy(key)
+                callback = "after_destroy" if existed else None
+            else:
+                self.cache.put(key, value)
+                callback = "after_update" if held else "after_create"
+            if callback is not None:
+                owner._processor._call(self.name, callback, event)
+
+    # --- interest ---------------------------------------------------------------------------
+
+    def register_interest(self, keys: str | list[str] | tuple[str, ...], *,
+                          policy: ResultPolicy | str = ResultPolicy.KEYS_VALUES, durable: bool = False,
+                          receive_values: bool = True) -> int:
+        """Interest in a key, a list of keys or ``ALL_KEYS``; the number of entries the load set."""
+        reg = Registration.of_keys(keys, durable=durable, receive_values=receive_values,
+                                   result_policy=ResultPolicy(policy))
+        return self._owner._register(self, reg)
+
+    def register_interest_regex(self, pattern: str, *, policy: ResultPolicy | str = ResultPolicy.KEYS_VALUES,
+                                durable: bool = False, receive_values: bool = True) -> int:
+        """Interest in every key the regular expression matches as a whole."""
+        reg = Registration.of_regex(pattern, durable=durable, receive_values=receive_values,
+                                    result_policy=ResultPolicy(policy))
+        return self._owner._register(self, reg)
+
+    def unregister_interest(self, keys: str | list[str] | tuple[str, ...]) -> None:
+        self._owner._unregister(self, Registration.of_keys(keys))
+
+    def unregister_interest_regex(self, pattern: str) -> None:
+        self._owner._unregister(self, Registration.of_regex(pattern))
+
+    def covered(self, key: str) -> bool:
+        return self.interest.delivery(key) is not None
+
+
+class ClientCache:
+    """A client of one site: its regions' local caches and its subscription."""
+
+    def __init__(
+        self,
+        site: SiteConfig | str | Path,
+        client_id: str | None = None,
+        *,
+        durable: bool = False,
+        durable_timeout_s: int | None = None,
+        subscription_redundancy: int = 0,
+        region_urls: Iterable[str] | None = None,
+        token: str | None = None,
+        registration_timeout_s: float = 30.0,
+        request_retry_s: float = 10.0,
+    ) -> None:
+        self.cfg = site if isinstance(site, SiteConfig) else load_config(site)
+        self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
+        if not CLIENT_ID.match(self.client_id):
+            raise InvalidRequest("client_id", self.client_id,
+                                 "1–100 letters, digits, '_' or '-', starting with a letter or digit")
+        if subscription_redundancy < 0:
+            raise InvalidRequest("subscription_redundancy", subscription_redundancy, "must be 0 or more")
+        self.durable = durable
+        self.durable_timeout_s = durable_timeout_s or self.cfg.subscriptions.durable_client_timeout_s
+        self.redundancy = subscription_redundancy
+        urls = list(region_urls or [])
+        if not urls and self.cfg.region_service.advertised_url:
+            urls = [self.cfg.region_service.advertised_url]
+        if not urls:
+            urls = [f"http://{self.cfg.region_service.host}:{self.cfg.region_service.port}"]
+        self.region_urls = urls
+        self._token = token or (self.cfg.region_service.token.get_secret_value()
+                                if self.cfg.region_service.token else None)
+        self._registration_timeout_s = registration_timeout_s
+        self._request_retry_s = request_retry_s
+        names = self.cfg.topics
+        self._registry_topic = names.subscription_registry()
+        self._acks_topic = names.subscription_acks()
+        self._partition = registry_partition(self.client_id, self.cfg.subscriptions.registry_partitions)
+        self._codec = get_codec()
+        self._lock = threading.RLock()
+        self._answered = threading.Condition(self._lock)
+        self._regions: dict[str, ClientRegion] = {}
+        self._tracker = EventTracker(self.cfg.subscriptions.subscription_message_tracking_timeout_ms)
+        self._processor = MessageProcessor({}, self._tracker, {})
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._client: RegionClient | None = None
+        self.member_id = f"{self.client_id}-{uuid.uuid4().hex[:8]}"
+        self.stats = {"received": 0, "events": 0, "reinitialized": 0, "acks": 0}
+        self.error: BaseException | None = None
+        self.replayed_queue = False  # this connection resumed a durable queue
+        self.closed = False
+
+        base = self.cfg.kafka.client_settings()
+        self._producer = make_producer(base, **{"client.id": self.client_id})
+        self._admin = make_admin(base)
+        self._consumer = make_consumer(base, None, **{"client.id": self.client_id, "fetch.wait.max.ms": 20})
+        self._connect()
+        self._thread = threading.Thread(target=self._run, name=f"client-{self.client_id}", daemon=True)
+        self._thread.start()
+
+    # --- regions -------------------------------------------------------------------------
+
+    def region(self, name: str) -> ClientRegion:
+        """The client's view of ``name`` (a region of the site)."""
+        self.cfg.region(name)  # UnknownRegion names the region and the site's regions
+        with self._lock:
+            region = self._regions.get(name)
+            if region is None:
+                region = ClientRegion(self, name)
+                self._regions[name] = region
+                self._processor.caches[name] = region.cache
+                self._processor.listeners[name] = region.listeners
+            return region
+
+    def ready_for_events(self) -> None:
+        """Listeners are in place: the service places the marker; what comes before it is replay."""
+        with self._lock:
+            self._record["ready"] = True
+            self._publish()
+
+    @property
+    def live(self) -> bool:
+        return self._processor.live
+
+    @property
+    def queue_topic(self) -> str:
+        return self._record["queue_topic"]
+
+    def processed(self) -> dict[str, int]:
+        """What the message stream did: applied, replayed, repeats, ignored, received."""
+        with self._lock:
+            return {**self._processor.stats, "received": self.stats["received"]}
+
+    # --- connecting ----------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        """Resume a durable client's queue, or start as a new client."""
+        existing = self._read_record(self._registry_topic, "ClientRegistration")
+        ack = self._read_record(self._acks_topic, "ClientAck")
+        if existing is not None and existing["durable"] and self.durable:
+            self.replayed_queue = True
+            queue_topic = existing["queue_topic"]
+            interest = [r for r in existing["interest"] if r["durable"]]
+            version = existing["version"]
+            self._next = ack["next_offset"] if ack is not None and ack["queue_topic"] == queue_topic else 0
+            log.info("client %s: durable queue %s resumed at %d", self.client_id, queue_topic, self._next)
+        else:
+            if existing is not None:
+                self._drop_queue(existing["queue_topic"])
+            queue_topic = self.cfg.topics.client_queue(self.client_id, uuid.uuid4().hex[:8])
+            interest, version, self._next = [], 0, 0
+        create_queue(self._admin, self.cfg, queue_topic, self.durable)
+        self._session = uuid.uuid4().hex[:12]
+        self._record: dict[str, Any] = {
+            "client_id": self.client_id, "member_id": self.member_id, "durable": self.durable,
+            "durable_timeout_s": self.durable_timeout_s, "redundancy": self.redundancy,
+            "queue_topic": queue_topic, "session": self._session, "version": version,
+            "interest": interest, "connected": True, "keep_alive": False, "ready": False, "changed_at": 0,
+        }
+        self._answered_version = -1
+        with self._lock:
+            self._publish()
+        self._consumer.assign([TopicPartition(queue_topic, 0, self._next)])
+
+    def _read_record(self, topic: str, schema: str) -> dict[str, Any] | None:
+        raw = read_latest(self.cfg, topic, self._partition, self.client_id)
+        if raw is None:
+            return None
+        try:
+            return self._codec.decode_as(schema, raw)
+        except CodecError as exc:
+            log.error("client %s: its %s record cannot be read (%s); starting as a new client",
+                      self.client_id, schema, exc)
+            return None
+
+    def _drop_queue(self, topic: str) -> None:
+        try:
+            for fut in self._admin.delete_topics([topic], operation_timeout=10).values():
+                fut.result(timeout=15)
+        except KafkaException:
+            pass  # already gone
+
+    def _publish(self) -> None:
+        """Write the registry record (caller holds the lock)."""
+        self._record["version"] += 1
+        self._record["changed_at"] = int(time.time() * 1000)
+        value = self._codec.encode("ClientRegistration", self._record)
+        self._producer.produce(self._registry_topic, value, self.client_id.encode(), partition=self._partition)
+        self._producer.flush(30)
+
+    # --- interest ---------------------------------------------------------------------------
+
+    def _register(self, region: ClientRegion, reg: Registration) -> int:
+        keys = None if reg.all_keys or reg.regex is not None else list(reg.keys)
+        with self._lock:
+            region.cache.begin_registration(keys)
+            region.interest.register(reg)
+            region.registrations.append(reg)
+            self._record["interest"] = self._interest_records()
+            self._publish()
+            version = self._record["version"]
+        try:
+            self._wait_answer(version)
+            loaded, invalid = self._load(region, reg)
+        except BaseException:
+            with self._lock:
+                region.cache.finish_load({}, ResultPolicy.NONE)
+            raise
+        with self._lock:
+            return region.cache.finish_load(loaded, reg.result_policy, invalid)
+
+    def _unregister(self, region: ClientRegion, reg: Registration) -> None:
+        with self._lock:
+            region.interest.unregister(reg)
+            region.registrations = [r for r in region.registrations
+                                    if not (r.keys == reg.keys and r.all_keys == reg.all_keys and r.regex == reg.regex)]
+            region.cache.drop_where(lambda k: region.interest.delivery(k) is None)
+            self._record["interest"] = self._interest_records()
+            self._publish()
+
+    def _interest_records(self) -> list[dict[str, Any]]:
+        return [{"region": region.name, "keys": list(r.keys), "all_keys": r.all_keys, "regex": r.regex,
+                 "durable": r.durable, "receive_values": r.receive_values}
+                for region in self._regions.values() for r in region.registrations]
+
+    def _wait_answer(self, version: int) -> None:
+        deadline = time.monotonic() + self._registration_timeout_s
+        with self._answered:
+            while self._answered_version < version:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.closed:
+                    raise NoServersAvailable(
+                        f"client {self.client_id}: no subscription service instance answered its registration "
+                        f"in {self._registration_timeout_s:.0f} s (is `sluice subscriptions` running?); the "
+                        f"interest is recorded and applies once one runs")
+                self._answered.wait(min(left, 0.5))
+
+    def _load(self, region: ClientRegion, reg: Registration) -> tuple[dict[str, Any], set[str]]:
+        if reg.result_policy is ResultPolicy.NONE:
+            return {}, set()
+        client = self._region_client()
+        if reg.all_keys or reg.regex is not None:
+            pattern = re.compile(reg.regex) if reg.regex is not None else None
+            keys = [k for k in client.keys(region.name) if pattern is None or pattern.fullmatch(k)]
+        else:
+            keys = list(reg.keys)
+        loaded: dict[str, Any] = {}
+        invalid: set[str] = set()
+        for i in range(0, len(keys), LOAD_CHUNK):
+            for key, entry in client.get_all(region.name, keys[i:i + LOAD_CHUNK]).items():
+                if entry is None:
+                    continue
+                loaded[key] = entry["value"]
+                if entry.get("invalid"):
+                    invalid.add(key)
+        return loaded, invalid
+
+    def _region_client(self) -> RegionClient:
+        with self._lock:
+            if self._client is None:
+                self._client = RegionClient(self.region_urls, token=self._token, member_id=self.member_id,
+                                            retry_for_s=self._request_retry_s)
+            return self._client
+
+    # --- the queue --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        sub = self.cfg.subscriptions
+        acked, last_ack = self._next, 0.0
+        try:
+            while not self._stopping.is_set():
+                try:
+                    msgs = consume_available(self._consumer, 500, 0.1)
+                except KafkaException as exc:
+                    raise translate(exc, f"reading {self.queue_topic}") from exc
+                for msg in msgs:
+                    err = msg.error()
+                    if err is not None:
+                        if err.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC,
+                                          KafkaError.OFFSET_OUT_OF_RANGE):
+                            self._start_over(f"its queue is gone or its head expired ({err.str()})")
+                            acked = self._next
+                            break
+                        continue
+                    self._handle(msg.value())
+                    self._next = msg.offset() + 1
+                now = time.monotonic()
+                due_ack = self._next != acked and now - last_ack >= sub.subscription_ack_interval_ms / 1000
+                due_ping = now - last_ack >= sub.ping_interval_ms / 1000
+                if due_ack or due_ping:
+                    self._ack()
+                    acked, last_ack = self._next, now
+        except BaseException as exc:  # noqa: BLE001 - kept for the owner to see
+            self.error = exc
+            log.exception("client %s: its queue reader stopped", self.client_id)
+
+    def _handle(self, raw: bytes | None) -> None:
+        self.stats["received"] += 1
+        try:
+            message = self._codec.decode_as("ClientMessage", raw)
+        except CodecError as exc:
+            log.error("client %s: a message of %s cannot be read and is skipped: %s", self.client_id,
+                      self.queue_topic, exc)
+            return
+        kind = message["kind"]
+        with self._lock:
+            if kind == "REGISTERED":
+                if message["session"] == self._session:
+                    self._answered_version = max(self._answered_version, message["version"])
+                    self._answered.notify_all()
+            elif kind == "MARKER":
+                if message["session"] == self._session and not self._processor.live:
+                    self._processor.on_marker()
+            elif kind == "EVENT" and message["event"] is not None:
+                e = message["event"]
+                self.stats["events"] += 1
+                event = ClientEvent(
+                    region=e["region"], key=e["key"], operation=Operation(e["operation"]),
+                    new_value=None if e["value"] is None else decode_value(e["value"], e["value_encoding"]),
+                    event_id=EventID.from_record(e["event_id"]),
+                    delivery=Delivery.VALUES if message["receive_values"] else Delivery.INVALIDATES,
+                    possible_duplicate=message["possible_duplicate"] or e["possible_duplicate"],
+                    callback_argument=e["callback_argument"],
+                )
+                self._processor.on_event(event, int(time.time() * 1000))
+
+    def _ack(self) -> None:
+        record = {"client_id": self.client_id, "session": self._session, "queue_topic": self.queue_topic,
+                  "next_offset": self._next, "received": self.stats["received"],
+                  "repeats": self._processor.stats["repeats"], "at": int(time.time() * 1000)}
+        self._producer.produce(self._acks_topic, self._codec.encode("ClientAck", record), self.client_id.encode(),
+                               partition=self._partition)
+        self._producer.poll(0)
+        self.stats["acks"] += 1
+        self._tracker.expire(int(time.time() * 1000))
+
+    def _start_over(self, why: str) -> None:
+        """The queue is lost: become a new client, fetch the interest again without events."""
+        log.warning("client %s: %s; starting over as a new client and fetching its interest again",
+                    self.client_id, why)
+        self.stats["reinitialized"] += 1
+        with self._lock:
+            queue_topic = self.cfg.topics.client_queue(self.client_id, uuid.uuid4().hex[:8])
+            create_queue(self._admin, self.cfg, queue_topic, self.durable)
+            self._record["queue_topic"] = queue_topic
+            self._session = self._record["session"] = uuid.uuid4().hex[:12]
+            self._answered_version = -1
+            self._next = 0
+            self._consumer.assign([TopicPartition(queue_topic, 0, 0)])
+            self._publish()
+            regions = list(self._regions.values())
+        threading.Thread(target=self._refetch, args=(regions,), daemon=True).start()
+
+    def _refetch(self, regions: list[ClientRegion]) -> None:
+        try:
+            self._wait_answer(self._record["version"])
+            for region in regions:
+                for reg in list(region.registrations):
+                    keys = None if reg.all_keys or reg.regex is not None else list(reg.keys)
+                    loaded, invalid = self._load(region, reg)
+                    with self._lock:
+                        region.cache.begin_registration(keys)
+                        region.cache.finish_load(loaded, reg.result_policy, invalid)
+        except SluiceError as exc:
+            log.error("client %s: fetching its interest again failed: %s", self.client_id, exc)
+
+    # --- closing ----------------------------------------------------------------------------
+
+    def close(self, keep_alive: bool = False) -> None:
+        """Disconnect.  A durable client with ``keep_alive`` keeps its queue (filling) and durable
+        interest until its durable-client-timeout; otherwise the service drops them."""
+        if self.closed:
+            return
+        self.closed = True
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(10)
+        try:
+            self._ack()
+            with self._lock:
+                self._record["connected"] = False
+                self._record["keep_alive"] = keep_alive and self.durable
+                self._publish()
+        finally:
+            self._producer.flush(10)
+            self._consumer.close()
+            if self._client is not None:
+                self._client.close()
+
+    def abandon(self) -> None:
+        """Stop without a word to the service, as a crashed process would (for tests and drills)."""
+        self.closed = True
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(10)
+        self._consumer.close()
+
+    def __enter__(self) -> "ClientCache":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+__all__ = ["ALL_KEYS", "ClientCache", "ClientRegion", "ResultPolicy"]

@@ -1,0 +1,41 @@
+"""``sluice subscriptions -c FILE``: one subscription-service instance of a site."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..core.servicecli import add_site_options, run_loop_service
+from .service import SubscriptionService
+
+EXAMPLE = """\
+example:
+  sluice subscriptions -c deploy/sites/site-b.yaml
+
+Fills each subscribed client's queue with the region events that match its
+interest (values or invalidates), keeps durable clients' queues while they
+are away (until their durable-client-timeout), and places the marker when a
+client is ready for events.  Run two or more: the instances share the
+clients through a consumer group, and a standby takes over a primary's
+clients when it dies.  `sluice admin -c FILE status` lists the clients.
+"""
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "subscriptions",
+        help="run a subscription-service instance (client interest, durable and HA client queues)",
+        description="Feed subscribed clients: per-client queues in Kafka filled from the region changelogs by "
+        "interest, durable clients kept across disconnects, failover between instances.",
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_site_options(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_loop_service(
+        "subscriptions", args, SubscriptionService,
+        lambda service, cfg: f"subscriptions {service.member_id} of site {cfg.site} (dsid {cfg.dsid})",
+    )

@@ -1,0 +1,575 @@
+"""The subscription service: Geode's client/server event messaging on Kafka.
+
+What it keeps, all in Kafka so any instance can take over:
+
+* the **registry** (compacted, keyed by client id): each client's identity,
+  durability, interest and connection, written by the client library;
+* the **acks** (compacted, keyed by client id): each client's acknowledged
+  queue position, which doubles as its ping;
+* one **queue** topic per client, filled with the region events that match
+  its interest (values or invalidates), never with its own writes;
+* the **fill** checkpoints (compacted, keyed by registry partition): how far
+  the changelogs have been filled into the queues of that partition's clients.
+
+Who feeds a client: the registry's partitions are shared by the instances
+through a consumer group, and the member a partition is assigned to is the
+primary for every client in it (consumer-group leadership is the primary
+lock, as for gateway senders).  The others are standbys: they read the whole
+registry, the acks and the checkpoints, so a takeover starts at once from
+the last checkpoint; what was filled after it is filled again, marked
+possibleDuplicate, and the client discards the repeats by EventID.
+
+A primary's loop, one thread:
+
+1. read what changed in the registry, acks and checkpoints;
+2. for each of its clients: create the queue; answer a new registration
+   version with a REGISTERED message (its interest applies to everything
+   filled after it, so the client loads its cache after seeing it); place
+   the marker once the client called ``ready_for_events``; note
+   disconnects (a close, or no ping for ``maximum-time-between-pings``);
+   unregister a non-durable client that left, and a durable one away
+   longer than its ``durable-client-timeout`` (queue deleted, alert);
+3. fill: each changelog record goes to every client of its partitions
+   whose interest matches (a durable client away keeps only its durable
+   interest);
+4. every ``message-sync-interval``: wait until the queues hold what was
+   filled, then write the checkpoints, and delete from each queue what its
+   client acknowledged.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..client.interest import Delivery, RegionInterest
+from ..core.codec import get_codec
+from ..core.config import SiteConfig
+from ..core.errors import CodecError, SluiceError
+from ..core.events import EntryEvent, Operation
+from ..core.kafka import (
+    Consumer,
+    KafkaError,
+    KafkaException,
+    TopicPartition,
+    consume_available,
+    make_admin,
+    make_consumer,
+    make_producer,
+    translate,
+)
+from ..core.lifecycle import ServiceState
+from .registry import create_queue, interest_of, registry_partition
+
+log = logging.getLogger("sluice.subscriptions")
+
+#: Region operations a client hears of: entry creates, updates, destroys and
+#: invalidates, expirations included; never local destroys.
+FORWARDED = frozenset(Operation) - {Operation.LOCAL_DESTROY, Operation.UNKNOWN}
+#: How often the unregistration rules (disconnects, timeouts) are checked.
+RULES_INTERVAL_S = 0.5
+
+
+class TablesBehind(SluiceError):
+    """The registry, acks or checkpoints could not be read to their end in time."""
+
+    retriable = True
+
+
+@dataclass
+class _Client:
+    """A client of one of this instance's registry partitions, as the primary tends it."""
+
+    record: dict[str, Any]
+    interest: dict[str, RegionInterest] = field(default_factory=dict)
+    queue_ready: bool = False
+    answered: tuple[str, int] | None = None  # (session, version) of the last REGISTERED written
+    marked: str | None = None  # session whose marker is written
+    away_since_ms: int | None = None  # durable client disconnected (or silent) since
+    filled: int = 0
+
+    @property
+    def id(self) -> str:
+        return self.record["client_id"]
+
+
+class SubscriptionService:
+    """One subscription-service instance of a site."""
+
+    def __init__(self, cfg: SiteConfig, *, member_id: str | None = None) -> None:
+        self.cfg = cfg
+        self.sub = cfg.subscriptions
+        self.member_id = member_id or f"{cfg.site}-subscriptions-{uuid.uuid4().hex[:8]}"
+        names = cfg.topics
+        self.registry_topic = names.subscription_registry()
+        self.acks_topic = names.subscription_acks()
+        self.fill_topic = names.subscription_fill()
+        self.changelogs = {names.region_changelog(r.name): r for r in cfg.regions}
+        self.partitions = self.sub.registry_partitions
+        self.group_id = f"{cfg.kafka.topic_prefix}subscriptions"
+        self.state = ServiceState.NEW
+        self.crash: BaseException | None = None
+        self._stopping = threading.Event()
+        self._codec = get_codec()
+        # Tables (every instance reads them whole).
+        self.registry: dict[str, dict[str, Any]] = {}
+        self.acks: dict[str, dict[str, Any]] = {}
+        self.checkpoints: dict[int, dict[tuple[str, int], int]] = {}
+        # What this instance is primary for.
+        self.owned: set[int] = set()
+        self._clients: dict[str, _Client] = {}
+        self._positions: dict[int, dict[tuple[str, int], int]] = {}  # next changelog offset, per owned partition
+        self._duplicates_below: dict[int, dict[tuple[str, int], int]] = {}  # refilled after a takeover
+        self._reposition = False
+        self._dirty = False
+        self._delivery_failed: str | None = None
+        self._trimmed: dict[str, int] = {}
+        self.stats = {"filled": 0, "registered": 0, "markers": 0, "unregistered": 0, "timed_out": 0,
+                      "undecodable": 0, "refills": 0, "takeovers": 0}
+        self._group: Consumer | None = None
+        self._tables: Consumer | None = None
+        self._changelog: Consumer | None = None
+        self._producer: Any = None
+        self._admin: Any = None
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        base = self.cfg.kafka.client_settings()
+        client_id = {"client.id": self.member_id}
+        self._producer = make_producer(base, **client_id, **self.cfg.kafka.producer_settings())
+        self._admin = make_admin(base)
+        self._group = make_consumer(base, self.group_id, **client_id, **self.cfg.kafka.group_settings())
+        self._tables = make_consumer(base, None, **client_id, **{"fetch.wait.max.ms": 20})
+        self._changelog = make_consumer(base, None, **client_id, **{"fetch.wait.max.ms": 20})
+        try:
+            self._tables.assign([TopicPartition(t, p, 0) for t in (self.registry_topic, self.acks_topic,
+                                                                   self.fill_topic)
+                                 for p in range(self.partitions)])
+        except KafkaException as exc:
+            raise translate(exc, "assigning the subscription tables") from exc
+        self._read_tables(to_end=True)
+        self.state = ServiceState.RUNNING
+
+    def stop(self) -> None:
+        if self.state in (ServiceState.NEW, ServiceState.RUNNING):
+            self.state = ServiceState.STOPPING
+        self._stopping.set()
+
+    def run(self) -> None:
+        group = self._group
+        assert group is not None
+        group.subscribe([self.registry_topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
+                        on_lost=self._on_revoke)
+        next_sync = next_rules = time.monotonic()
+        try:
+            while not self._stopping.is_set():
+                group.poll(0)  # membership: rebalance callbacks run here
+                self._read_tables()
+                if self._reposition:
+                    self._position_changelogs()
+                now = time.monotonic()
+                if now >= next_rules or self._dirty:
+                    self._dirty = False
+                    self._tend_clients()
+                    next_rules = now + RULES_INTERVAL_S
+                self._fill()
+                if time.monotonic() >= next_sync:
+                    self._sync()
+                    next_sync = time.monotonic() + self.sub.message_sync_interval_s
+        except BaseException as exc:
+            if not isinstance(exc, KeyboardInterrupt):
+                self.crash = exc
+                self.state = ServiceState.CRASHED
+            raise
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        if self.state is not ServiceState.CRASHED and self.owned:
+            try:
+                self._sync()
+            except (SluiceError, KafkaException) as exc:
+                log.warning("subscriptions %s: last checkpoint not written: %s", self.member_id, exc)
+        for consumer in (self._group, self._tables, self._changelog):
+            if consumer is not None:
+                try:
+                    consumer.close()
+                except (KafkaException, RuntimeError) as exc:
+                    log.warning("closing a consumer: %s", exc)
+        if self._producer is not None:
+            self._producer.flush(10)
+        if self.state is not ServiceState.CRASHED:
+            self.state = ServiceState.STOPPED
+
+    # --- primaries: the consumer group over the registry -------------------------------------
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        consumer.assign(partitions)
+        consumer.pause(partitions)  # membership only: the tables consumer reads the registry
+        gained = {tp.partition for tp in partitions} - self.owned
+        if not gained:
+            return
+        self._read_tables(to_end=True)  # the previous primary's last checkpoint included
+        ends = self._changelog_ends()
+        for r in gained:
+            start = {tp: self.checkpoints.get(r, {}).get(tp, end) for tp, end in ends.items()}
+            self._positions[r] = start
+            self._duplicates_below[r] = dict(ends)
+            if r in self.checkpoints:
+                self.stats["takeovers"] += 1
+        self.owned |= gained
+        for client_id, record in self.registry.items():
+            if registry_partition(client_id, self.partitions) in gained:
+                self._clients[client_id] = _Client(record, interest_of(record))
+        self._reposition = True
+        log.info("subscriptions %s: primary for registry partitions %s (%d clients)", self.member_id,
+                 sorted(self.owned), len(self._clients))
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        lost = {tp.partition for tp in partitions} & self.owned
+        if not lost:
+            return
+        try:
+            self._sync(only=lost)
+        except (SluiceError, KafkaException) as exc:
+            log.warning("subscriptions %s: handing over without a last checkpoint: %s", self.member_id, exc)
+        self.owned -= lost
+        for r in lost:
+            self._positions.pop(r, None)
+            self._duplicates_below.pop(r, None)
+        self._clients = {c: v for c, v in self._clients.items()
+                         if registry_partition(c, self.partitions) in self.owned}
+        self._reposition = True
+        log.info("subscriptions %s: no longer primary for registry partitions %s", self.member_id, sorted(lost))
+
+    def _changelog_ends(self) -> dict[tuple[str, int], int]:
+        assert self._changelog is not None
+        ends = {}
+        for topic, region in self.changelogs.items():
+            for p in range(region.buckets):
+                try:
+                    _low, high = self._changelog.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+                except KafkaException as exc:
+                    raise translate(exc, f"reading the end of {topic}[{p}]") from exc
+                ends[(topic, p)] = high
+        return ends
+
+    def _position_changelogs(self) -> None:
+        """Read each changelog partition from the earliest position any owned registry partition needs."""
+        assert self._changelog is not None
+        self._reposition = False
+        if not self.owned:
+            self._changelog.unassign()
+            return
+        lowest: dict[tuple[str, int], int] = {}
+        for positions in self._positions.values():
+            for tp, offset in positions.items():
+                lowest[tp] = min(offset, lowest.get(tp, offset))
+        self._changelog.assign([TopicPartition(t, p, o) for (t, p), o in sorted(lowest.items())])
+
+    # --- tables ------------------------------------------------------------------------------
+
+    def _read_tables(self, to_end: bool = False) -> None:
+        assert self._tables is not None
+        deadline = time.monotonic() + 30
+        ends: dict[tuple[str, int], int] = {}
+        if to_end:
+            for topic in (self.registry_topic, self.acks_topic, self.fill_topic):
+                for p in range(self.partitions):
+                    try:
+                        _low, high = self._tables.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+                    except KafkaException as exc:
+                        raise translate(exc, f"reading the end of {topic}") from exc
+                    if high > 0:
+                        ends[(topic, p)] = high
+        while True:
+            try:
+                msgs = self._tables.consume(1000, 0.05 if ends else 0)
+                for msg in msgs:
+                    if msg.error() is None:
+                        self._table_record(msg.topic(), msg.partition(), msg.key(), msg.value())
+                if ends:
+                    for tp in self._tables.position([TopicPartition(t, p) for t, p in ends]):
+                        if tp.offset >= ends[(tp.topic, tp.partition)]:
+                            del ends[(tp.topic, tp.partition)]
+            except KafkaException as exc:
+                raise translate(exc, "reading the subscription tables") from exc
+            if ends and time.monotonic() > deadline:
+                raise TablesBehind(f"the subscription tables were not read to their end in 30 s "
+                                   f"({len(ends)} partitions behind)")
+            if not ends and len(msgs) < 1000:
+                return
+
+    def _table_record(self, topic: str, partition: int, key: bytes | None, value: bytes | None) -> None:
+        name = (key or b"").decode("utf-8", "replace")
+        try:
+            if topic == self.registry_topic:
+                if value is None:
+                    self.registry.pop(name, None)
+                    self._clients.pop(name, None)
+                    return
+                record = self._codec.decode_as("ClientRegistration", value)
+                self.registry[name] = record
+                if partition in self.owned:
+                    self._dirty = True
+                    client = self._clients.get(name)
+                    if client is None:
+                        self._clients[name] = _Client(record, interest_of(record))
+                    else:
+                        client.record = record
+            elif topic == self.acks_topic:
+                if value is None:
+                    self.acks.pop(name, None)
+                else:
+                    self.acks[name] = self._codec.decode_as("ClientAck", value)
+            elif value is not None:
+                record = self._codec.decode_as("FillCheckpoint", value)
+                self.checkpoints[record["registry_partition"]] = {
+                    (p["topic"], p["partition"]): p["offset"] for p in record["positions"]}
+        except CodecError as exc:
+            self.stats["undecodable"] += 1
+            log.error("subscriptions: %s[%d] key %r cannot be read and is skipped: %s", topic, partition, name, exc)
+
+    # --- clients -------------------------------------------------------------------------------
+
+    def _tend_clients(self) -> None:
+        now_ms = int(time.time() * 1000)
+        for client in list(self._clients.values()):
+            record = client.record
+            if not client.queue_ready:
+                assert self._admin is not None
+                create_queue(self._admin, self.cfg, record["queue_topic"], record["durable"])
+                client.queue_ready = True
+            if not record["connected"]:
+                if record["durable"] and record["keep_alive"]:
+                    self._away(client, record["changed_at"])
+                else:
+                    self._unregister(client, "closed" if not record["durable"] else "closed without keep-alive")
+                    continue
+            else:
+                ack = self.acks.get(client.id)
+                heard = record["changed_at"]
+                if ack is not None and ack["session"] == record["session"]:
+                    heard = max(heard, ack["at"])
+                silent_ms = now_ms - heard
+                if silent_ms > self.sub.maximum_time_between_pings_ms:
+                    if not record["durable"]:
+                        self._unregister(client, f"no ping for {silent_ms / 1000:.1f} s")
+                        continue
+                    self._away(client, heard)
+                elif client.away_since_ms is not None:
+                    client.away_since_ms = None
+                    client.interest = interest_of(record)
+            if client.away_since_ms is not None:
+                away_s = (now_ms - client.away_since_ms) / 1000
+                if away_s > record["durable_timeout_s"]:
+                    self.stats["timed_out"] += 1
+                    size = self._queue_size(client)
+                    log.warning("ALERT durable client %s timed out: away %.0f s, more than its "
+                                "durable-client-timeout of %d s; its queue (%s messages) is deleted and it is "
+                                "unregistered", client.id, away_s, record["durable_timeout_s"],
+                                "?" if size is None else size)
+                    self._unregister(client, "durable-client-timeout")
+                    continue
+            if client.answered != (record["session"], record["version"]):
+                if client.away_since_ms is None:
+                    client.interest = interest_of(record)
+                self._send(client, {"kind": "REGISTERED", "session": record["session"],
+                                    "version": record["version"]})
+                client.answered = (record["session"], record["version"])
+                self.stats["registered"] += 1
+            if record["ready"] and record["connected"] and client.marked != record["session"]:
+                self._send(client, {"kind": "MARKER", "session": record["session"]})
+                client.marked = record["session"]
+                self.stats["markers"] += 1
+
+    def _away(self, client: _Client, since_ms: int) -> None:
+        if client.away_since_ms is None:
+            client.away_since_ms = since_ms
+            client.interest = interest_of(client.record, durable_only=True)
+            log.info("durable client %s is away since %s; its queue keeps filling for its durable interest "
+                     "for up to %d s", client.id, time.strftime("%H:%M:%S", time.localtime(since_ms / 1000)),
+                     client.record["durable_timeout_s"])
+
+    def _unregister(self, client: _Client, why: str) -> None:
+        """Forget a client: tombstones in the registry and the acks, its queue deleted."""
+        assert self._producer is not None and self._admin is not None
+        key = client.id.encode()
+        r = registry_partition(client.id, self.partitions)
+        self._producer.produce(self.registry_topic, None, key, partition=r)
+        self._producer.produce(self.acks_topic, None, key, partition=r)
+        self._producer.flush(10)
+        self._clients.pop(client.id, None)
+        self.registry.pop(client.id, None)
+        self.acks.pop(client.id, None)
+        futures = self._admin.delete_topics([client.record["queue_topic"]], operation_timeout=10)
+        for topic, fut in futures.items():
+            try:
+                fut.result(timeout=15)
+            except KafkaException as exc:
+                if exc.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
+                    log.warning("deleting %s: %s", topic, exc)
+        self.stats["unregistered"] += 1
+        log.info("client %s unregistered (%s); queue %s deleted", client.id, why, client.record["queue_topic"])
+
+    def _queue_size(self, client: _Client) -> int | None:
+        assert self._changelog is not None
+        try:
+            _low, high = self._changelog.get_watermark_offsets(
+                TopicPartition(client.record["queue_topic"], 0), timeout=5)
+        except KafkaException:
+            return None
+        ack = self.acks.get(client.id)
+        return high - (ack["next_offset"] if ack else 0)
+
+    # --- filling -------------------------------------------------------------------------------
+
+    def _fill(self) -> None:
+        assert self._changelog is not None
+        if not self.owned:
+            self._stopping.wait(0.05)
+            return
+        try:
+            msgs = consume_available(self._changelog, 2000, 0.05)
+        except KafkaException as exc:
+            raise translate(exc, "reading the region changelogs") from exc
+        for msg in msgs:
+            if msg.error() is not None:
+                continue
+            tp, offset = (msg.topic(), msg.partition()), msg.offset()
+            takers = [r for r in self.owned if self._positions[r].get(tp, 0) <= offset]
+            if not takers:
+                continue
+            if msg.value() is not None:
+                try:
+                    event = EntryEvent.from_record(self._codec.decode_as("EntryEvent", msg.value()))
+                except CodecError:
+                    self.stats["undecodable"] += 1
+                    event = None
+                if event is not None and event.operation in FORWARDED:
+                    self._route(event, takers, tp, offset)
+            for r in takers:
+                self._positions[r][tp] = offset + 1
+
+    def _route(self, event: EntryEvent, takers: list[int], tp: tuple[str, int], offset: int) -> None:
+        for client in self._clients.values():
+            r = registry_partition(client.id, self.partitions)
+            if r not in takers or not client.queue_ready or client.answered is None:
+                continue
+            if event.event_id.member_id == client.record["member_id"]:
+                continue  # a client's own update is never sent back to it
+            interest = client.interest.get(event.region)
+            delivery = interest.delivery(event.key) if interest is not None else None
+            if delivery is None:
+                continue
+            values = delivery is Delivery.VALUES
+            record = event.to_record()
+            if not values:
+                record["value"] = None
+            self._send(client, {"kind": "EVENT", "event": record, "receive_values": values,
+                                "possible_duplicate": offset < self._duplicates_below.get(r, {}).get(tp, 0)})
+            client.filled += 1
+            self.stats["filled"] += 1
+
+    def _send(self, client: _Client, message: dict[str, Any]) -> None:
+        assert self._producer is not None
+        message.setdefault("session", "")
+        message.setdefault("version", 0)
+        message.setdefault("event", None)
+        message.setdefault("receive_values", True)
+        message.setdefault("possible_duplicate", False)
+        message["filled_at"] = int(time.time() * 1000)
+        value = self._codec.encode("ClientMessage", message, validate=False)
+        topic = client.record["queue_topic"]
+        while True:
+            try:
+                self._producer.produce(topic, value, None, partition=0, on_delivery=self._delivered)
+                return
+            except BufferError:
+                self._producer.poll(0.1)
+                if self._stopping.is_set():
+                    return
+
+    def _delivered(self, err: KafkaError | None, msg: Any) -> None:
+        if err is not None and self._delivery_failed is None:
+            self._delivery_failed = f"{msg.topic()}: {err.str()}"
+
+    # --- checkpoints and removal -----------------------------------------------------------------
+
+    def _sync(self, only: set[int] | None = None) -> None:
+        """Checkpoint what the queues durably hold; delete what clients acknowledged."""
+        assert self._producer is not None
+        if not self._written():
+            return
+        failed, self._delivery_failed = self._delivery_failed, None
+        partitions = sorted(self.owned if only is None else only & self.owned)
+        if failed is not None:
+            # Something filled was not written: fill again from the last checkpoints (repeats are
+            # discarded by the clients), rather than checkpoint past a hole.
+            self.stats["refills"] += 1
+            log.warning("subscriptions %s: a queue write failed (%s); filling again from the last checkpoint",
+                        self.member_id, failed)
+            for r in partitions:
+                positions = self._positions[r]
+                for tp in positions:
+                    positions[tp] = min(positions[tp], self.checkpoints.get(r, {}).get(tp, positions[tp]))
+                self._duplicates_below[r] = self._changelog_ends()
+            self._reposition = True
+            return
+        now_ms = int(time.time() * 1000)
+        for r in partitions:
+            record = {"registry_partition": r, "member": self.member_id, "updated_at": now_ms,
+                      "positions": [{"topic": t, "partition": p, "offset": o}
+                                    for (t, p), o in sorted(self._positions[r].items())]}
+            self._producer.produce(self.fill_topic, self._codec.encode("FillCheckpoint", record),
+                                   str(r).encode(), partition=r)
+            self.checkpoints[r] = dict(self._positions[r])
+        if self._written():
+            self._trim()
+
+    def _written(self) -> bool:
+        """Wait until the broker has everything produced; when stopping, for 10 s at most."""
+        assert self._producer is not None
+        give_up = None
+        while self._producer.flush(1.0) > 0:
+            if self._stopping.is_set():
+                give_up = give_up or time.monotonic() + 10
+                if time.monotonic() > give_up:
+                    return False
+        return True
+
+    def _trim(self) -> None:
+        """Acknowledged messages leave the queue (best effort: a broker without DeleteRecords keeps them)."""
+        assert self._admin is not None
+        wanted = []
+        for client in self._clients.values():
+            ack = self.acks.get(client.id)
+            if ack is None or ack["queue_topic"] != client.record["queue_topic"]:
+                continue
+            if ack["next_offset"] > self._trimmed.get(client.id, 0):
+                wanted.append((client.id, TopicPartition(ack["queue_topic"], 0, ack["next_offset"])))
+        if not wanted or not hasattr(self._admin, "delete_records"):
+            return
+        try:
+            futures = self._admin.delete_records([tp for _, tp in wanted], request_timeout=5)
+        except (KafkaException, ValueError) as exc:
+            log.debug("delete_records: %s", exc)
+            return
+        for client_id, tp in wanted:
+            self._trimmed[client_id] = tp.offset
+        for fut in futures.values():
+            fut.add_done_callback(lambda f: f.exception())  # outcome noted, never raised
+
+    # --- what admin status shows -----------------------------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        return {"member": self.member_id, "owned": sorted(self.owned), "clients": sorted(self._clients),
+                **self.stats}
+
+
+__all__ = ["FORWARDED", "SubscriptionService"]
