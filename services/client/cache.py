@@ -6,7 +6,8 @@ entry is simply absent.
 Register interest follows Geode, in three steps:
 
 1. ``begin_registration`` silently destroys the local entries the new
-   interest covers (the listed keys; every entry for ALL_KEYS or a regex)
+   interest covers (the listed keys; the keys a regex matches; every entry
+   for ALL_KEYS)
    and starts noting which keys application operations and events touch;
 2. the interest is recorded (``interest.RegionInterest``);
 3. ``finish_load`` applies the initial load (per result policy) without
@@ -98,10 +99,14 @@ class RegionCache:
 
     # --- register interest ----------------------------------------------------------------
 
-    def begin_registration(self, keys: Iterable[str] | None) -> None:
-        """Step 1: silently destroy the entries the interest covers (``None``: all of them)."""
+    def begin_registration(self, keys: Iterable[str] | Callable[[str], bool] | None) -> None:
+        """Step 1: silently destroy the entries the interest covers: the listed keys, the keys a
+        predicate (a regex's match) accepts, or (``None``, ALL_KEYS) all of them."""
         if keys is None:
             self.entries.clear()
+        elif callable(keys):
+            for key in [k for k in self.entries if keys(k)]:
+                del self.entries[key]
         else:
             for key in keys:
                 self.entries.pop(key, None)

@@ -43,7 +43,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from ..core.codec import get_codec
 from ..core.config import SiteConfig, load_config
@@ -154,6 +154,7 @@ class ClientRegion:
         owner = self._owner
         with owner._lock:
             held = self.cache.contains_key(key)
+        is_put = op is None
         if op is None:
             op = Operation.UPDATE if held else Operation.CREATE
         client = owner._region_client()
@@ -173,7 +174,7 @@ class ClientRegion:
         try:
             if op is Operation.DESTROY:
                 client.destroy(self.name, key, event_id=event_id)
-            elif op is Operation.CREATE:
+            elif not is_put:
                 client.create(self.name, key, value, callback_argument=callback_argument, event_id=event_id)
             else:
                 client.put(self.name, key, value, callback_argument=callback_argument, event_id=event_id)
@@ -379,9 +380,8 @@ class ClientCache:
     # --- interest ---------------------------------------------------------------------------
 
     def _register(self, region: ClientRegion, reg: Registration) -> int:
-        keys = None if reg.all_keys or reg.regex is not None else list(reg.keys)
         with self._lock:
-            region.cache.begin_registration(keys)
+            region.cache.begin_registration(self._covered(reg))
             region.interest.register(reg)
             region.registrations.append(reg)
             self._record["interest"] = self._interest_records()
@@ -396,6 +396,15 @@ class ClientCache:
             raise
         with self._lock:
             return region.cache.finish_load(loaded, reg.result_policy, invalid)
+
+    @staticmethod
+    def _covered(reg: Registration) -> list[str] | Callable[[str], bool] | None:
+        """What a registration's step 1 destroys: its keys, its regex's matches, or everything."""
+        if reg.all_keys:
+            return None
+        if reg.regex is not None:
+            return re.compile(reg.regex).fullmatch
+        return list(reg.keys)
 
     def _unregister(self, region: ClientRegion, reg: Registration) -> None:
         with self._lock:
@@ -544,10 +553,9 @@ class ClientCache:
             self._wait_answer(self._record["version"])
             for region in regions:
                 for reg in list(region.registrations):
-                    keys = None if reg.all_keys or reg.regex is not None else list(reg.keys)
                     loaded, invalid = self._load(region, reg)
                     with self._lock:
-                        region.cache.begin_registration(keys)
+                        region.cache.begin_registration(self._covered(reg))
                         region.cache.finish_load(loaded, reg.result_policy, invalid)
         except SluiceError as exc:
             log.error("client %s: fetching its interest again failed: %s", self.client_id, exc)

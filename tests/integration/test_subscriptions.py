@@ -101,3 +101,93 @@ def test_smoke_register_write_receive(site: Any, tmp_path: Path) -> None:
                 assert [(e.key, e.new_value) for e in rec.events] == [("k2", 2), ("k1", 11)]
             finally:
                 cache.close()
+
+
+# --- what the region's history says each client should receive -------------------------------
+
+
+def history(cfg: SiteConfig, bootstrap: str, region: str = "orders") -> list[EntryEvent]:
+    """Every event the region applied, from its changelog (per key in order)."""
+    codec = get_codec()
+    buckets = cfg.region(region).buckets
+    return [EntryEvent.from_record(codec.decode_as("EntryEvent", v))
+            for _p, _o, v in read_topic(bootstrap, cfg.topics.region_changelog(region), buckets) if v is not None]
+
+
+def expected_for(cache: ClientCache, events: list[EntryEvent], region: str = "orders") -> dict[str, list[Any]]:
+    """Per key, the (EventID, values?) a client's interest calls for: never its own writes."""
+    interest = cache.region(region).interest
+    out: dict[str, list[Any]] = {}
+    for e in events:
+        delivery = interest.delivery(e.key)
+        if delivery is None or e.event_id.member_id == cache.member_id:
+            continue
+        out.setdefault(e.key, []).append((e.event_id, delivery.value))
+    return out
+
+
+def test_two_clients_overlapping_interest_receive_exactly_their_events(site: Any, site_a: Any, tmp_path: Path) -> None:
+    """Keys and a regex per client, overlapping; values for some, invalidates for others; each
+    client's own writes never come back; checked against the region's changelog."""
+    cfg, path, region = site
+    keys = [f"k-{i:02d}" for i in range(60)]
+    with SubscriptionsProcess(path, tmp_path / "subs.log"), RegionClient(region.url) as writer:
+        writer.put_all("orders", {k: 0 for k in keys})
+        a = ClientCache(cfg, "client-a", region_urls=[region.url])
+        b = ClientCache(cfg, "client-b", region_urls=[region.url])
+        try:
+            recorders = {}
+            for cache in (a, b):
+                recorders[cache.client_id] = Recorder()
+                cache.region("orders").add_listener(recorders[cache.client_id])
+            ao, bo = a.region("orders"), b.region("orders")
+            ao.register_interest(keys[:20])                                    # k-00..k-19: values
+            ao.register_interest_regex(r"k-[2-3]\d", receive_values=False)     # k-20..k-39: invalidates
+            bo.register_interest_regex(r"k-(1|2)\d")                           # k-10..k-29: values
+            bo.register_interest(keys[35:45], receive_values=False, policy=ResultPolicy.KEYS)  # invalidates
+            assert len(ao) == 40 and len(bo) == 30
+            a.ready_for_events()
+            b.ready_for_events()
+            wait_for(lambda: a.live and b.live, 20, "both markers")
+            earlier = {e.event_id for e in history(cfg, site_a.bootstrap)}
+
+            for round_ in range(1, 6):
+                writer.put_all("orders", {k: round_ for k in keys})
+                for i, k in enumerate(keys[::7]):
+                    (ao if i % 2 else bo).put(k, -round_)                      # own writes: never sent back
+                writer.destroy("orders", keys[round_])
+                writer.put("orders", keys[round_], round_ * 100)
+                writer.invalidate("orders", keys[30 + round_])
+            events = [e for e in history(cfg, site_a.bootstrap) if e.event_id not in earlier]
+            for cache in (a, b):
+                want = expected_for(cache, events)
+                want_total = sum(map(len, want.values()))
+                rec = recorders[cache.client_id]
+
+                def received(c: ClientCache = cache, r: Recorder = rec) -> dict[str, list[Any]]:
+                    out: dict[str, list[Any]] = {}
+                    with r.lock:
+                        for e in r.events:
+                            if e.event_id.member_id != c.member_id:  # its own writes fire its listeners locally
+                                out.setdefault(e.key, []).append((e.event_id, e.delivery.value))
+                    return out
+
+                wait_for(lambda: sum(map(len, received().values())) >= want_total, 30, f"{cache.client_id}'s events")
+                time.sleep(1.0)  # anything extra would arrive now
+                got = received()
+                assert got == want, f"{cache.client_id}: events received differ from the region's history"
+                assert all(not e.replayed for e in rec.events)
+                assert all(e.new_value is None for e in rec.events if e.delivery.value == "invalidates")
+                assert cache.processed()["repeats"] == 0
+                print(f"{cache.client_id}: {want_total} events over {len(want)} keys, as the history says; "
+                      f"stats {cache.processed()}")
+            # Caches: values keys equal the region; invalidates keys hold no stale value.
+            region_now = writer.get_all("orders", keys)
+            for key in keys[:20]:
+                entry = region_now[key]
+                assert ao.get_local(key) == (None if entry is None or entry["invalid"] else entry["value"]), key
+            for key in keys[20:40]:
+                assert ao.get_local(key) in (None, region_now[key]["value"] if region_now[key] else None), key
+        finally:
+            a.close()
+            b.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -83,8 +85,13 @@ def test_result_policies_keys_make_invalid_entries_and_none_loads_nothing() -> N
     cache.finish_load({"a": 1}, ResultPolicy.KEYS)
     assert cache.contains_key("a") and not cache.contains_value_for_key("a") and cache.get("a") is None
     cache.begin_registration(None)
-    assert len(cache) == 0, "ALL_KEYS or a regex destroys every local entry first"
+    assert len(cache) == 0, "ALL_KEYS destroys every local entry first"
     assert cache.finish_load({"a": 1}, ResultPolicy.NONE) == 0 and len(cache) == 0
+    cache.put("o-1", 1)
+    cache.put("p-1", 1)
+    cache.begin_registration(re.compile(r"o-.*").fullmatch)
+    assert not cache.contains_key("o-1") and cache.contains_key("p-1"), "a regex destroys the keys it matches"
+    cache.finish_load({}, ResultPolicy.NONE)
     cache.put("late", 1)
     cache.begin_registration(["x"])
     cache.destroy("late")
