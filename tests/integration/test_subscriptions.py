@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
+from confluent_kafka import Consumer, TopicPartition
 
 from sluice.client import ALL_KEYS, ClientCache, RegionClient, ResultPolicy
 from sluice.core.codec import get_codec
@@ -191,3 +192,71 @@ def test_two_clients_overlapping_interest_receive_exactly_their_events(site: Any
         finally:
             a.close()
             b.close()
+
+
+def test_durable_client_away_during_5000_updates_gets_each_once_before_the_marker(
+        site: Any, site_a: Any, tmp_path: Path) -> None:
+    cfg, path, region = site
+    keys = [f"d-{i:03d}" for i in range(200)]
+    mine = keys[:100]
+    with SubscriptionsProcess(path, tmp_path / "subs.log"), RegionClient(region.url) as writer:
+        writer.put_all("orders", {k: 0 for k in keys})
+        first = ClientCache(cfg, "durable-1", durable=True, region_urls=[region.url])
+        first.region("orders").register_interest_regex(r"d-0\d\d", durable=True)
+        first.ready_for_events()
+        wait_for(lambda: first.live, 20, "the first marker")
+        first.close(keep_alive=True)
+
+        before = {e.event_id for e in history(cfg, site_a.bootstrap)}
+        for round_ in range(50):                  # 50 × 100 = 5,000 updates of its keys, 500 of others between
+            writer.put_all("orders", {k: {"round": round_, "key": k} for k in mine})
+            if round_ % 10 == 0:
+                writer.put_all("orders", {k: {"round": round_} for k in keys[100:]})
+        away = [e for e in history(cfg, site_a.bootstrap) if e.event_id not in before]
+        assert len(away) == 5500
+        want = {k: [e.event_id for e in away if e.key == k] for k in mine}
+
+        again = ClientCache(cfg, "durable-1", durable=True, region_urls=[region.url])
+        try:
+            assert again.replayed_queue, "the durable queue was not found"
+            orders = again.region("orders")
+            rec = Recorder()
+            orders.add_listener(rec)
+            puts_before_live: list[str] = []
+            real_put = orders.cache.put
+
+            def watched_put(key: str, value: Any) -> None:
+                if not again.live:
+                    puts_before_live.append(key)
+                real_put(key, value)
+
+            orders.cache.put = watched_put  # type: ignore[method-assign]
+            orders.register_interest_regex(r"d-0\d\d", durable=True)
+            puts_before_live.clear()  # the load's entries are set by finish_load, not put
+            again.ready_for_events()
+            wait_for(lambda: again.live, 60, "the marker after reconnecting")
+            replayed = [e for e in rec.events[:rec.live_at]]
+            assert all(e.replayed for e in replayed)
+            got = {k: [e.event_id for e in replayed if e.key == k] for k in mine}
+            assert got == want, "the queued events, each once and in order, before the marker"
+            assert len(replayed) == 5000
+            assert not puts_before_live, "replayed events must not be applied to the cache"
+            assert again.processed()["applied"] == 0
+
+            live = {k: {"live": True, "key": k} for k in mine[::3]}
+            writer.put_all("orders", live)
+            wait_for(lambda: all(orders.get_local(k) == v for k, v in live.items()), 30, "live events in the cache")
+            assert sorted(e.key for e in rec.events[rec.live_at:]) == sorted(live)
+            assert all(not e.replayed for e in rec.events[rec.live_at:])
+            region_now = writer.get_all("orders", mine)
+            assert orders.snapshot() == {k: region_now[k]["value"] for k in mine}, "cache equals the region"
+            print(f"replayed {len(replayed)} queued events once each; live {len(live)}; stats {again.processed()}")
+            # Acknowledged messages leave the queue.
+            probe = Consumer({"bootstrap.servers": site_a.bootstrap, "group.id": "probe"})
+            try:
+                wait_for(lambda: probe.get_watermark_offsets(TopicPartition(again.queue_topic, 0), timeout=5)[0] > 5000,
+                         20, "the acknowledged head removed from the queue")
+            finally:
+                probe.close()
+        finally:
+            again.close()
