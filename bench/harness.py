@@ -290,6 +290,7 @@ def load_benchmarks() -> dict[str, Entry]:
     from . import region  # noqa: F401
     from . import dispatcher  # noqa: F401
     from . import gateway  # noqa: F401
+    from . import subscriptions  # noqa: F401
 
     return REGISTRY
 

@@ -227,6 +227,7 @@ class SubscriptionService:
             if registry_partition(client_id, self.partitions) in gained:
                 self._clients[client_id] = _Client(record, interest_of(record))
         self._reposition = True
+        self._dirty = True  # the new clients are tended (queues, registrations) before anything is filled
         log.info("subscriptions %s: primary for registry partitions %s (%d clients)", self.member_id,
                  sorted(self.owned), len(self._clients))
 
@@ -370,7 +371,7 @@ class SubscriptionService:
                 if away_s > record["durable_timeout_s"]:
                     self.stats["timed_out"] += 1
                     size = self._queue_size(client)
-                    log.warning("ALERT durable client %s timed out: away %.0f s, more than its "
+                    log.warning("ALERT durable client %s timed out: away %.1f s, more than its "
                                 "durable-client-timeout of %d s; its queue (%s messages) is deleted and it is "
                                 "unregistered", client.id, away_s, record["durable_timeout_s"],
                                 "?" if size is None else size)
@@ -459,7 +460,7 @@ class SubscriptionService:
     def _route(self, event: EntryEvent, takers: list[int], tp: tuple[str, int], offset: int) -> None:
         for client in self._clients.values():
             r = registry_partition(client.id, self.partitions)
-            if r not in takers or not client.queue_ready or client.answered is None:
+            if r not in takers:
                 continue
             if event.event_id.member_id == client.record["member_id"]:
                 continue  # a client's own update is never sent back to it
