@@ -5,6 +5,9 @@ queue's desired state to the site's compacted control topic, which every
 dispatcher of the queue follows.  Status is computed from Kafka too: the
 queue head from the removals topic, the queue's end offsets, the record at
 the head (its age), and what each partition's primary last reported.
+Subscription clients come from the registry and acks topics, each client's
+queue (its end, and the age of its oldest unacknowledged message) and the
+subscription instances' consumer group (who is primary for whom).
 """
 
 from __future__ import annotations
@@ -21,13 +24,23 @@ from rich.table import Table
 from ..core.codec import get_codec
 from ..core.config import SiteConfig, load_config
 from ..core.errors import CodecError, ConfigError, InvalidRequest, SluiceError
-from ..core.kafka import KafkaException, TopicPartition, make_consumer, make_producer, read_to_end, translate
+from ..core.kafka import (
+    KafkaException,
+    TopicPartition,
+    describe_group_members,
+    make_admin,
+    make_consumer,
+    make_producer,
+    read_to_end,
+    translate,
+)
+from ..subscriptions.registry import registry_partition
 
 STATES = {"pause": "PAUSED", "resume": "RUNNING", "stop": "STOPPED", "start": "RUNNING"}
 
 EXAMPLE = """\
 examples:
-  sluice admin -c deploy/sites/site-a.yaml status                 # every queue, per partition
+  sluice admin -c deploy/sites/site-a.yaml status                 # every queue per partition, receivers, clients
   sluice admin -c deploy/sites/site-a.yaml pause orders-jdbc      # dispatch stops at a batch boundary
   sluice admin -c deploy/sites/site-a.yaml resume orders-jdbc
   sluice admin -c deploy/sites/site-a.yaml stop orders-jdbc       # also closes the listener; nothing is dropped
@@ -88,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
             print_status(console, cfg, rows)
             if cfg.receiver is not None and not args.queue:
                 print_receivers(console, cfg, receiver_status(cfg))
+            if not args.queue:
+                print_clients(console, cfg, client_status(cfg))
             return 0
         if not args.queue:
             print(f"sluice admin {args.command}: name the queue", file=sys.stderr)
@@ -246,4 +261,102 @@ def print_status(console: Console, cfg: SiteConfig, rows: list[PartitionStatus])
                       "—" if r.oldest_age_s is None else f"{r.oldest_age_s:.1f}s", str(r.in_flight),
                       "—" if r.last_delivered_age_s is None else f"{r.last_delivered_age_s:.1f}s",
                       str(r.batches), str(r.events), str(r.redeliveries), str(r.dead_lettered))
+    console.print(table)
+
+
+@dataclass
+class ClientStatus:
+    client_id: str
+    durable: bool
+    connected: bool
+    since_ms: int  # connected, or away, since
+    primary: str
+    queue_size: int | None
+    oldest_age_s: float | None
+    redundancy: int
+    interest: str
+    received: int
+    repeats: int
+
+
+def client_status(cfg: SiteConfig) -> list[ClientStatus]:
+    """Every subscription client of the site: from the registry, the acks, the queues and the group."""
+    codec = get_codec()
+    names = cfg.topics
+    partitions = cfg.subscriptions.registry_partitions
+    consumer = make_consumer(cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 50})
+    now_ms = int(time.time() * 1000)
+    try:
+        tables: dict[str, dict[str, dict[str, Any]]] = {"ClientRegistration": {}, "ClientAck": {}}
+        for topic, schema in ((names.subscription_registry(), "ClientRegistration"),
+                              (names.subscription_acks(), "ClientAck")):
+            for p in range(partitions):
+                for msg in read_to_end(consumer, topic, p):
+                    key = (msg.key() or b"").decode("utf-8", "replace")
+                    if msg.value() is None:
+                        tables[schema].pop(key, None)
+                        continue
+                    try:
+                        tables[schema][key] = codec.decode_as(schema, msg.value())
+                    except CodecError:
+                        continue
+        try:
+            owners = {p: member for member, tps in describe_group_members(
+                make_admin(cfg.kafka.client_settings()), f"{cfg.kafka.topic_prefix}subscriptions")
+                for t, p in tps if t == names.subscription_registry()}
+        except SluiceError:
+            owners = {}
+        rows = []
+        for client_id, reg in sorted(tables["ClientRegistration"].items()):
+            ack = tables["ClientAck"].get(client_id)
+            head = ack["next_offset"] if ack is not None and ack["queue_topic"] == reg["queue_topic"] else 0
+            size = oldest = None
+            try:
+                low, high = consumer.get_watermark_offsets(TopicPartition(reg["queue_topic"], 0), timeout=5)
+                head = max(head, low)
+                size = max(0, high - head)
+                if size:
+                    consumer.assign([TopicPartition(reg["queue_topic"], 0, head)])
+                    msg = consumer.poll(5)
+                    if msg is not None and msg.error() is None:
+                        oldest = (now_ms - msg.timestamp()[1]) / 1000
+                    consumer.unassign()
+            except KafkaException:
+                pass
+            heard = max(reg["changed_at"], ack["at"] if ack and ack["session"] == reg["session"] else 0)
+            connected = reg["connected"] and now_ms - heard <= cfg.subscriptions.maximum_time_between_pings_ms
+            since = reg["changed_at"] if connected or not reg["connected"] else heard
+            interest = ", ".join(
+                f"{r['region']}:" + ("ALL_KEYS" if r["all_keys"] else f"/{r['regex']}/" if r["regex"] else
+                                     f"{len(r['keys'])} keys")
+                + ("" if r["receive_values"] else " (invalidates)") + (" durable" if r["durable"] else "")
+                for r in reg["interest"]) or "none"
+            rows.append(ClientStatus(
+                client_id, reg["durable"], connected, since,
+                owners.get(registry_partition(client_id, partitions), "none"), size, oldest, reg["redundancy"],
+                interest, ack["received"] if ack else 0, ack["repeats"] if ack else 0))
+        return rows
+    except KafkaException as exc:
+        raise translate(exc, "reading the subscription clients") from exc
+    finally:
+        consumer.close()
+
+
+def print_clients(console: Console, cfg: SiteConfig, rows: list[ClientStatus]) -> None:
+    table = Table(title=f"subscription clients of site {cfg.site} (dsid {cfg.dsid})")
+    for col in ("client", "durable", "connection", "primary", "queue size", "oldest message", "redundancy",
+                "received", "repeats discarded", "interest"):
+        table.add_column(col, justify="right" if col in ("queue size", "oldest message", "redundancy", "received",
+                                                         "repeats discarded") else "left")
+    now = time.time()
+    for r in rows:
+        ago = now - r.since_ms / 1000
+        clock = time.strftime("%H:%M:%S", time.localtime(r.since_ms / 1000))
+        connection = f"connected since {clock}" if r.connected else f"away since {clock} ({ago:.0f}s)"
+        table.add_row(r.client_id, "yes" if r.durable else "no", connection, r.primary,
+                      "—" if r.queue_size is None else str(r.queue_size),
+                      "—" if r.oldest_age_s is None else f"{r.oldest_age_s:.1f}s", str(r.redundancy),
+                      str(r.received), str(r.repeats), r.interest)
+    if not rows:
+        table.add_row("(none)", "", "", "", "", "", "", "", "", "")
     console.print(table)

@@ -377,7 +377,7 @@ class SubscriptionService:
                                 "?" if size is None else size)
                     self._unregister(client, "durable-client-timeout")
                     continue
-            if client.answered != (record["session"], record["version"]):
+            if record["connected"] and client.answered != (record["session"], record["version"]):
                 if client.away_since_ms is None:
                     client.interest = interest_of(record)
                 self._send(client, {"kind": "REGISTERED", "session": record["session"],

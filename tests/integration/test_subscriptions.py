@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -214,6 +216,12 @@ def test_durable_client_away_during_5000_updates_gets_each_once_before_the_marke
                 writer.put_all("orders", {k: {"round": round_} for k in keys[100:]})
         away = [e for e in history(cfg, site_a.bootstrap) if e.event_id not in before]
         assert len(away) == 5500
+        shown = subprocess.run([sys.executable, "-m", "sluice.cli", "admin", "-c", str(path), "status"],
+                               capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        row = next(line for line in shown.stdout.splitlines() if "durable-1" in line)
+        print(row)
+        assert "away since" in row and " 5000 " in row and "durable" in row
         want = {k: [e.event_id for e in away if e.key == k] for k in mine}
 
         again = ClientCache(cfg, "durable-1", durable=True, region_urls=[region.url])
