@@ -84,7 +84,32 @@ def record_strategies(millis: st.SearchStrategy[int] = longs) -> dict[str, st.Se
     batch_exception = st.fixed_dictionaries(
         {"index": ints, "event_id": event_id, "exception_class": texts, "message": texts}
     )
+    client_interest = st.fixed_dictionaries(
+        {"region": texts, "keys": st.lists(texts, max_size=4), "all_keys": st.booleans(),
+         "regex": st.none() | texts, "durable": st.booleans(), "receive_values": st.booleans()}
+    )
     return {
+        "ClientInterest": client_interest,
+        "ClientRegistration": st.fixed_dictionaries(
+            {"client_id": texts, "member_id": texts, "durable": st.booleans(), "durable_timeout_s": ints,
+             "redundancy": ints, "queue_topic": texts, "session": texts, "version": longs,
+             "interest": st.lists(client_interest, max_size=3), "connected": st.booleans(),
+             "keep_alive": st.booleans(), "ready": st.booleans(), "changed_at": millis}
+        ),
+        "ClientMessage": st.fixed_dictionaries(
+            {"kind": st.sampled_from(["EVENT", "REGISTERED", "MARKER", "UNKNOWN"]), "session": texts,
+             "version": longs, "event": st.none() | entry_event, "receive_values": st.booleans(),
+             "possible_duplicate": st.booleans(), "filled_at": millis}
+        ),
+        "ClientAck": st.fixed_dictionaries(
+            {"client_id": texts, "session": texts, "queue_topic": texts, "next_offset": longs, "received": longs,
+             "repeats": longs, "at": millis}
+        ),
+        "FillCheckpoint": st.fixed_dictionaries(
+            {"registry_partition": ints, "member": texts, "updated_at": millis,
+             "positions": st.lists(st.fixed_dictionaries({"topic": texts, "partition": ints, "offset": longs}),
+                                   max_size=4)}
+        ),
         "EventID": event_id,
         "VersionTag": version_tag,
         "EntryEvent": entry_event,
@@ -271,6 +296,19 @@ SAMPLES: dict[str, dict[str, Any]] = {
                     "state": "running", "batches_dispatched": 10, "events_dispatched": 1000, "redeliveries": 2,
                     "events_conflated": 0, "dead_lettered": 1, "last_removed_offset": 999, "in_flight": 1,
                     "last_accepted_at": 1_700_000_000_005, "waiting": 12, "updated_at": 1_700_000_000_006},
+    "ClientInterest": {"region": "orders", "keys": ["k1"], "all_keys": False, "regex": None, "durable": True,
+                       "receive_values": False},
+    "ClientRegistration": {"client_id": "c-1", "member_id": "c-1-ab", "durable": True, "durable_timeout_s": 300,
+                           "redundancy": 1, "queue_topic": "subscription.c-1.ab", "session": "s1", "version": 4,
+                           "interest": [{"region": "orders", "keys": [], "all_keys": False, "regex": "k.*",
+                                         "durable": True, "receive_values": True}],
+                           "connected": True, "keep_alive": False, "ready": True, "changed_at": 1_700_000_000_008},
+    "ClientMessage": {"kind": "EVENT", "session": "", "version": 0, "event": ENTRY_EVENT, "receive_values": True,
+                      "possible_duplicate": True, "filled_at": 1_700_000_000_009},
+    "ClientAck": {"client_id": "c-1", "session": "s1", "queue_topic": "subscription.c-1.ab", "next_offset": 12,
+                  "received": 12, "repeats": 1, "at": 1_700_000_000_010},
+    "FillCheckpoint": {"registry_partition": 3, "member": "b-subscriptions-1", "updated_at": 1_700_000_000_011,
+                       "positions": [{"topic": "region.orders.changelog", "partition": 0, "offset": 99}]},
     "ReceiverStatus": {"member": "b-receiver-1", "dsid": 2, "partitions": [0, 3], "batches": 40,
                        "duplicate_batches": 2, "rejected_batches": 1, "bad_signatures": 0, "events_applied": 3990,
                        "events_duplicate": 10, "conflicts": 3, "exceptions": 1, "dead_lettered": 1,

@@ -27,6 +27,10 @@ def test_topic_names() -> None:
     assert names.gateway_inbound() == "p.gateway.inbound"
     assert names.gateway_acks() == "p.gateway.acks"
     assert names.region_dead_letter() == "p.region.dlq"
+    assert names.subscription_registry() == "p.subscriptions.registry"
+    assert names.subscription_acks() == "p.subscriptions.acks"
+    assert names.subscription_fill() == "p.subscriptions.fill"
+    assert names.client_queue("c-1", "ab12") == "p.subscription.c-1.ab12"
     assert TopicNames("p.") == TopicNames("p.") != TopicNames("q.")
 
 
@@ -46,6 +50,9 @@ SITE_A = [
     ("site-a.gateway.inbound", 8, False),
     ("site-a.gateway.acks", 8, False),
     ("site-a.region.dlq", 1, False),
+    ("site-a.subscriptions.registry", 8, True),
+    ("site-a.subscriptions.acks", 8, True),
+    ("site-a.subscriptions.fill", 8, True),
     ("site-a.control", 1, True),
     ("site-a.status", 1, True),
 ]
@@ -62,6 +69,9 @@ SITE_B = [
     ("site-b.gateway.inbound", 8, False),
     ("site-b.gateway.acks", 8, False),
     ("site-b.region.dlq", 1, False),
+    ("site-b.subscriptions.registry", 8, True),
+    ("site-b.subscriptions.acks", 8, True),
+    ("site-b.subscriptions.fill", 8, True),
     ("site-b.control", 1, True),
     ("site-b.status", 1, True),
 ]
@@ -114,6 +124,9 @@ def test_unattached_queue_and_no_receiver_plan_no_topics() -> None:
         "x.queue.serial1.removals",
         "x.queue.serial1.dlq",
         "x.region.dlq",
+        "x.subscriptions.registry",
+        "x.subscriptions.acks",
+        "x.subscriptions.fill",
         "x.control",
         "x.status",
     ]
