@@ -69,6 +69,9 @@ from ..subscriptions.registry import create_queue, read_latest, registry_partiti
 log = logging.getLogger("sluice.client")
 
 CLIENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$")
+#: What a deleted queue looks like to a consumer.
+MISSING = frozenset({KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC, KafkaError._UNKNOWN_PARTITION,
+                     getattr(KafkaError, "UNKNOWN_TOPIC_ID", 100)})
 #: Keys asked of the region service per get_all during a load.
 LOAD_CHUNK = 1000
 
@@ -473,8 +476,7 @@ class ClientCache:
                 for msg in msgs:
                     err = msg.error()
                     if err is not None:
-                        if err.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC,
-                                          KafkaError.OFFSET_OUT_OF_RANGE):
+                        if err.code() in MISSING or err.code() == KafkaError.OFFSET_OUT_OF_RANGE:
                             self._start_over(f"its queue is gone or its head expired ({err.str()})")
                             acked = self._next
                             break
@@ -484,12 +486,37 @@ class ClientCache:
                 now = time.monotonic()
                 due_ack = self._next != acked and now - last_ack >= sub.subscription_ack_interval_ms / 1000
                 due_ping = now - last_ack >= sub.ping_interval_ms / 1000
+                if due_ping and not msgs:
+                    lost = self._queue_lost()
+                    if lost is not None:
+                        self._start_over(lost)
+                        acked = self._next
                 if due_ack or due_ping:
                     self._ack()
                     acked, last_ack = self._next, now
         except BaseException as exc:  # noqa: BLE001 - kept for the owner to see
             self.error = exc
             log.exception("client %s: its queue reader stopped", self.client_id)
+
+    def _queue_lost(self) -> str | None:
+        """Why the queue can no longer be read from where this client is, or None when it can."""
+        try:
+            low, high = self._consumer.get_watermark_offsets(TopicPartition(self.queue_topic, 0), timeout=5)
+        except KafkaException as exc:
+            if exc.args[0].code() not in MISSING:
+                return None  # the broker is away: nothing to conclude
+            try:  # the cluster's own answer, not a cached one
+                listed = self._consumer.list_topics(self.queue_topic, timeout=5).topics.get(self.queue_topic)
+            except KafkaException:
+                return None
+            if listed is None or (listed.error is not None and listed.error.code() in MISSING):
+                return f"its queue {self.queue_topic} is gone"
+            return None
+        if low > self._next:
+            return f"its queue's head expired before it was read (offsets {self._next}–{low - 1})"
+        if high < self._next:
+            return f"its queue {self.queue_topic} was deleted and made again"
+        return None
 
     def _handle(self, raw: bytes | None) -> None:
         self.stats["received"] += 1

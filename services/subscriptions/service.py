@@ -72,6 +72,10 @@ log = logging.getLogger("sluice.subscriptions")
 FORWARDED = frozenset(Operation) - {Operation.LOCAL_DESTROY, Operation.UNKNOWN}
 #: How often the unregistration rules (disconnects, timeouts) are checked.
 RULES_INTERVAL_S = 0.5
+#: How soon a write to a queue topic that no longer exists fails.
+QUEUE_GONE_MS = 5000
+#: The longest a registration's answer waits for the fill to reach the changelogs' ends.
+CATCH_UP_S = 10.0
 
 
 class TablesBehind(SluiceError):
@@ -127,6 +131,7 @@ class SubscriptionService:
         self._reposition = False
         self._dirty = False
         self._delivery_failed: str | None = None
+        self._missing_queues: set[str] = set()
         self._trimmed: dict[str, int] = {}
         self.stats = {"filled": 0, "registered": 0, "markers": 0, "unregistered": 0, "timed_out": 0,
                       "undecodable": 0, "refills": 0, "takeovers": 0}
@@ -141,7 +146,10 @@ class SubscriptionService:
     def start(self) -> None:
         base = self.cfg.kafka.client_settings()
         client_id = {"client.id": self.member_id}
-        self._producer = make_producer(base, **client_id, **self.cfg.kafka.producer_settings())
+        # A queue deleted under the service (its client timed out, or an operator removed it) fails its
+        # writes within seconds rather than holding every other queue's checkpoint back.
+        self._producer = make_producer(base, **client_id, **self.cfg.kafka.producer_settings(),
+                                       **{"topic.metadata.propagation.max.ms": QUEUE_GONE_MS})
         self._admin = make_admin(base)
         self._group = make_consumer(base, self.group_id, **client_id, **self.cfg.kafka.group_settings())
         self._tables = make_consumer(base, None, **client_id, **{"fetch.wait.max.ms": 20})
@@ -174,6 +182,8 @@ class SubscriptionService:
                     self._position_changelogs()
                 now = time.monotonic()
                 if now >= next_rules or self._dirty:
+                    if self._dirty and self._answers_due():
+                        self._catch_up()
                     self._dirty = False
                     self._tend_clients()
                     next_rules = now + RULES_INTERVAL_S
@@ -264,14 +274,50 @@ class SubscriptionService:
         """Read each changelog partition from the earliest position any owned registry partition needs."""
         assert self._changelog is not None
         self._reposition = False
+        # A fresh consumer: nothing fetched for the previous positions can come back after the seek
+        # and move a partition's position past records not filled yet.
+        old, self._changelog = self._changelog, make_consumer(
+            self.cfg.kafka.client_settings(), None, **{"client.id": self.member_id, "fetch.wait.max.ms": 20})
+        try:
+            old.close()
+        except (KafkaException, RuntimeError) as exc:
+            log.warning("closing the changelog reader: %s", exc)
         if not self.owned:
-            self._changelog.unassign()
             return
         lowest: dict[tuple[str, int], int] = {}
         for positions in self._positions.values():
             for tp, offset in positions.items():
                 lowest[tp] = min(offset, lowest.get(tp, offset))
         self._changelog.assign([TopicPartition(t, p, o) for (t, p), o in sorted(lowest.items())])
+
+    def _answers_due(self) -> bool:
+        return any(c.record["connected"] and c.answered != (c.record["session"], c.record["version"])
+                   for c in self._clients.values())
+
+    def _catch_up(self) -> None:
+        """Fill up to the changelogs' ends as they are now, before a registration is answered: the
+        client wrote it after every operation it has seen, and those are filled under its old
+        interest, not sent after the answer (the initial load has them)."""
+        assert self._changelog is not None
+        ends = {tp: end for tp, end in self._changelog_ends().items() if end > 0}
+        deadline = time.monotonic() + CATCH_UP_S
+        while not self._stopping.is_set() and self.owned:
+            if self._reposition:
+                self._position_changelogs()
+            try:
+                at = {(tp.topic, tp.partition): tp.offset
+                      for tp in self._changelog.position([TopicPartition(t, p) for t, p in ends])}
+            except KafkaException as exc:
+                raise translate(exc, "reading the changelog readers' positions") from exc
+            behind = [tp for tp, end in ends.items()
+                      if at.get(tp, -1) < end and min(pos.get(tp, 0) for pos in self._positions.values()) < end]
+            if not behind:
+                return
+            if time.monotonic() > deadline:
+                log.warning("subscriptions %s: not caught up with %d changelog partitions in %.0f s; answering "
+                            "registrations anyway", self.member_id, len(behind), CATCH_UP_S)
+                return
+            self._fill()
 
     # --- tables ------------------------------------------------------------------------------
 
@@ -497,7 +543,13 @@ class SubscriptionService:
                     return
 
     def _delivered(self, err: KafkaError | None, msg: Any) -> None:
-        if err is not None and self._delivery_failed is None:
+        if err is None:
+            return
+        if err.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
+            # The client's queue was deleted under it: the client starts over with a new queue,
+            # and nothing is filled again for a queue that is gone.
+            self._missing_queues.add(msg.topic())
+        elif self._delivery_failed is None:
             self._delivery_failed = f"{msg.topic()}: {err.str()}"
 
     # --- checkpoints and removal -----------------------------------------------------------------
@@ -508,6 +560,11 @@ class SubscriptionService:
         if not self._written():
             return
         failed, self._delivery_failed = self._delivery_failed, None
+        if self._missing_queues:
+            for topic in sorted(self._missing_queues):
+                log.warning("subscriptions %s: queue %s is gone; its client starts over with a new one",
+                            self.member_id, topic)
+            self._missing_queues.clear()
         partitions = sorted(self.owned if only is None else only & self.owned)
         if failed is not None:
             # Something filled was not written: fill again from the last checkpoints (repeats are

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from confluent_kafka import Consumer, TopicPartition
 
-from sluice.client import ALL_KEYS, ClientCache, RegionClient, ResultPolicy
+from sluice.client import ALL_KEYS, ClientCache, RegionClient, RegionError, ResultPolicy
 from sluice.core.codec import get_codec
 from sluice.core.config import SiteConfig, load_config
 from sluice.core.events import EntryEvent
@@ -427,3 +427,114 @@ def test_kill_9_of_the_primary_subscription_instance_loses_nothing(site: Any, si
             assert stats["repeats"] > 0, "the standby refilled from its checkpoint: repeats were expected"
         finally:
             cache.close()
+
+
+class Refuser:
+    """A cache writer that refuses destroys of keys starting with 'keep-'."""
+
+    def before_destroy(self, event: Any) -> None:
+        if event.key.startswith("keep-"):
+            raise ValueError("keep-* entries are never destroyed from this client")
+
+
+def test_client_writes_pass_the_cache_writer_and_fail_clearly_without_servers(site: Any, tmp_path: Path) -> None:
+    """Creates, puts and destroys go through the writer to the region service and into the cache; with no
+    server reachable reads come from the cache and writes raise NoServersAvailable, applying nothing."""
+    from sluice.core.errors import CacheWriterAbort, NoServersAvailable
+
+    cfg, path, region = site
+    with SubscriptionsProcess(path, tmp_path / "subs.log"), RegionClient(region.url) as reader:
+        cache = ClientCache(cfg, "writer-1", region_urls=[region.url], request_retry_s=2)
+        try:
+            orders = cache.region("orders")
+            rec = Recorder()
+            orders.add_listener(rec)
+            orders.set_cache_writer(Refuser())
+            orders.register_interest(ALL_KEYS)
+            cache.ready_for_events()
+            orders.create("keep-1", 1)
+            orders.put("drop-1", 2)
+            orders.destroy("drop-1")
+            with pytest.raises(CacheWriterAbort, match="keep-"):
+                orders.destroy("keep-1")
+            assert reader.get("orders", "keep-1") == 1 and reader.get_entry("orders", "drop-1") is None
+            assert orders.get_local("keep-1") == 1 and not orders.cache.contains_key("drop-1")
+            assert [(e.operation.value, e.key) for e in rec.events] == [
+                ("CREATE", "keep-1"), ("CREATE", "drop-1"), ("DESTROY", "drop-1")]
+            with pytest.raises(RegionError, match="EntryNotFound"):
+                orders.destroy("never-held")  # sent although the client does not hold the key
+            orders.local_invalidate("keep-1")
+            assert orders.get_local("keep-1") is None and reader.get("orders", "keep-1") == 1, "local only"
+            orders.put("keep-2", 2)
+            region.kill()
+            assert orders.get("keep-2") == 2, "reads come from the local cache"
+            with pytest.raises(NoServersAvailable, match="was not applied"):
+                orders.put("keep-3", 3)
+            assert orders.get_local("keep-3") is None
+        finally:
+            cache.close()
+
+
+def test_a_client_whose_queue_is_gone_refetches_its_interest_without_events(
+        site: Any, site_a: Any, tmp_path: Path) -> None:
+    from sluice.core.kafka import make_admin
+
+    cfg, path, region = site
+    with SubscriptionsProcess(path, tmp_path / "subs.log"), RegionClient(region.url) as writer:
+        writer.put_all("orders", {f"g-{i}": i for i in range(20)})
+        cache = ClientCache(cfg, "lost-1", region_urls=[region.url])
+        try:
+            orders = cache.region("orders")
+            rec = Recorder()
+            orders.add_listener(rec)
+            orders.register_interest_regex(r"g-\d+")
+            cache.ready_for_events()
+            wait_for(lambda: cache.live, 20, "the marker")
+            old = cache.queue_topic
+            admin = make_admin(cfg.kafka.client_settings())
+            for fut in admin.delete_topics([old]).values():
+                fut.result(15)
+            writer.put_all("orders", {f"g-{i}": -i for i in range(20)})  # while the client has no queue
+            wait_for(lambda: cache.stats["reinitialized"] == 1 and cache.queue_topic != old, 30, "starting over")
+            wait_for(lambda: all(orders.get_local(f"g-{i}") == -i for i in range(20)), 30, "the refetch")
+            assert [e for e in rec.events if e.key and e.new_value is not None and e.new_value < 0] == [], \
+                "the refetch fires no events"
+            writer.put("orders", "g-1", 100)
+            wait_for(lambda: orders.get_local("g-1") == 100, 20, "events on the new queue")
+        finally:
+            cache.close()
+
+
+def test_a_slow_client_does_not_slow_the_others(site: Any, tmp_path: Path) -> None:
+    cfg, path, region = site
+
+    class Slow(Recorder):
+        def _keep(self, event: Any) -> None:
+            time.sleep(0.05)
+            super()._keep(event)
+
+        after_create = after_update = _keep
+
+    with SubscriptionsProcess(path, tmp_path / "subs.log"), RegionClient(region.url) as writer:
+        slow = ClientCache(cfg, "slow-1", region_urls=[region.url])
+        fast = ClientCache(cfg, "fast-1", region_urls=[region.url])
+        try:
+            recs = {}
+            for cache, rec in ((slow, Slow()), (fast, Recorder())):
+                recs[cache.client_id] = rec
+                cache.region("orders").add_listener(rec)
+                cache.region("orders").register_interest(ALL_KEYS)
+                cache.ready_for_events()
+            wait_for(lambda: slow.live and fast.live, 20, "the markers")
+            started = time.monotonic()
+            for round_ in range(10):
+                writer.put_all("orders", {f"s-{i}": round_ for i in range(50)})
+            wait_for(lambda: len(recs["fast-1"].events) == 500, 30, "the fast client's events")
+            fast_s = time.monotonic() - started
+            slow_count = len(recs["slow-1"].events)
+            print(f"fast client: 500 events in {fast_s:.1f} s; the slow one had {slow_count} by then")
+            assert slow_count < 400, "the slow client was not slow: the test proves nothing"
+            assert fast_s < 15
+        finally:
+            slow.close()
+            fast.close()
