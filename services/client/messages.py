@@ -12,9 +12,9 @@ The story of one message:
    called: values put (``after_create`` when the client did not hold the
    key, else ``after_update``), invalidates invalidate an entry the client
    holds (``after_invalidate``; nothing when it holds none), destroys destroy
-   (``after_destroy``), a region clear empties the region
-   (``after_region_clear``), a region destroy empties it and ends its
-   subscription (``after_region_destroy``).
+   (``after_destroy``), a region clear empties the region bucket by bucket
+   as its parts arrive and is announced once (``after_region_clear``), a
+   region destroy empties it (``after_region_destroy``).
 
 A listener is any object with some of those methods; one that raises is
 logged and the others still run: a listener's bug never stops the stream.
@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ..core.events import CREATES, DESTROYS, EventID, Operation
 from .cache import EventTracker, RegionCache
@@ -53,10 +53,14 @@ class MessageProcessor:
     """One client's handling of its subscription stream."""
 
     def __init__(self, caches: dict[str, RegionCache], tracker: EventTracker,
-                 listeners: dict[str, list[Any]] | None = None) -> None:
+                 listeners: dict[str, list[Any]] | None = None,
+                 bucket_of: Callable[[str, str], int] | None = None) -> None:
         self.caches = caches
         self.tracker = tracker
         self.listeners = listeners or {}
+        #: (region, key) -> bucket: a region clear arrives bucket by bucket.
+        self.bucket_of = bucket_of
+        self._clears: dict[EventID, None] = {}  # region clears already announced (the latest few)
         self.live = False
         self.stats = {"applied": 0, "replayed": 0, "repeats": 0, "ignored": 0}
 
@@ -69,6 +73,8 @@ class MessageProcessor:
         if cache is None:
             self.stats["ignored"] += 1
             return False
+        if event.operation is Operation.REGION_CLEAR:
+            return self._region_clear(cache, event)
         if not self.live:
             self.stats["replayed"] += 1
             replayed = dataclasses.replace(event, replayed=True)
@@ -87,6 +93,25 @@ class MessageProcessor:
         self.live = True
         for region in self.caches:
             self._call(region, "after_region_live", region)
+
+    def _region_clear(self, cache: RegionCache, event: ClientEvent) -> bool:
+        """One bucket's part of a region clear: its entries go (once live); listeners hear of the
+        clear once, at its first bucket."""
+        if self.live:
+            if event.key is None or self.bucket_of is None:
+                cache.clear()
+            else:
+                bucket = self.bucket_of(event.region, event.key)
+                cache.drop_where(lambda k: self.bucket_of(event.region, k) == bucket)  # type: ignore[misc]
+        self.stats["applied" if self.live else "replayed"] += 1
+        if event.event_id in self._clears:
+            return False
+        self._clears[event.event_id] = None
+        while len(self._clears) > 64:
+            del self._clears[next(iter(self._clears))]
+        shown = dataclasses.replace(event, key=None, new_value=None, replayed=not self.live)
+        self._call(event.region, "after_region_clear", shown)
+        return True
 
     # --- applying -------------------------------------------------------------------------
 

@@ -124,6 +124,11 @@ class RegionClient:
         return self._request("POST", f"/regions/{region}/remove_all", {"keys": keys, "event_id": eid.to_record()},
                              bulk=True)
 
+    def clear(self, region: str, *, event_id: EventID | None = None) -> dict[str, Any]:
+        """Clear the region (every bucket); retried with the same EventID until every bucket answered."""
+        eid = event_id or self.next_event_id()
+        return self._request("POST", f"/regions/{region}/clear", {"event_id": eid.to_record()}, bulk=True)
+
     def apply_remote(self, region: str, events: list[EntryEvent], *, outcomes: str = "exceptions") -> dict[str, Any]:
         """Apply events another site applied (what a gateway receiver does).
 

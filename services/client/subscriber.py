@@ -56,6 +56,7 @@ from ..core.kafka import (
     TopicPartition,
     consume_available,
     make_admin,
+    partition_for_key,
     make_consumer,
     make_producer,
     translate,
@@ -148,6 +149,20 @@ class ClientRegion:
         """Destroy on the server, whether or not this client holds the key."""
         self._write(Operation.DESTROY, key, None, callback_argument)
 
+    def clear(self, *, callback_argument: str | None = None) -> None:
+        """Clear the region on the server (every entry), then locally; other clients with interest
+        in the region hear of it, this one's listeners get ``after_region_clear`` now."""
+        owner = self._owner
+        client = owner._region_client()
+        event_id = client.next_event_id()
+        event = ClientEvent(self.name, None, Operation.REGION_CLEAR, None, event_id, Delivery.VALUES,
+                            callback_argument=callback_argument)
+        self._writer_check("before_region_clear", event)
+        owner._send_or_unconnected(lambda: client.clear(self.name, event_id=event_id), f"clear of {self.name}")
+        with owner._lock:
+            self.cache.clear()
+            owner._processor._call(self.name, "after_region_clear", event)
+
     def local_invalidate(self, key: str) -> bool:
         """Invalidate the local entry only (nothing is sent)."""
         with self._owner._lock:
@@ -163,33 +178,17 @@ class ClientRegion:
         client = owner._region_client()
         event_id = client.next_event_id()
         event = ClientEvent(self.name, key, op, value, event_id, Delivery.VALUES, callback_argument=callback_argument)
-        writer = self.cache_writer
-        if writer is not None:
-            method = {Operation.CREATE: "before_create", Operation.UPDATE: "before_update",
-                      Operation.DESTROY: "before_destroy"}[op]
-            hook = getattr(writer, method, None)
-            if hook is not None:
-                try:
-                    hook(event)
-                except Exception as exc:
-                    raise CacheWriterAbort(f"{type(writer).__name__}.{method} refused {op.value} of "
-                                           f"{self.name}/{key}: {exc}") from exc
-        try:
+        self._writer_check({Operation.CREATE: "before_create", Operation.UPDATE: "before_update",
+                            Operation.DESTROY: "before_destroy"}[op], event)
+
+        def send() -> Any:
             if op is Operation.DESTROY:
-                client.destroy(self.name, key, event_id=event_id)
-            elif not is_put:
-                client.create(self.name, key, value, callback_argument=callback_argument, event_id=event_id)
-            else:
-                client.put(self.name, key, value, callback_argument=callback_argument, event_id=event_id)
-        except RegionError:
-            raise
-        except SluiceError as exc:
-            if exc.retriable:
-                raise NoServersAvailable(
-                    f"no region service instance answered ({', '.join(owner.region_urls)}): "
-                    f"{op.value} of {self.name}/{key} was not applied; reads are served from the local cache "
-                    f"({exc})") from exc
-            raise
+                return client.destroy(self.name, key, event_id=event_id)
+            if not is_put:
+                return client.create(self.name, key, value, callback_argument=callback_argument, event_id=event_id)
+            return client.put(self.name, key, value, callback_argument=callback_argument, event_id=event_id)
+
+        owner._send_or_unconnected(send, f"{op.value} of {self.name}/{key}")
         with owner._lock:
             if op is Operation.DESTROY:
                 existed = self.cache.destroy(key)
@@ -199,6 +198,18 @@ class ClientRegion:
                 callback = "after_update" if held else "after_create"
             if callback is not None:
                 owner._processor._call(self.name, callback, event)
+
+    def _writer_check(self, method: str, event: ClientEvent) -> None:
+        """The cache writer's ``method``: raising aborts the operation (nothing sent)."""
+        writer = self.cache_writer
+        hook = getattr(writer, method, None) if writer is not None else None
+        if hook is None:
+            return
+        try:
+            hook(event)
+        except Exception as exc:
+            what = event.operation.value + " of " + self.name + (f"/{event.key}" if event.key is not None else "")
+            raise CacheWriterAbort(f"{type(writer).__name__}.{method} refused {what}: {exc}") from exc
 
     # --- interest ---------------------------------------------------------------------------
 
@@ -272,7 +283,7 @@ class ClientCache:
         self._answered = threading.Condition(self._lock)
         self._regions: dict[str, ClientRegion] = {}
         self._tracker = EventTracker(self.cfg.subscriptions.subscription_message_tracking_timeout_ms)
-        self._processor = MessageProcessor({}, self._tracker, {})
+        self._processor = MessageProcessor({}, self._tracker, {}, bucket_of=self._bucket_of)
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._client: RegionClient | None = None
@@ -303,6 +314,9 @@ class ClientCache:
                 self._processor.caches[name] = region.cache
                 self._processor.listeners[name] = region.listeners
             return region
+
+    def _bucket_of(self, region: str, key: str) -> int:
+        return partition_for_key(key.encode(), self.cfg.region(region).buckets)
 
     def ready_for_events(self) -> None:
         """Listeners are in place: the service places the marker; what comes before it is replay."""
@@ -454,6 +468,19 @@ class ClientCache:
                 if entry.get("invalid"):
                     invalid.add(key)
         return loaded, invalid
+
+    def _send_or_unconnected(self, send: Callable[[], Any], what: str) -> Any:
+        """Send to the region service; no instance reachable → NoServersAvailable (nothing applied)."""
+        try:
+            return send()
+        except RegionError:
+            raise
+        except SluiceError as exc:
+            if exc.retriable:
+                raise NoServersAvailable(
+                    f"no region service instance answered ({', '.join(self.region_urls)}): {what} was not "
+                    f"applied; reads are served from the local cache ({exc})") from exc
+            raise
 
     def _region_client(self) -> RegionClient:
         with self._lock:

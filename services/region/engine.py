@@ -123,6 +123,8 @@ class OpResult:
     error: SluiceError | None = None
     #: A remote event that lost the WAN conflict: not applied, not an error.
     conflict_lost: bool = False
+    #: Entries a region clear removed from the bucket.
+    cleared: int = 0
 
 
 class RegionEngine:
@@ -311,6 +313,8 @@ class RegionEngine:
                         assert op.remote is not None
                         event_id = op.remote.event_id
                         outcome = ob.state.prepare_remote(op.remote, self.conflict_resolver)
+                    elif op.op is Op.CLEAR:
+                        outcome = ob.state.prepare_clear(event_id, now_ms)
                     else:
                         outcome = ob.state.prepare(op.op, op.key, op.value, event_id, now_ms, op.callback_argument)
                 except InvalidRequest as exc:
@@ -331,6 +335,17 @@ class RegionEngine:
                     continue
                 if isinstance(outcome, Skipped):
                     result.skipped = True
+                    continue
+                if isinstance(outcome, list):  # a region clear: one event per entry of the bucket
+                    result.cleared = len(outcome)
+                    if not outcome:
+                        result.skipped = True
+                        continue
+                    result.event = outcome[-1]
+                    ob.inflight[event_id] = pending
+                    self.stats["applied"] += len(outcome)
+                    for event in outcome:
+                        self._writer.write(event, pending, ob.progress)
                     continue
                 result.event = outcome
                 ob.inflight[event_id] = pending

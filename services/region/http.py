@@ -9,7 +9,7 @@ bad input (Geode's EntryExists is 409, EntryNotFound 404, unknown region 404,
 oversized key or value 413, malformed body 400) and 503 when a retry may help.
 """
 
-
+import time
 from typing import Any
 
 import orjson
@@ -70,6 +70,11 @@ class RemoteBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     events: list[str] = Field(min_length=1, max_length=10_000)
+
+
+class ClearBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    event_id: EventIdBody | None = Field(None, description="Keep it on retries: each bucket is cleared once.")
 
 
 class KeysBody(BaseModel):
@@ -277,6 +282,22 @@ def create_app(service: RegionService) -> FastAPI:
                                  body.event_id.to_event_id(i) if body.event_id else None, body.callback_argument,
                                  transaction=tx))
         return _bulk(await service.execute(ops, forwarded(request)), outcomes)
+
+    @app.post("/regions/{region}/clear", tags=["bulk"],
+              summary="Clear the region: every entry of every bucket, each bucket at once; not sent to other "
+                      "sites or async event queues (as Geode); subscription clients hear of it")
+    async def clear(region: RegionName, request: Request, body: ClearBody | None = None) -> JSONResponse:
+        config = service.region_config(region)
+        event_id = body.event_id.to_event_id() if body is not None and body.event_id is not None else \
+            EventID(f"{service.instance_id}-clear", 0, time.time_ns() // 1000)
+        ops = [Operation(Op.CLEAR, region, "", None, event_id, None, bucket=b) for b in range(config.buckets)]
+        outcomes = await service.execute(ops, forwarded(request))
+        if any(o.status == "error" for o in outcomes):
+            return _bulk(outcomes)
+        return ORJSONResponse({"status": "ok", "operation": "REGION_CLEAR", "buckets": len(outcomes),
+                               "cleared": sum(o.cleared or 0 for o in outcomes),
+                               "duplicates": sum(o.status == "duplicate" for o in outcomes),
+                               "event_id": event_id.to_record()})
 
     @app.post("/regions/{region}/get_all", tags=["bulk"], summary="Get many entries: key → entry or null")
     async def get_all(region: RegionName, body: KeysBody, request: Request) -> dict[str, Any]:

@@ -78,9 +78,13 @@ class Outcome:
     #: The applied event; its version and EventID are rendered only when asked
     #: (a bulk answer lists only the keys that were not simply applied).
     event: EntryEvent | None = None
+    #: A region clear: the entries the bucket had.
+    cleared: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"key": self.key, "status": self.status}
+        if self.cleared is not None:
+            d["cleared"] = self.cleared
         if self.operation is not None:
             d["operation"] = self.operation
         if self.event is not None:
@@ -100,7 +104,8 @@ class Outcome:
         http = 200
         if status == "error":
             http = int(d.get("error", {}).get("http_status", 500))
-        return cls(d["key"], status, d.get("operation"), d.get("version"), d.get("event_id"), d.get("error"), http)
+        return cls(d["key"], status, d.get("operation"), d.get("version"), d.get("event_id"), d.get("error"), http,
+                   cleared=d.get("cleared"))
 
 
 def outcome_of(op: Operation, result: OpResult) -> Outcome:
@@ -113,6 +118,8 @@ def outcome_of(op: Operation, result: OpResult) -> Outcome:
     if result.duplicate:
         eid = op.remote.event_id if op.remote is not None else op.event_id
         return Outcome(op.key, "duplicate", event_id=eid.to_record() if eid else None)
+    if op.op is Op.CLEAR:
+        return Outcome(op.key, "ok", operation="REGION_CLEAR", cleared=result.cleared)
     if result.skipped:
         return Outcome(op.key, "skipped")
     event = result.event
@@ -604,6 +611,7 @@ def _op_to_json(op: Operation) -> dict[str, Any]:
         "callback_argument": op.callback_argument,
         "remote": None if op.remote is None else encode_remote(op.remote),
         "transaction": op.transaction,
+        "bucket": op.bucket,
     }
 
 
@@ -620,6 +628,7 @@ def op_from_json(d: dict[str, Any]) -> Operation:
         callback_argument=d.get("callback_argument"),
         remote=None if remote is None else decode_remote(remote),
         transaction=d.get("transaction"),
+        bucket=int(d.get("bucket", -1)),
     )
 
 

@@ -34,6 +34,7 @@ class Op(str, enum.Enum):
     REMOVE_ALL = "remove_all"
     INVALIDATE = "invalidate"
     REMOTE = "remote"  # an event another site applied, through the gateway receiver
+    CLEAR = "clear"  # region clear: every entry of the bucket
 
 
 @dataclass(slots=True)
@@ -161,6 +162,24 @@ class BucketState:
         self.replay(event)
         return event
 
+    def prepare_clear(self, event_id: EventID, now_ms: int) -> list[EntryEvent] | Duplicate:
+        """Region clear, for this bucket: a REGION_CLEAR event per live entry (the changelog keeps
+        each key's tombstone), all with the clear's EventID.  Not sent to gateway senders or async
+        event queues, as in Geode; subscription clients hear of it."""
+        if self.is_duplicate(event_id):
+            return Duplicate(event_id)
+        events = []
+        for key in list(self.keys()):
+            previous = self.entries[key]
+            version = VersionTag(self.dsid, max(now_ms, previous.version.timestamp),
+                                 previous.version.entry_version + 1, self.member_id)
+            event = EntryEvent(region=self.region, key=key, operation=Operation.REGION_CLEAR, value=None,
+                               event_id=event_id, version=version, origin_dsid=self.dsid, bucket=self.bucket,
+                               event_time=now_ms)
+            self.replay(event)
+            events.append(event)
+        return events
+
     def prepare_remote(self, event: EntryEvent, resolver: ConflictResolver | None = None
                        ) -> EntryEvent | Duplicate | ConflictLost:
         """An event another site applied, received by this site's gateway receiver.
@@ -194,7 +213,7 @@ class BucketState:
 
     def replay(self, event: EntryEvent) -> None:
         """Apply an event already in the changelog (load) or just prepared."""
-        if event.operation in DESTROYS:
+        if event.operation in DESTROYS or event.operation is Operation.REGION_CLEAR:
             self.entries[event.key] = Entry(None, event.version, event.event_id, destroyed=True)
         else:
             self.entries[event.key] = Entry(event.value, event.version, event.event_id)

@@ -95,6 +95,7 @@ class _Client:
     marked: str | None = None  # session whose marker is written
     away_since_ms: int | None = None  # durable client disconnected (or silent) since
     filled: int = 0
+    last_clear: tuple[Any, int] | None = None  # (EventID, bucket) of the last region clear sent
 
     @property
     def id(self) -> str:
@@ -511,7 +512,15 @@ class SubscriptionService:
             if event.event_id.member_id == client.record["member_id"]:
                 continue  # a client's own update is never sent back to it
             interest = client.interest.get(event.region)
-            delivery = interest.delivery(event.key) if interest is not None else None
+            if event.operation is Operation.REGION_CLEAR:
+                # Every client with interest in the region hears of a clear: once per bucket (the
+                # bucket's entries arrive together, one REGION_CLEAR event each).
+                if interest is None or interest.empty() or client.last_clear == (event.event_id, event.bucket):
+                    continue
+                client.last_clear = (event.event_id, event.bucket)
+                delivery: Delivery | None = Delivery.VALUES
+            else:
+                delivery = interest.delivery(event.key) if interest is not None else None
             if delivery is None:
                 continue
             values = delivery is Delivery.VALUES

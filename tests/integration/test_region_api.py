@@ -95,6 +95,32 @@ def test_a_retry_with_the_same_event_id_is_applied_once(region):
         assert [e.event_id for e in events] == [eid]
 
 
+@pytest.mark.tansu
+def test_region_clear_empties_every_bucket_once_and_stays_local(region):
+    """Clear removes every entry of every bucket (a retry with its EventID clears nothing twice), the
+    changelog keeps each key's tombstone (a new instance loads an empty region), and neither the
+    gateway sender nor the async event queue gets it."""
+    cfg, proc, site = region
+    client = RegionClient(proc.url)
+    client.put_all("orders", {f"c{i}": i for i in range(40)})
+    eid = client.next_event_id()
+    answer = client.clear("orders", event_id=eid)
+    assert (answer["status"], answer["cleared"], answer["buckets"]) == ("ok", 40, 8)
+    assert client.clear("orders", event_id=eid)["duplicates"] == 8, "a retried clear is applied once"
+    assert client.keys("orders") == [] and client.get_entry("orders", "c1") is None
+    client.put("orders", "after", 1)
+    proc.stop()
+    again = RegionProcess(proc.log_path.parent / "site.yaml", proc.log_path.parent / "region-2.log")
+    try:
+        again.wait_ready()
+        assert RegionClient(again.url).keys("orders") == ["after"], "the clear survives a reload"
+    finally:
+        again.stop()
+    for queue in cfg.attached_queues("orders"):
+        ops = [r.event.operation.value for r in read_queue(site.bootstrap, queue.topic, queue.partitions)]
+        assert "REGION_CLEAR" not in ops and ops.count("PUTALL_CREATE") == 40
+
+
 BAD_INPUTS = [
     # (name, path, body or raw bytes, status, error, field)
     ("create on an existing key", "/regions/orders/create", {"key": "present", "value": 1}, 409, "EntryExists", "key"),

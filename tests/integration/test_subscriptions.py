@@ -538,3 +538,42 @@ def test_a_slow_client_does_not_slow_the_others(site: Any, tmp_path: Path) -> No
         finally:
             slow.close()
             fast.close()
+
+
+def test_a_region_clear_from_one_client_reaches_the_others_once(site: Any, tmp_path: Path) -> None:
+    cfg, path, region = site
+
+    class Clears(Recorder):
+        def __init__(self) -> None:
+            super().__init__()
+            self.clears: list[Any] = []
+
+        def after_region_clear(self, event: Any) -> None:
+            self.clears.append(event)
+
+    with SubscriptionsProcess(path, tmp_path / "subs.log"), RegionClient(region.url) as writer:
+        writer.put_all("orders", {f"z-{i}": i for i in range(30)})
+        a = ClientCache(cfg, "clear-a", region_urls=[region.url])
+        b = ClientCache(cfg, "clear-b", region_urls=[region.url])
+        try:
+            recs = {}
+            for cache in (a, b):
+                recs[cache.client_id] = Clears()
+                cache.region("orders").add_listener(recs[cache.client_id])
+                cache.region("orders").register_interest_regex(r"z-1\d")   # 10 of the 30 keys
+                cache.ready_for_events()
+            wait_for(lambda: a.live and b.live, 20, "the markers")
+            assert len(b.region("orders")) == 10
+            a.region("orders").clear()
+            assert len(a.region("orders")) == 0 and len(recs["clear-a"].clears) == 1, "local at once"
+            assert writer.keys("orders") == [], "cleared on the server"
+            wait_for(lambda: len(b.region("orders")) == 0, 20, "the clear at the other client")
+            writer.put("orders", "z-15", "after")
+            wait_for(lambda: b.region("orders").get_local("z-15") == "after", 20, "a write after the clear")
+            time.sleep(0.5)
+            assert len(recs["clear-b"].clears) == 1, "announced once, though it spans every bucket"
+            assert recs["clear-b"].clears[0].key is None and not recs["clear-b"].clears[0].replayed
+            assert len(recs["clear-a"].clears) == 1, "a client's own clear is not sent back to it"
+        finally:
+            a.close()
+            b.close()

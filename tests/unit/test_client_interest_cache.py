@@ -185,3 +185,25 @@ def test_a_listener_that_raises_does_not_stop_the_stream() -> None:
     proc.on_marker()
     assert proc.on_event(_event("a", Operation.CREATE, 1, 1), 0)
     assert cache.get("a") == 1 and good.calls[-1] == ("after_create", "a", False)
+
+
+def test_a_region_clear_arrives_bucket_by_bucket_and_is_announced_once() -> None:
+    """Each bucket's part empties that bucket's entries only (later writes of other buckets survive);
+    listeners hear of the clear once; before the marker it is only shown."""
+    buckets = {"a": 0, "b": 1, "c": 1, "d": 0}
+    cache, listener = RegionCache("orders"), Recorder()
+    proc = MessageProcessor({"orders": cache}, EventTracker(900_000), {"orders": [listener]},
+                            bucket_of=lambda _region, key: buckets[key])
+    proc.on_event(_event("x", Operation.REGION_CLEAR, None, 1, thread=9), 0)
+    assert listener.calls == [("after_region_clear", None, True)], "before the marker: shown, not applied"
+    proc.on_marker()
+    for i, key in enumerate("abcd"):
+        cache.put(key, i)
+    clear = EventID("other", 3, 50)
+    assert proc.on_event(ClientEvent("orders", "a", Operation.REGION_CLEAR, None, clear, Delivery.VALUES), 0)
+    assert sorted(cache.entries) == ["b", "c"], "bucket 0 cleared, bucket 1 not yet"
+    proc.on_event(_event("d", Operation.UPDATE, "new", 2), 0)  # written after the clear
+    assert not proc.on_event(ClientEvent("orders", "c", Operation.REGION_CLEAR, None, clear, Delivery.VALUES), 0)
+    assert sorted(cache.entries) == ["d"] and cache.get("d") == "new"
+    assert [c for c in listener.calls if c[0] == "after_region_clear"] == [
+        ("after_region_clear", None, True), ("after_region_clear", None, False)], "announced once per clear"
