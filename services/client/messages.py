@@ -60,7 +60,9 @@ class MessageProcessor:
         self.listeners = listeners or {}
         #: (region, key) -> bucket: a region clear arrives bucket by bucket.
         self.bucket_of = bucket_of
-        self._clears: dict[EventID, None] = {}  # region clears already announced (the latest few)
+        self._clears: dict[EventID, None] = {}  # region clears and destroys already announced (the latest few)
+        #: Called with the region's name once a region destroy is applied.
+        self.on_region_destroyed: Callable[[str], None] | None = None
         self.live = False
         self.stats = {"applied": 0, "replayed": 0, "repeats": 0, "ignored": 0}
 
@@ -75,6 +77,8 @@ class MessageProcessor:
             return False
         if event.operation is Operation.REGION_CLEAR:
             return self._region_clear(cache, event)
+        if event.operation is Operation.REGION_DESTROY:
+            return self._region_destroy(cache, event)
         if not self.live:
             self.stats["replayed"] += 1
             replayed = dataclasses.replace(event, replayed=True)
@@ -111,6 +115,22 @@ class MessageProcessor:
             del self._clears[next(iter(self._clears))]
         shown = dataclasses.replace(event, key=None, new_value=None, replayed=not self.live)
         self._call(event.region, "after_region_clear", shown)
+        return True
+
+    def _region_destroy(self, cache: RegionCache, event: ClientEvent) -> bool:
+        """A region destroy, at its first part: the region's entries go, its listeners hear of it
+        (``after_region_destroy``) and ``on_region_destroyed`` drops the region; before the marker
+        it is only shown."""
+        if event.event_id in self._clears:
+            return False
+        self._clears[event.event_id] = None
+        self.stats["applied" if self.live else "replayed"] += 1
+        shown = dataclasses.replace(event, key=None, new_value=None, replayed=not self.live)
+        if self.live:
+            cache.clear()
+        self._call(event.region, "after_region_destroy", shown)
+        if self.live and self.on_region_destroyed is not None:
+            self.on_region_destroyed(event.region)
         return True
 
     # --- applying -------------------------------------------------------------------------

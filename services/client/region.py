@@ -129,6 +129,11 @@ class RegionClient:
         eid = event_id or self.next_event_id()
         return self._request("POST", f"/regions/{region}/clear", {"event_id": eid.to_record()}, bulk=True)
 
+    def destroy_region(self, region: str, *, event_id: EventID | None = None) -> dict[str, Any]:
+        """Destroy the region: its entries go, and subscribed clients drop it."""
+        eid = event_id or self.next_event_id()
+        return self._request("POST", f"/regions/{region}/destroy_region", {"event_id": eid.to_record()}, bulk=True)
+
     def apply_remote(self, region: str, events: list[EntryEvent], *, outcomes: str = "exceptions") -> dict[str, Any]:
         """Apply events another site applied (what a gateway receiver does).
 

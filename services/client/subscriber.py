@@ -88,6 +88,7 @@ class ClientRegion:
         self.registrations: list[Registration] = []
         self.listeners: list[Any] = []
         self.cache_writer: Any = None
+        self.destroyed = False
 
     # --- listeners and writer -----------------------------------------------------------
 
@@ -163,12 +164,33 @@ class ClientRegion:
             self.cache.clear()
             owner._processor._call(self.name, "after_region_clear", event)
 
+    def destroy_region(self, *, callback_argument: str | None = None) -> None:
+        """Destroy the region on the server (its entries go; subscribed clients drop it), then here:
+        this client forgets the region, its listeners get ``after_region_destroy``."""
+        owner = self._owner
+        client = owner._region_client()
+        event_id = client.next_event_id()
+        event = ClientEvent(self.name, None, Operation.REGION_DESTROY, None, event_id, Delivery.VALUES,
+                            callback_argument=callback_argument)
+        self._writer_check("before_region_destroy", event)
+        owner._send_or_unconnected(lambda: client.destroy_region(self.name, event_id=event_id),
+                                   f"destroy of region {self.name}")
+        with owner._lock:
+            self.cache.clear()
+            owner._processor._call(self.name, "after_region_destroy", event)
+            owner._drop_region(self.name)
+
     def local_invalidate(self, key: str) -> bool:
         """Invalidate the local entry only (nothing is sent)."""
         with self._owner._lock:
             return self.cache.invalidate(key)
 
+    def _check_alive(self) -> None:
+        if self.destroyed:
+            raise InvalidRequest("region", self.name, "was destroyed; cache.region(name) starts it again")
+
     def _write(self, op: Operation | None, key: str, value: Any, callback_argument: str | None) -> None:
+        self._check_alive()
         owner = self._owner
         with owner._lock:
             held = self.cache.contains_key(key)
@@ -284,6 +306,7 @@ class ClientCache:
         self._regions: dict[str, ClientRegion] = {}
         self._tracker = EventTracker(self.cfg.subscriptions.subscription_message_tracking_timeout_ms)
         self._processor = MessageProcessor({}, self._tracker, {}, bucket_of=self._bucket_of)
+        self._processor.on_region_destroyed = self._drop_region
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._client: RegionClient | None = None
@@ -314,6 +337,18 @@ class ClientCache:
                 self._processor.caches[name] = region.cache
                 self._processor.listeners[name] = region.listeners
             return region
+
+    def _drop_region(self, name: str) -> None:
+        """The region was destroyed: this client forgets it (cache, interest); ``region(name)`` starts
+        it anew.  Called with the lock held."""
+        region = self._regions.pop(name, None)
+        self._processor.caches.pop(name, None)
+        self._processor.listeners.pop(name, None)
+        if region is not None:
+            region.destroyed = True
+            if region.registrations:
+                self._record["interest"] = self._interest_records()
+                self._publish()
 
     def _bucket_of(self, region: str, key: str) -> int:
         return partition_for_key(key.encode(), self.cfg.region(region).buckets)
@@ -397,6 +432,7 @@ class ClientCache:
     # --- interest ---------------------------------------------------------------------------
 
     def _register(self, region: ClientRegion, reg: Registration) -> int:
+        region._check_alive()
         with self._lock:
             region.cache.begin_registration(self._covered(reg))
             region.interest.register(reg)

@@ -52,6 +52,8 @@ class Operation(str, enum.Enum):
 
 CREATES = frozenset({Operation.CREATE, Operation.PUTALL_CREATE})
 UPDATES = frozenset({Operation.UPDATE, Operation.PUTALL_UPDATE})
+#: A region clear or destroy reaches the changelog as one event per entry, each a tombstone.
+REGION_OPERATIONS = frozenset({Operation.REGION_CLEAR, Operation.REGION_DESTROY})
 DESTROYS = frozenset({Operation.DESTROY, Operation.REMOVEALL_DESTROY, Operation.EXPIRE_DESTROY, Operation.LOCAL_DESTROY})
 
 

@@ -52,6 +52,7 @@ from ..core.errors import (
     SluiceError,
 )
 from ..core.events import EntryEvent, EventID
+from ..core.events import Operation as EventOperation
 from ..core.kafka import (
     OFFSET_BEGINNING,
     AdminClient,
@@ -315,6 +316,8 @@ class RegionEngine:
                         outcome = ob.state.prepare_remote(op.remote, self.conflict_resolver)
                     elif op.op is Op.CLEAR:
                         outcome = ob.state.prepare_clear(event_id, now_ms)
+                    elif op.op is Op.DESTROY_REGION:
+                        outcome = ob.state.prepare_clear(event_id, now_ms, EventOperation.REGION_DESTROY)
                     else:
                         outcome = ob.state.prepare(op.op, op.key, op.value, event_id, now_ms, op.callback_argument)
                 except InvalidRequest as exc:

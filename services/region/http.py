@@ -287,15 +287,24 @@ def create_app(service: RegionService) -> FastAPI:
               summary="Clear the region: every entry of every bucket, each bucket at once; not sent to other "
                       "sites or async event queues (as Geode); subscription clients hear of it")
     async def clear(region: RegionName, request: Request, body: ClearBody | None = None) -> JSONResponse:
+        return await whole_region(Op.CLEAR, region, request, body)
+
+    @app.post("/regions/{region}/destroy_region", tags=["bulk"],
+              summary="Destroy the region: its entries go as with clear, and subscription clients drop the "
+                      "region; it stays declared by the site file, so a later write starts it again")
+    async def destroy_region(region: RegionName, request: Request, body: ClearBody | None = None) -> JSONResponse:
+        return await whole_region(Op.DESTROY_REGION, region, request, body)
+
+    async def whole_region(op: Op, region: str, request: Request, body: ClearBody | None) -> JSONResponse:
         config = service.region_config(region)
         event_id = body.event_id.to_event_id() if body is not None and body.event_id is not None else \
-            EventID(f"{service.instance_id}-clear", 0, time.time_ns() // 1000)
-        ops = [Operation(Op.CLEAR, region, "", None, event_id, None, bucket=b) for b in range(config.buckets)]
+            EventID(f"{service.instance_id}-{op.value}", 0, time.time_ns() // 1000)
+        ops = [Operation(op, region, "", None, event_id, None, bucket=b) for b in range(config.buckets)]
         outcomes = await service.execute(ops, forwarded(request))
         if any(o.status == "error" for o in outcomes):
             return _bulk(outcomes)
-        return ORJSONResponse({"status": "ok", "operation": "REGION_CLEAR", "buckets": len(outcomes),
-                               "cleared": sum(o.cleared or 0 for o in outcomes),
+        return ORJSONResponse({"status": "ok", "operation": "REGION_CLEAR" if op is Op.CLEAR else "REGION_DESTROY",
+                               "buckets": len(outcomes), "cleared": sum(o.cleared or 0 for o in outcomes),
                                "duplicates": sum(o.status == "duplicate" for o in outcomes),
                                "event_id": event_id.to_record()})
 

@@ -118,8 +118,9 @@ def outcome_of(op: Operation, result: OpResult) -> Outcome:
     if result.duplicate:
         eid = op.remote.event_id if op.remote is not None else op.event_id
         return Outcome(op.key, "duplicate", event_id=eid.to_record() if eid else None)
-    if op.op is Op.CLEAR:
-        return Outcome(op.key, "ok", operation="REGION_CLEAR", cleared=result.cleared)
+    if op.op in (Op.CLEAR, Op.DESTROY_REGION) and not result.duplicate:
+        name = "REGION_CLEAR" if op.op is Op.CLEAR else "REGION_DESTROY"
+        return Outcome(op.key, "ok", operation=name, cleared=result.cleared)
     if result.skipped:
         return Outcome(op.key, "skipped")
     event = result.event

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Iterator
 
 from ..core.errors import EntryExists, EntryNotFound
-from ..core.events import DESTROYS, EntryEvent, EventID, Operation, VersionTag
+from ..core.events import DESTROYS, REGION_OPERATIONS, EntryEvent, EventID, Operation, VersionTag
 from .conflicts import ConflictResolver, resolve
 
 
@@ -35,6 +35,7 @@ class Op(str, enum.Enum):
     INVALIDATE = "invalidate"
     REMOTE = "remote"  # an event another site applied, through the gateway receiver
     CLEAR = "clear"  # region clear: every entry of the bucket
+    DESTROY_REGION = "destroy_region"  # region destroy: as clear, and clients drop the region
 
 
 @dataclass(slots=True)
@@ -162,10 +163,11 @@ class BucketState:
         self.replay(event)
         return event
 
-    def prepare_clear(self, event_id: EventID, now_ms: int) -> list[EntryEvent] | Duplicate:
-        """Region clear, for this bucket: a REGION_CLEAR event per live entry (the changelog keeps
-        each key's tombstone), all with the clear's EventID.  Not sent to gateway senders or async
-        event queues, as in Geode; subscription clients hear of it."""
+    def prepare_clear(self, event_id: EventID, now_ms: int,
+                      operation: Operation = Operation.REGION_CLEAR) -> list[EntryEvent] | Duplicate:
+        """Region clear (or destroy), for this bucket: a REGION_CLEAR (REGION_DESTROY) event per live
+        entry (the changelog keeps each key's tombstone), all with the operation's EventID.  Not sent
+        to gateway senders or async event queues, as in Geode; subscription clients hear of it."""
         if self.is_duplicate(event_id):
             return Duplicate(event_id)
         events = []
@@ -173,7 +175,7 @@ class BucketState:
             previous = self.entries[key]
             version = VersionTag(self.dsid, max(now_ms, previous.version.timestamp),
                                  previous.version.entry_version + 1, self.member_id)
-            event = EntryEvent(region=self.region, key=key, operation=Operation.REGION_CLEAR, value=None,
+            event = EntryEvent(region=self.region, key=key, operation=operation, value=None,
                                event_id=event_id, version=version, origin_dsid=self.dsid, bucket=self.bucket,
                                event_time=now_ms)
             self.replay(event)
@@ -213,7 +215,7 @@ class BucketState:
 
     def replay(self, event: EntryEvent) -> None:
         """Apply an event already in the changelog (load) or just prepared."""
-        if event.operation in DESTROYS or event.operation is Operation.REGION_CLEAR:
+        if event.operation in DESTROYS or event.operation in REGION_OPERATIONS:
             self.entries[event.key] = Entry(None, event.version, event.event_id, destroyed=True)
         else:
             self.entries[event.key] = Entry(event.value, event.version, event.event_id)

@@ -50,7 +50,7 @@ from ..client.interest import Delivery, RegionInterest
 from ..core.codec import get_codec
 from ..core.config import SiteConfig
 from ..core.errors import CodecError, SluiceError
-from ..core.events import EntryEvent, Operation
+from ..core.events import REGION_OPERATIONS, EntryEvent, Operation
 from ..core.kafka import (
     Consumer,
     KafkaError,
@@ -512,7 +512,7 @@ class SubscriptionService:
             if event.event_id.member_id == client.record["member_id"]:
                 continue  # a client's own update is never sent back to it
             interest = client.interest.get(event.region)
-            if event.operation is Operation.REGION_CLEAR:
+            if event.operation in REGION_OPERATIONS:
                 # Every client with interest in the region hears of a clear: once per bucket (the
                 # bucket's entries arrive together, one REGION_CLEAR event each).
                 if interest is None or interest.empty() or client.last_clear == (event.event_id, event.bucket):

@@ -574,6 +574,21 @@ def test_a_region_clear_from_one_client_reaches_the_others_once(site: Any, tmp_p
             assert len(recs["clear-b"].clears) == 1, "announced once, though it spans every bucket"
             assert recs["clear-b"].clears[0].key is None and not recs["clear-b"].clears[0].replayed
             assert len(recs["clear-a"].clears) == 1, "a client's own clear is not sent back to it"
+
+            # Region destroy: the other client drops the region (cache and interest), once.
+            destroyed: list[Any] = []
+            recs["clear-b"].after_region_destroy = destroyed.append  # type: ignore[attr-defined]
+            old_b = b.region("orders")
+            a.region("orders").destroy_region()
+            wait_for(lambda: old_b.destroyed, 20, "the destroy at the other client")
+            assert len(destroyed) == 1 and len(old_b) == 0
+            assert b._record["interest"] == [], "its interest in the region is gone"
+            with pytest.raises(Exception, match="destroyed"):
+                old_b.put("z-1", 1)
+            fresh = b.region("orders")
+            assert fresh is not old_b and len(fresh) == 0
+            fresh.register_interest(["z-15"])
+            assert fresh.get_local("z-15") is None and writer.keys("orders") == []
         finally:
             a.close()
             b.close()
