@@ -592,3 +592,38 @@ def test_a_region_clear_from_one_client_reaches_the_others_once(site: Any, tmp_p
         finally:
             a.close()
             b.close()
+
+
+def test_a_crashed_durable_client_keeps_only_its_durable_interest_while_away(
+        site: Any, site_a: Any, tmp_path: Path) -> None:
+    """No close, no more pings: after maximum-time-between-pings the client is away; its queue keeps
+    filling for its durable interest only; reconnecting replays exactly those events."""
+    cfg, path, region = site
+    kept, dropped = [f"dk-{i}" for i in range(10)], [f"nd-{i}" for i in range(10)]
+    with SubscriptionsProcess(path, tmp_path / "subs.log") as subs, RegionClient(region.url) as writer:
+        first = ClientCache(cfg, "crashy-1", durable=True, region_urls=[region.url])
+        first.region("orders").register_interest(kept, durable=True)
+        first.region("orders").register_interest(dropped)                  # not durable
+        first.ready_for_events()
+        wait_for(lambda: first.live, 20, "the marker")
+        first.abandon()
+        wait_for(lambda: "durable client crashy-1 is away" in subs.log_tail(20000), 20, "the crash noticed")
+        before = {e.event_id for e in history(cfg, site_a.bootstrap)}
+        for round_ in range(5):
+            writer.put_all("orders", {k: round_ for k in kept + dropped})
+        away = [e for e in history(cfg, site_a.bootstrap) if e.event_id not in before]
+
+        again = ClientCache(cfg, "crashy-1", durable=True, region_urls=[region.url])
+        try:
+            assert again.replayed_queue
+            rec = Recorder()
+            orders = again.region("orders")
+            orders.add_listener(rec)
+            orders.register_interest(kept, durable=True)
+            again.ready_for_events()
+            wait_for(lambda: again.live, 20, "the marker")
+            replayed = rec.events[:rec.live_at]
+            assert sorted(str(e.event_id) for e in replayed) == sorted(str(e.event_id) for e in away if e.key in kept)
+            assert all(e.replayed and e.key in kept for e in replayed), "non-durable interest was dropped"
+        finally:
+            again.close()
