@@ -274,6 +274,7 @@ class ClientStatus:
     queue_size: int | None
     oldest_age_s: float | None
     redundancy: int
+    standbys: int  # live subscription instances besides the primary
     interest: str
     received: int
     repeats: int
@@ -301,11 +302,12 @@ def client_status(cfg: SiteConfig) -> list[ClientStatus]:
                     except CodecError:
                         continue
         try:
-            owners = {p: member for member, tps in describe_group_members(
-                make_admin(cfg.kafka.client_settings()), f"{cfg.kafka.topic_prefix}subscriptions")
-                for t, p in tps if t == names.subscription_registry()}
+            members = describe_group_members(make_admin(cfg.kafka.client_settings()),
+                                             f"{cfg.kafka.topic_prefix}subscriptions")
         except SluiceError:
-            owners = {}
+            members = []
+        owners = {p: member for member, tps in members for t, p in tps if t == names.subscription_registry()}
+        standbys = max(0, len(members) - 1)
         rows = []
         for client_id, reg in sorted(tables["ClientRegistration"].items()):
             ack = tables["ClientAck"].get(client_id)
@@ -334,7 +336,7 @@ def client_status(cfg: SiteConfig) -> list[ClientStatus]:
             rows.append(ClientStatus(
                 client_id, reg["durable"], connected, since,
                 owners.get(registry_partition(client_id, partitions), "none"), size, oldest, reg["redundancy"],
-                interest, ack["received"] if ack else 0, ack["repeats"] if ack else 0))
+                standbys, interest, ack["received"] if ack else 0, ack["repeats"] if ack else 0))
         return rows
     except KafkaException as exc:
         raise translate(exc, "reading the subscription clients") from exc
@@ -355,7 +357,8 @@ def print_clients(console: Console, cfg: SiteConfig, rows: list[ClientStatus]) -
         connection = f"connected since {clock}" if r.connected else f"away since {clock} ({ago:.0f}s)"
         table.add_row(r.client_id, "yes" if r.durable else "no", connection, r.primary,
                       "—" if r.queue_size is None else str(r.queue_size),
-                      "—" if r.oldest_age_s is None else f"{r.oldest_age_s:.1f}s", str(r.redundancy),
+                      "—" if r.oldest_age_s is None else f"{r.oldest_age_s:.1f}s",
+                      f"{r.redundancy}" + (f" ({r.standbys} standby)" if r.standbys < r.redundancy else ""),
                       str(r.received), str(r.repeats), r.interest)
     if not rows:
         table.add_row("(none)", "", "", "", "", "", "", "", "", "")
