@@ -103,14 +103,46 @@ OUTCOMES: dict[tuple[Op, str], object] = {
 }
 
 CONDITIONS = ("absent", "valid", "invalid", "destroyed")
+#: The operations on one key (``prepare``); the others take an event or a whole bucket.
+KEY_OPS = [op for op in Op if op not in (Op.REMOTE, Op.CLEAR, Op.DESTROY_REGION)]
+WHOLE_REGION = {Op.CLEAR: Operation.REGION_CLEAR, Op.DESTROY_REGION: Operation.REGION_DESTROY}
+
+
+def prepare_any(state: BucketState, op: Op, key: str, value: bytes | None, eid: EventID, now_ms: int):
+    """``prepare`` for a key's operation; ``prepare_clear`` (a list of events, or Duplicate) for a
+    whole-region one."""
+    if op in WHOLE_REGION:
+        return state.prepare_clear(eid, now_ms, WHOLE_REGION[op])
+    return state.prepare(op, key, value, eid, now_ms)
+
+
+def test_clear_tombstones_every_live_entry_of_the_bucket_once() -> None:
+    """Each live entry (valid or invalid) gets a REGION_CLEAR tombstone with the clear's EventID and its
+    next version; destroyed entries are left alone; the same EventID again is a Duplicate."""
+    state, client = new_state(), Client()
+    for key, condition in (("v", "valid"), ("i", "invalid"), ("d", "destroyed")):
+        bring(state, client, key, condition)
+    eid = client.eid()
+    events = state.prepare_clear(eid, T0 + 10)
+    assert sorted(e.key for e in events) == ["i", "v"]
+    assert {e.operation for e in events} == {Operation.REGION_CLEAR} and {e.event_id for e in events} == {eid}
+    assert all(e.value is None for e in events)
+    assert {e.key: e.version.entry_version for e in events} == {"v": 2, "i": 3}, "put, (invalidate,) clear"
+    assert list(state.keys()) == [] and state.prepare_clear(eid, T0 + 20) == Duplicate(eid)
+    assert state.prepare_clear(client.eid(), T0 + 30) == [], "an empty bucket has nothing to clear"
+    destroyed = state.prepare_clear(client.eid(), T0 + 40, Operation.REGION_DESTROY)
+    assert destroyed == []
+    apply(state, client, Op.PUT, "v", b'"back"')
+    assert state.get("v").version.entry_version == 3, "a key written after the clear goes on counting"
 
 
 def test_outcome_table_covers_every_op_and_condition() -> None:
     """The outcome table below has a row for every local Op in every prior condition of the key.
 
-    ``Op.REMOTE`` (an event another site applied) goes through ``prepare_remote``, tested further down.
+    ``Op.REMOTE`` (an event another site applied) goes through ``prepare_remote``, and the whole-region
+    ``Op.CLEAR`` / ``Op.DESTROY_REGION`` through ``prepare_clear``; both are tested further down.
     """
-    assert set(OUTCOMES) == {(op, c) for op in Op if op is not Op.REMOTE for c in CONDITIONS}
+    assert set(OUTCOMES) == {(op, c) for op in KEY_OPS for c in CONDITIONS}
 
 
 @pytest.mark.parametrize(("op", "condition"), sorted(OUTCOMES, key=lambda k: (k[0].value, k[1])))
@@ -409,7 +441,7 @@ class Step:
 
 steps = st.builds(
     Step,
-    op=st.sampled_from([op for op in Op if op is not Op.REMOTE]),
+    op=st.sampled_from([op for op in Op if op is not Op.REMOTE]),  # clear and destroy_region included
     key=st.sampled_from(["a", "b", "c"]),
     value=st.one_of(st.none(), st.binary(max_size=8)),
     member=st.sampled_from(["m1", "m2"]),
@@ -435,10 +467,13 @@ def test_replaying_prepared_events_rebuilds_the_same_state(script: list[Step]) -
         eid = EventID(step.member, step.thread, seq)
         was_duplicate = live.is_duplicate(eid)
         try:
-            outcome = live.prepare(step.op, step.key, step.value, eid, now_ms)
+            outcome = prepare_any(live, step.op, step.key, step.value, eid, now_ms)
         except (EntryExists, EntryNotFound):
             continue
-        if isinstance(outcome, EntryEvent):
+        if isinstance(outcome, list):
+            assert not was_duplicate
+            changelog.extend(outcome)
+        elif isinstance(outcome, EntryEvent):
             assert not was_duplicate
             changelog.append(outcome)
         elif isinstance(outcome, Duplicate):
@@ -474,7 +509,7 @@ def test_new_owner_continues_exactly_like_the_old_one(before: list[Step], after:
         seq = max(0, seqs.get(stream, -1) + step.seq_delta)
         eid = EventID(step.member, step.thread, seq)
         try:
-            return seq, state.prepare(step.op, step.key, step.value, eid, now_ms)
+            return seq, prepare_any(state, step.op, step.key, step.value, eid, now_ms)
         except (EntryExists, EntryNotFound) as exc:
             return seq, type(exc)
 
@@ -485,6 +520,8 @@ def test_new_owner_continues_exactly_like_the_old_one(before: list[Step], after:
         seqs[(step.member, step.thread)] = max(seq, seqs.get((step.member, step.thread), -1))
         if isinstance(outcome, EntryEvent):
             changelog.append(outcome)
+        elif isinstance(outcome, list):
+            changelog.extend(outcome)
     new = BucketState(REGION, BUCKET, DSID, MEMBER)
     for event in changelog:
         new.replay(event)
