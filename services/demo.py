@@ -1,225 +1,556 @@
-"""``sluice demo``: one embedded site, a region with attached queues, and what reached them.
+"""``sluice demo``: two sites on embedded brokers, every service as a process, a workload with
+faults, and a verification computed from what the sites hold.
 
-Starts an embedded broker (Apache Kafka, or Tansu where no JDK exists),
-creates the site's topics, runs two region-service instances and an
-async-event-queue dispatcher (SQL write-behind to SQLite) as processes of
-their own, writes entries through both instances (puts, put_alls, destroys),
-then reads back the region through the API, the queue topics straight from
-Kafka and the write-behind table, and prints them as tables.  Exits non-zero
-if what the queues or the table hold differs from what the region applied.
+What runs:
+
+* site **a** (dsid 1) and site **b** (dsid 2), one embedded broker each
+  (Apache Kafka, or Tansu where no JDK exists);
+* per site two region-service instances and a gateway receiver;
+* region ``orders``: a parallel gateway sender a→b (two instances, so that
+  one can take over) and b→a; an async event queue on a writing behind to
+  SQLite;
+* region ``customers`` on a: a serial gateway sender a→b;
+* on b: two subscription-service instances and a durable client subscribed
+  to part of ``orders``, which disconnects (keep-alive) and comes back
+  midway.
+
+The workload writes creates, updates, put_alls and destroys on both sites,
+and conflicting updates of the same keys on both; a live table shows each
+queue (size, oldest event, events/s, resends) while it runs, and halfway the
+primary of a→b is killed (kill -9) unless ``--no-faults``.
+
+The verification reads the sites: every key's value and version on a and b,
+the write-behind table against a's region, the durable client's cache
+against b's region, each changelog for events applied twice, and each
+acknowledged write's EventID in the changelogs.  Exit status 1 on any
+divergence.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import shutil
 import signal
+import sqlite3
 import tempfile
+import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
-from rich.console import Console
-from rich.progress import Progress
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .core.processes import DispatcherProcess, RegionProcess, ServiceProcess
+from .core.processes import (
+    DispatcherProcess,
+    ReceiverProcess,
+    RegionProcess,
+    SenderProcess,
+    ServiceProcess,
+    SubscriptionsProcess,
+)
 
 EXAMPLE = """\
-example:
-  sluice demo                  # embedded Apache Kafka (Tansu when no JDK), 2 region instances
-  sluice demo --events 5000    # more writes
-  sluice demo --engine tansu   # on the second Kafka implementation
-  sluice demo --keep-running   # leave it up; Ctrl-C stops everything
+examples:
+  sluice demo                       # two sites, faults included, about two minutes
+  sluice demo --events 6000         # a longer workload
+  sluice demo --duration 60         # write for 60 s instead of a number of operations
+  sluice demo --no-faults           # no kill -9 of the sender primary
+  sluice demo --keep-running        # leave everything up; try `sluice admin -c FILE status`; Ctrl-C stops
 """
+
+KEYS = 200
+HOT_KEYS = 10  # written by both sites: the conflicts
+DURABLE_PATTERN = r"order-00\d\d"  # the durable client's 100 keys
 
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "demo",
-        help="run the demo on embedded brokers",
+        help="run the two-site demo on embedded brokers",
         description=__doc__,
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--events", type=int, default=2000, help="entry operations to write (default 2000)")
-    p.add_argument("--keys", type=int, default=200, help="distinct keys (default 200)")
-    p.add_argument("--engine", choices=("auto", "kafka", "tansu"), default="auto", help="embedded broker")
-    p.add_argument("--keep-running", action="store_true", help="leave the site up until Ctrl-C")
+    p.add_argument("--events", type=int, default=3000, help="operations to write, both sites together (default 3000)")
+    p.add_argument("--duration", type=float, default=None,
+                   help="write for this many seconds instead of --events operations")
+    p.add_argument("--no-faults", action="store_true", help="do not kill the sender primary midway")
+    p.add_argument("--engine", choices=("auto", "kafka", "tansu"), default="auto", help="embedded brokers")
+    p.add_argument("--keep-running", action="store_true", help="leave the sites up until Ctrl-C")
     p.add_argument("--seed", type=int, default=7, help="workload seed (default 7)")
     p.set_defaults(func=run)
 
 
-def _site_file(path: Path, bootstrap: str, prefix: str) -> Path:
-    data = {
-        "site": "demo-a",
-        "dsid": 1,
-        "kafka": {"bootstrap_servers": bootstrap, "topic_prefix": prefix,
-                  "session_timeout_ms": 3000, "heartbeat_interval_ms": 500},
-        "regions": [{"name": "orders", "buckets": 8, "gateway_senders": ["orders-to-b"],
-                     "async_event_queues": ["orders-jdbc"]}],
-        "gateway_senders": [{"id": "orders-to-b", "remote_dsid": 2, "parallel": True}],
-        "async_event_queues": [{
-            "id": "orders-jdbc", "parallel": False, "dispatcher_threads": 3,
-            "listener": {"type": "sql", "settings": {"url": f"sqlite:///{path.parent / 'orders.db'}",
-                                                     "table": "orders"}},
-        }],
+# --- the two sites -------------------------------------------------------------------------
+
+
+def site_files(workdir: Path, bootstrap: dict[str, str], prefix: str) -> dict[str, Path]:
+    """Site files for a and b; a's write-behind database is ``workdir/orders.db``."""
+    kafka = {"session_timeout_ms": 3000, "heartbeat_interval_ms": 500}
+    fast = {"batch_size": 100, "batch_time_interval_ms": 50, "socket_read_timeout_ms": 10000}
+
+    def remote(site: str) -> dict[str, Any]:
+        return {"bootstrap_servers": bootstrap[site], "topic_prefix": f"{prefix}{site}."}
+
+    sites = {
+        "a": {
+            "site": "a", "dsid": 1,
+            "kafka": {**kafka, "bootstrap_servers": bootstrap["a"], "topic_prefix": f"{prefix}a."},
+            "regions": [
+                {"name": "orders", "buckets": 8, "gateway_senders": ["orders-to-b"],
+                 "async_event_queues": ["orders-jdbc"]},
+                {"name": "customers", "buckets": 4, "gateway_senders": ["customers-to-b"]},
+            ],
+            "gateway_senders": [
+                {"id": "orders-to-b", "remote_dsid": 2, "parallel": True, "remote": remote("b"), **fast},
+                {"id": "customers-to-b", "remote_dsid": 2, "parallel": False, "dispatcher_threads": 2,
+                 "remote": remote("b"), **fast},
+            ],
+            "async_event_queues": [{
+                "id": "orders-jdbc", "parallel": False, "dispatcher_threads": 3,
+                "listener": {"type": "sql", "settings": {"url": f"sqlite:///{workdir / 'orders.db'}",
+                                                         "table": "orders"}},
+            }],
+            "receiver": {"inbound_partitions": 4, "accepted_dsids": [2]},
+        },
+        "b": {
+            "site": "b", "dsid": 2,
+            "kafka": {**kafka, "bootstrap_servers": bootstrap["b"], "topic_prefix": f"{prefix}b."},
+            "regions": [
+                {"name": "orders", "buckets": 8, "gateway_senders": ["orders-to-a"]},
+                {"name": "customers", "buckets": 4},
+            ],
+            "gateway_senders": [
+                {"id": "orders-to-a", "remote_dsid": 1, "parallel": True, "remote": remote("a"), **fast},
+            ],
+            "receiver": {"inbound_partitions": 4, "accepted_dsids": [1]},
+            "subscriptions": {"registry_partitions": 4, "ping_interval_ms": 1000,
+                              "maximum_time_between_pings_ms": 10000},
+        },
     }
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
+    paths = {}
+    for name, data in sites.items():
+        paths[name] = workdir / f"site-{name}.yaml"
+        paths[name].write_text(yaml.safe_dump(data, sort_keys=False))
+    return paths
+
+
+@dataclass
+class Sites:
+    """What the demo started: brokers, site configs and files, service processes."""
+
+    workdir: Path
+    brokers: dict[str, Any] = field(default_factory=dict)
+    paths: dict[str, Path] = field(default_factory=dict)
+    cfgs: dict[str, Any] = field(default_factory=dict)
+    procs: list[ServiceProcess] = field(default_factory=list)
+    regions: dict[str, list[RegionProcess]] = field(default_factory=dict)
+    senders: dict[str, list[SenderProcess]] = field(default_factory=dict)
+
+    def urls(self, site: str) -> list[str]:
+        return [p.url for p in self.regions[site]]
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop(15)
+        for broker in self.brokers.values():
+            broker.stop()
+
+
+def start_sites(console: Console, sites: Sites, engine: str) -> None:
+    from .broker import start_broker
+    from .core.config import load_config
+    from .core.topics import apply_topics
+
+    with console.status("starting two embedded brokers…"):
+        for name in ("a", "b"):
+            sites.brokers[name] = start_broker(f"demo-{name}", 0, engine, data_dir=sites.workdir / f"broker-{name}")
+    for name, broker in sites.brokers.items():
+        console.print(f"[bold]site {name}[/]: {broker.engine} broker on {broker.bootstrap}")
+    prefix = f"demo{uuid.uuid4().hex[:6]}."
+    sites.paths = site_files(sites.workdir, {n: b.bootstrap for n, b in sites.brokers.items()}, prefix)
+    for name, path in sites.paths.items():
+        sites.cfgs[name] = load_config(path)
+        apply_topics(sites.cfgs[name])
+    log = sites.workdir
+
+    def started(proc: ServiceProcess) -> ServiceProcess:
+        sites.procs.append(proc)
+        return proc
+
+    with console.status("starting the services (15 processes)…") as status:
+        for name in ("a", "b"):
+            sites.regions[name] = [started(RegionProcess(sites.paths[name], log / f"region-{name}{i}.log"))
+                                   for i in range(2)]
+        for name in ("a", "b"):
+            status.update(f"starting site {name}'s receiver and senders…")
+            started(ReceiverProcess(sites.paths[name], log / f"receiver-{name}.log"))
+        sites.senders["orders-to-b"] = [
+            started(SenderProcess(sites.paths["a"], "orders-to-b", log / f"orders-to-b-{i}.log")) for i in range(2)]
+        sites.senders["customers-to-b"] = [started(SenderProcess(
+            sites.paths["a"], "customers-to-b", log / "customers-to-b.log", parallel=False))]
+        sites.senders["orders-to-a"] = [started(SenderProcess(sites.paths["b"], "orders-to-a", log / "orders-to-a.log"))]
+        status.update("starting the write-behind dispatcher and the subscription services…")
+        started(DispatcherProcess(sites.paths["a"], "orders-jdbc", log / "dispatcher.log"))
+        for i in range(2):
+            started(SubscriptionsProcess(sites.paths["b"], log / f"subscriptions-{i}.log"))
+        status.update("waiting for every bucket to have a ready owner…")
+        for region in sites.regions["a"] + sites.regions["b"]:
+            region.wait_ready()
+    console.print(f"services: {len(sites.procs)} processes (2 region instances and a receiver per site; senders "
+                  "orders a→b ×2, customers a→b (serial), orders b→a; a SQLite write-behind on a; 2 subscription "
+                  "instances on b); logs in " + str(sites.workdir))
+
+
+# --- the workload ----------------------------------------------------------------------------
+
+
+@dataclass
+class Written:
+    """What the writers were told was applied (acknowledged), and what failed."""
+
+    acknowledged: list[tuple[str, str, str, Any]] = field(default_factory=list)  # (site, region, key, EventID)
+    failed: int = 0
+    operations: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def note(self, site: str, region: str, answer: dict[str, Any], keys: list[str], first: Any) -> None:
+        from .core.events import EventID
+
+        with self.lock:
+            self.operations += len(keys)
+            for i, key in enumerate(keys):
+                self.acknowledged.append((site, region, key, EventID(first.member_id, first.thread_id,
+                                                                     first.sequence_id + i)))
+
+
+def write_site(site: str, urls: list[str], rng: random.Random, budget: "Budget", written: Written) -> None:
+    """One site's writer: puts, put_alls and destroys of ``orders``, puts of ``customers``, and updates of the
+    hot keys both sites write."""
+    from .client import RegionClient, RegionError
+
+    # Each site writes its own half of the keys past the hot ones: no conflicts there.
+    lo = HOT_KEYS if site == "a" else (HOT_KEYS + KEYS) // 2
+    hi = (HOT_KEYS + KEYS) // 2 if site == "a" else KEYS
+    with RegionClient(urls, member_id=f"demo-writer-{site}", retry_for_s=60) as client:
+        present: set[str] = set()
+        while budget.take(1):
+            roll = rng.random()
+            try:
+                if roll < 0.15:
+                    key = f"order-{rng.randrange(HOT_KEYS):04d}"  # contested: both sites write these
+                    eid = client.next_event_id()
+                    client.put("orders", key, {"site": site, "t": time.time()}, event_id=eid)
+                    written.note(site, "orders", {}, [key], eid)
+                elif roll < 0.25:
+                    entries = {f"order-{rng.randrange(lo, hi):04d}": {"site": site, "qty": rng.randrange(9)}
+                               for _ in range(10)}
+                    eid = client.next_event_id(len(entries))
+                    client.put_all("orders", entries, event_id=eid)
+                    written.note(site, "orders", {}, list(entries), eid)
+                    present.update(entries)
+                    budget.take(len(entries) - 1)
+                elif roll < 0.32 and present:
+                    key = rng.choice(sorted(present))
+                    present.discard(key)
+                    eid = client.next_event_id()
+                    client.destroy("orders", key, event_id=eid)
+                    written.note(site, "orders", {}, [key], eid)
+                elif roll < 0.40 and site == "a":
+                    key = f"customer-{rng.randrange(50):03d}"
+                    eid = client.next_event_id()
+                    client.put("customers", key, {"n": rng.randrange(1000)}, event_id=eid)
+                    written.note(site, "customers", {}, [key], eid)
+                else:
+                    key = f"order-{rng.randrange(lo, hi):04d}"
+                    eid = client.next_event_id()
+                    client.put("orders", key, {"site": site, "qty": rng.randrange(100)}, event_id=eid)
+                    written.note(site, "orders", {}, [key], eid)
+                    present.add(key)
+            except RegionError as exc:
+                if exc.error != "EntryNotFound":  # a destroy racing the other site's: expected
+                    with written.lock:
+                        written.failed += 1
+
+
+class Budget:
+    """Operations left to write (or seconds left, with ``--duration``)."""
+
+    def __init__(self, events: int, duration_s: float | None) -> None:
+        self.left = events
+        self.until = None if duration_s is None else time.monotonic() + duration_s
+        self.duration_s = duration_s
+        self.started = time.monotonic()
+        self.done = 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        with self._lock:
+            if self.until is not None:
+                if time.monotonic() >= self.until:
+                    return False
+            elif self.left <= 0:
+                return False
+            self.left -= n
+            self.done += n
+            return True
+
+    @property
+    def fraction(self) -> float:
+        if self.until is not None and self.duration_s:
+            return min(1.0, (time.monotonic() - self.started) / self.duration_s)
+        total = self.done + max(self.left, 0)
+        return self.done / total if total else 1.0
+
+
+def queue_table(sites: Sites, previous: dict[tuple[str, int], tuple[float, int]]) -> Table:
+    """Per sender and queue: size, oldest event, events/s since the last look, resends."""
+    from .admin.cli import queue_status
+
+    table = Table(title="queues (live)", title_justify="left")
+    for col in ("site", "queue", "primaries", "queue size", "oldest event", "events/s", "resends", "dead letters"):
+        table.add_column(col, justify="left" if col in ("site", "queue", "primaries") else "right")
+    now = time.monotonic()
+    for site, cfg in sites.cfgs.items():
+        for queue in cfg.all_attached_queues():
+            try:
+                rows = queue_status(cfg, queue.id)
+            except Exception as exc:  # noqa: BLE001 - a broker busy for a moment: show it, go on
+                table.add_row(site, queue.id, f"({type(exc).__name__})", "", "", "", "", "")
+                continue
+            events = sum(r.events for r in rows)
+            before = previous.get((queue.id, id(cfg)))
+            rate = (events - before[1]) / (now - before[0]) if before and now > before[0] else 0.0
+            previous[(queue.id, id(cfg))] = (now, events)
+            oldest = max((r.oldest_age_s or 0.0 for r in rows), default=0.0)
+            table.add_row(site, queue.id, str(len({r.primary for r in rows if r.primary != "—"})),
+                          str(sum(r.size for r in rows)), f"{oldest:.1f}s", f"{rate:,.0f}",
+                          str(sum(r.redeliveries for r in rows)), str(sum(r.dead_lettered for r in rows)))
+    return table
+
+
+# --- verification ----------------------------------------------------------------------------
+
+
+def changelog(cfg: Any, region: str) -> list[Any]:
+    """Every event a site's region applied, from its changelog."""
+    from .core.codec import get_codec
+    from .core.events import EntryEvent
+    from .core.kafka import make_consumer, read_to_end
+
+    codec = get_codec()
+    consumer = make_consumer(cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 10})
+    try:
+        return [EntryEvent.from_record(codec.decode_as("EntryEvent", m.value()))
+                for p in range(cfg.region(region).buckets)
+                for m in read_to_end(consumer, cfg.topics.region_changelog(region), p, deadline_s=60)
+                if m.value() is not None]
+    finally:
+        consumer.close()
+
+
+def region_state(urls: list[str], region: str) -> dict[str, tuple[Any, Any]]:
+    from .client import RegionClient
+
+    with RegionClient(urls) as client:
+        keys = client.keys(region)
+        entries = client.get_all(region, keys) if keys else {}
+    return {k: (e["value"], e["version"]) for k, e in entries.items() if e is not None}
+
+
+def converge(sites: Sites, timeout_s: float) -> float | None:
+    """Seconds until every queue is empty and both sites hold the same orders and customers."""
+    from .admin.cli import queue_status
+
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        try:
+            empty = all(sum(r.size for r in queue_status(cfg, q.id)) == 0
+                        for cfg in sites.cfgs.values() for q in cfg.all_attached_queues())
+            if empty and all(region_state(sites.urls("a"), r) == region_state(sites.urls("b"), r)
+                             for r in ("orders", "customers")):
+                return time.monotonic() - started
+        except Exception:  # noqa: BLE001 - keep trying until the deadline
+            pass
+        time.sleep(1.0)
+    return None
+
+
+def verify(console: Console, sites: Sites, written: Written, client: Any, converged_s: float | None,
+           failover: str) -> bool:
+    """The summary, computed by reading regions, changelogs, the SQLite table and the client's cache."""
+    from .admin.cli import receiver_status
+
+    problems: list[str] = []
+    table = Table(title="verification (read from the sites, not counted)", title_justify="left")
+    table.add_column("check")
+    table.add_column("result", justify="right")
+    table.add_column("")
+
+    def row(check: str, result: str, good: bool) -> None:
+        table.add_row(check, result, "[green]ok[/]" if good else "[red]DIVERGED[/]")
+        if not good:
+            problems.append(check)
+
+    divergent = 0
+    for region in ("orders", "customers"):
+        a, b = region_state(sites.urls("a"), region), region_state(sites.urls("b"), region)
+        diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+        divergent += len(diff)
+        row(f"{region}: keys equal on a and b (value and version)", f"{len(a) - len(diff)} of {len(set(a) | set(b))}",
+            not diff)
+    logs = {(site, region): changelog(cfg, region) for site, cfg in sites.cfgs.items()
+            for region in ("orders", "customers")}
+    twice = sum(len(events) - len({(e.key, e.event_id) for e in events}) for events in logs.values())
+    row("events applied twice at a site", str(twice), twice == 0)
+    applied_ids = {key: {(e.key, e.event_id) for e in events} for key, events in logs.items()}
+    lost = sum(1 for site, region, key, eid in written.acknowledged
+               if (key, eid) not in applied_ids[(site, region)])
+    row("acknowledged writes missing from their own site", f"{lost} of {len(written.acknowledged)}", lost == 0)
+    contested = {f"order-{i:04d}" for i in range(HOT_KEYS)}
+    other = {"a": "b", "b": "a"}
+    missed = sum(1 for site, region, key, eid in written.acknowledged
+                 if key not in contested and (region == "orders" or site == "a")
+                 and (key, eid) not in applied_ids[(other[site], region)])
+    row("acknowledged writes of uncontested keys missing at the other site", str(missed), missed == 0)
+
+    orders_a = region_state(sites.urls("a"), "orders")
+    with sqlite3.connect(sites.workdir / "orders.db") as db:
+        import json
+
+        sql = {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM orders_live")}
+    sql_diff = sorted(k for k in set(sql) | set(orders_a) if sql.get(k) != (orders_a.get(k) or (None,))[0])
+    row("SQLite write-behind table equals a's orders", f"{len(sql)} rows, {len(sql_diff)} differ", not sql_diff)
+
+    import re
+
+    deadline = time.monotonic() + 30  # the client's queue may still hold the last events
+    while True:
+        orders_b = region_state(sites.urls("b"), "orders")
+        mine = {k: v for k, (v, _) in orders_b.items() if re.fullmatch(DURABLE_PATTERN, k)}
+        cache = client.region("orders").snapshot()
+        cache_diff = sorted(k for k in set(mine) | set(cache) if mine.get(k) != cache.get(k))
+        if not cache_diff or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    row("durable client's cache equals b's orders for its keys", f"{len(cache)} keys, {len(cache_diff)} differ",
+        not cache_diff)
+
+    receivers = receiver_status(sites.cfgs["a"]) + receiver_status(sites.cfgs["b"])
+    duplicates = sum(r["events_duplicate"] for r in receivers) + client.processed()["repeats"]
+    conflicts = sum(r["conflicts"] for r in receivers)
+    table.add_row("duplicates discarded (receivers' repeats, the client's repeats)", str(duplicates), "")
+    table.add_row("conflicts resolved (events that lost at the receiving site)", str(conflicts), "")
+    table.add_row("failover of the a→b primary", failover, "")
+    row("time to converge after the last write", "never" if converged_s is None else f"{converged_s:.1f}s",
+        converged_s is not None)
+    console.print(table)
+    ok = not problems
+    console.print(f"[{'green' if ok else 'red'}]{'OK' if ok else 'DIVERGED'}[/]: {written.operations} operations "
+                  f"acknowledged on two sites, {written.failed} refused; divergent keys {divergent}; "
+                  f"lost {lost + missed}; applied twice {twice}"
+                  + ("" if ok else f"; failed checks: {', '.join(problems)}"))
+    return ok
+
+
+# --- the run ------------------------------------------------------------------------------------
 
 
 def run(args: argparse.Namespace) -> int:
-    from .broker import start_broker
-    from .client import RegionClient
-    from .core.codec import get_codec
-    from .core.config import load_config
-    from .core.events import EntryEvent
-    from .core.kafka import TopicPartition, make_consumer
-    from .core.topics import apply_topics
+    from .client import ClientCache
 
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=110)
+    console = Console() if Console().is_terminal else Console(width=120)
     workdir = Path(tempfile.mkdtemp(prefix="sluice-demo-"))
-    procs: list[ServiceProcess] = []
-    broker = None
+    sites = Sites(workdir)
     interrupted = False
+    client = None
 
     def on_sigterm(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        with console.status("starting an embedded broker…"):
-            broker = start_broker("demo-a", 0, args.engine, data_dir=workdir / "broker")
-        console.print(f"[bold]site demo-a[/]: {broker.engine} broker on {broker.bootstrap}")
-        prefix = f"demo{uuid.uuid4().hex[:6]}."
-        site_path = _site_file(workdir / "site-a.yaml", broker.bootstrap, prefix)
-        cfg = load_config(site_path)
-        report = apply_topics(cfg)
-        console.print(f"topics: {len(report.results)} ({sum(1 for r in report.results if r.action == 'created')} created)")
-
         try:
-            for i in range(2):
-                procs.append(RegionProcess(site_path, workdir / f"region-{i}.log"))
-            urls = [p.url for p in procs]
-            console.print(f"region service: 2 instances {', '.join(urls)}")
-            procs.append(DispatcherProcess(site_path, "orders-jdbc", workdir / "dispatcher.log"))
+            start_sites(console, sites, args.engine)
         except RuntimeError as exc:
             console.print(f"[red]a service did not start[/]: {exc}")
             return 1
-        console.print("async event queue orders-jdbc: a dispatcher writing behind to SQLite")
+        cfg_b = sites.cfgs["b"]
+        client = ClientCache(cfg_b, "demo-durable", durable=True, region_urls=sites.urls("b"))
+        client.region("orders").register_interest_regex(DURABLE_PATTERN, durable=True)
+        client.ready_for_events()
+        console.print(f"durable client demo-durable on b: interest /{DURABLE_PATTERN}/ in orders")
 
-        client = RegionClient(urls, retry_for_s=60)
-        with console.status("waiting for the instances to own every bucket…"):
-            end = time.monotonic() + 60
-            while time.monotonic() < end:
-                rows = client.buckets()
-                if all(r["status"] in ("ready", "remote") for r in rows):
-                    break
+        budget = Budget(args.events, args.duration)
+        written = Written()
+        writers = [threading.Thread(target=write_site, args=(s, sites.urls(s), random.Random(f"{args.seed}{s}"),
+                                                               budget, written), daemon=True) for s in ("a", "b")]
+        for w in writers:
+            w.start()
+        progress = Progress(TextColumn("writing on a and b"), BarColumn(), TextColumn("{task.fields[done]} ops"),
+                            TimeElapsedColumn(), console=console)
+        task = progress.add_task("writing", total=1.0, done=0)
+        failover = "not tried (--no-faults)" if args.no_faults else "—"
+        events: list[str] = []
+        rates: dict[tuple[str, int], tuple[float, int]] = {}
+        killed_at = None
+        durable_away = durable_back = False
+        shown = [queue_table(sites, rates)]
+        watching = threading.Event()
+
+        def watch() -> None:  # the table takes a second or two to read: off the loop that injects faults
+            while not watching.is_set():
+                shown[0] = queue_table(sites, rates)
+                watching.wait(1.0)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        away_at = 0.0
+        with Live(Group(progress, shown[0]), console=console, refresh_per_second=4) as live:
+            while any(w.is_alive() for w in writers):
+                f = budget.fraction
+                progress.update(task, completed=f, done=written.operations)
+                if not args.no_faults and killed_at is None and f >= 0.5:
+                    victim = sites.senders["orders-to-b"][0]
+                    victim.kill()
+                    killed_at = time.time()
+                    events.append(f"kill -9 of an orders a→b sender ({victim.member_id}) at {f:.0%}")
+                if not durable_away and f >= 0.3:
+                    client.close(keep_alive=True)
+                    durable_away, away_at = True, time.monotonic()
+                    events.append(f"durable client away (keep-alive close) at {f:.0%}")
+                if durable_away and not durable_back and f >= 0.7 and time.monotonic() - away_at >= 1.0:
+                    client = reconnect(cfg_b, sites)
+                    durable_back = True
+                    events.append(f"durable client back at {f:.0%}: its queue replayed before the marker")
+                live.update(Group(progress, shown[0]))
                 time.sleep(0.2)
-
-        rng = random.Random(args.seed)
-        expected: dict[str, Any] = {}
-        applied = 0
-        with Progress(console=console) as progress:
-            task = progress.add_task("writing", total=args.events)
-            done = 0
-            while done < args.events:
-                key = f"order-{rng.randrange(args.keys):04d}"
-                roll = rng.random()
-                if roll < 0.1 and done + 20 <= args.events:
-                    batch = {f"order-{rng.randrange(args.keys):04d}": {"qty": rng.randrange(100)} for _ in range(20)}
-                    client.put_all("orders", batch)
-                    expected.update(batch)
-                    done += len(batch)
-                    applied += len(batch)
-                elif roll < 0.15 and key in expected and expected[key] is not None:
-                    client.destroy("orders", key)
-                    del expected[key]
-                    done += 1
-                    applied += 1
-                else:
-                    value = {"qty": rng.randrange(100), "n": done}
-                    client.put("orders", key, value)
-                    expected[key] = value
-                    done += 1
-                    applied += 1
-                progress.update(task, completed=done)
-
-        region = client.get_all("orders", sorted(expected))
-        mismatched = [k for k, v in expected.items() if (region.get(k) or {}).get("value") != v]
-        table = Table(title="region orders (first 10 keys)")
-        for col in ("key", "value", "entry version", "written by"):
-            table.add_column(col)
-        for key in sorted(expected)[:10]:
-            e = region[key] or {}
-            table.add_row(key, str(e.get("value")), str(e.get("version", {}).get("entry_version")),
-                          str(e.get("event_id", {}).get("member_id")))
-        console.print(table)
-        console.print(f"region holds {len(client.keys('orders'))} keys; "
-                      f"{len(expected) - len(mismatched)}/{len(expected)} match what the writer expects")
-
-        codec = get_codec()
-        consumer = make_consumer({"bootstrap.servers": broker.bootstrap}, None)
-        qtable = Table(title="what reached the queues")
-        for col in ("queue", "kind", "partitions", "records", "EventIDs", "possibleDuplicate", "operations"):
-            qtable.add_column(col, no_wrap=col != "operations")
-        problems = 0
-        for q in cfg.attached_queues("orders"):
-            ids: set[Any] = set()
-            ops: dict[str, int] = {}
-            records = dup = 0
-            for p in range(q.partitions):
-                low, high = consumer.get_watermark_offsets(TopicPartition(q.topic, p), timeout=10)
-                if high <= low:
-                    continue
-                consumer.assign([TopicPartition(q.topic, p, low)])
-                last = low - 1
-                while last < high - 1:
-                    for msg in consumer.consume(1000, 2.0):
-                        last = msg.offset()
-                        ev = EntryEvent.from_record(codec.decode_as("QueuedEvent", msg.value())["event"])
-                        records += 1
-                        dup += ev.possible_duplicate
-                        ids.add(ev.event_id)
-                        ops[ev.operation.value] = ops.get(ev.operation.value, 0) + 1
-            kind = ("parallel " if q.parallel else "serial ") + ("sender" if q.kind == "gateway-sender" else "AEQ")
-            qtable.add_row(q.id, kind, str(q.partitions), str(records), str(len(ids)), str(dup),
-                           " ".join(f"{k.lower()}={v}" for k, v in sorted(ops.items())))
-            if len(ids) != applied:
-                problems += 1
-        consumer.close()
-        console.print(qtable)
-
-        # The write-behind table, once the queue is drained, equals the region.
-        from .admin.cli import queue_status
-
-        with console.status("waiting for the write-behind to drain orders-jdbc…"):
-            end = time.monotonic() + 60
-            while time.monotonic() < end and sum(r.size for r in queue_status(cfg, "orders-jdbc")) > 0:
-                time.sleep(0.3)
-        import sqlite3
-
-        with sqlite3.connect(workdir / "orders.db") as db:
-            table = {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM orders_live")}
-        region_now = {k: e["value"] for k, e in client.get_all("orders", sorted(set(expected) | set(table))).items()
-                      if e is not None}
-        table_ok = table == region_now
-        console.print(f"write-behind table orders (SQLite): {len(table)} rows; "
-                      f"equal to the region: {'yes' if table_ok else 'no'}")
-        ok = not mismatched and problems == 0 and table_ok
-        console.print(f"[{'green' if ok else 'red'}]{'OK' if ok else 'DIVERGED'}[/]: {applied} operations applied, "
-                      f"each in every attached queue: {'yes' if problems == 0 else 'no'}; "
-                      f"region matches the writer: {'yes' if not mismatched else f'no ({len(mismatched)} keys)'}; "
-                      f"write-behind table matches the region: {'yes' if table_ok else 'no'}")
+            watching.set()
+            watcher.join(10)
+            if durable_away and not durable_back:
+                client = reconnect(cfg_b, sites)
+                events.append("durable client back after the writes: its queue replayed before the marker")
+            progress.update(task, completed=1.0, done=written.operations)
+            live.update(Group(progress, queue_table(sites, rates)))
+        console.print()
+        for line in events:
+            console.print(f"  · {line}")
+        if killed_at is not None:
+            failover = failover_time(sites, killed_at)
+        with console.status("waiting for the sites to converge…"):
+            converged = converge(sites, 90)
+        if not client.live:
+            time.sleep(2)
+        ok = verify(console, sites, written, client, converged, failover)
         if args.keep_running:
-            console.print(f"running; try: curl {urls[0]}/buckets   (Ctrl-C stops everything)")
+            console.print(f"running; try: sluice admin -c {sites.paths['a']} status   (Ctrl-C stops everything)")
             while True:
                 time.sleep(1)
         return 0 if ok else 1
@@ -227,9 +558,37 @@ def run(args: argparse.Namespace) -> int:
         interrupted = True
         return 130
     finally:
-        for proc in procs:
-            proc.stop(15)
-        if broker is not None:
-            broker.stop()
-        if not interrupted:
+        if client is not None and not client.closed:
+            client.close()
+        sites.stop()
+        if not interrupted and not args.keep_running:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def reconnect(cfg_b: Any, sites: Sites) -> Any:
+    """The durable client comes back: same id, its queue resumed, its interest registered again."""
+    from .client import ClientCache
+
+    client = ClientCache(cfg_b, "demo-durable", durable=True, region_urls=sites.urls("b"))
+    client.region("orders").register_interest_regex(DURABLE_PATTERN, durable=True)
+    client.ready_for_events()
+    return client
+
+
+def failover_time(sites: Sites, killed_wall: float) -> str:
+    """From the kill to the surviving sender's log line taking all 8 partitions of orders a→b."""
+    survivor = sites.senders["orders-to-b"][1]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for line in survivor.log_tail(200_000).splitlines():
+            if "primary for partitions [0, 1, 2, 3, 4, 5, 6, 7]" not in line:
+                continue
+            try:
+                stamp = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + int(line[20:23]) / 1000
+            except ValueError:
+                continue
+            if stamp >= killed_wall:
+                return f"{stamp - killed_wall:.1f}s from kill -9 to the other sender owning all 8 partitions " \
+                       f"(group session timeout 3 s)"
+        time.sleep(0.5)
+    return "the other sender had not taken every partition 30 s after the kill"

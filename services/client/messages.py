@@ -6,8 +6,11 @@ The story of one message:
    for its writer thread and key) is discarded and counted.
 2. Before the marker (``ready_for_events`` places it; a client's first start
    too), a message is *replayed*: its listeners see it with
-   ``replayed=True`` and the cache is left as it is.  At the marker each
-   region's listeners get ``after_region_live`` and normal processing starts.
+   ``replayed=True`` and the cache is left as it is; except that once a
+   registration of this connection is answered (its load follows), what
+   comes after the answer also updates the cache, since the load may
+   predate it.  At the marker each region's listeners get
+   ``after_region_live`` and normal processing starts.
 3. Afterwards the message is applied to the local cache and its listeners
    called: values put (``after_create`` when the client did not hold the
    key, else ``after_update``), invalidates invalidate an entry the client
@@ -64,6 +67,9 @@ class MessageProcessor:
         #: Called with the region's name once a region destroy is applied.
         self.on_region_destroyed: Callable[[str], None] | None = None
         self.live = False
+        #: Set once a registration of this connection is answered: events after that answer are applied
+        #: to the cache even before the marker (the backlog before it is only replayed).
+        self.applying = False
         self.stats = {"applied": 0, "replayed": 0, "repeats": 0, "ignored": 0}
 
     def on_event(self, event: ClientEvent, now_ms: int) -> bool:
@@ -82,6 +88,14 @@ class MessageProcessor:
         if not self.live:
             self.stats["replayed"] += 1
             replayed = dataclasses.replace(event, replayed=True)
+            if self.applying:
+                # Queued after the client's registration was answered: newer than the backlog, and the
+                # load may predate it, so the cache takes it too (the stream after the answer, applied
+                # over the load, ends where the region is).
+                callback = self._apply(cache, event)
+                if callback is not None:
+                    self._call(event.region, callback, replayed)
+                return True
             self._call(event.region, self._callback_for(event, held=event.operation not in CREATES), replayed)
             return True
         callback = self._apply(cache, event)

@@ -403,6 +403,7 @@ class ClientCache:
             "interest": interest, "connected": True, "keep_alive": False, "ready": False, "changed_at": 0,
         }
         self._answered_version = -1
+        self._loading_from: int | None = None  # the first registration version of this connection that loads
         with self._lock:
             self._publish()
         self._consumer.assign([TopicPartition(queue_topic, 0, self._next)])
@@ -444,6 +445,8 @@ class ClientCache:
             self._record["interest"] = self._interest_records()
             self._publish()
             version = self._record["version"]
+            if self._loading_from is None:
+                self._loading_from = version
         try:
             self._wait_answer(version)
             loaded, invalid = self._load(region, reg)
@@ -598,6 +601,8 @@ class ClientCache:
             if kind == "REGISTERED":
                 if message["session"] == self._session:
                     self._answered_version = max(self._answered_version, message["version"])
+                    if self._loading_from is not None and message["version"] >= self._loading_from:
+                        self._processor.applying = True
                     self._answered.notify_all()
             elif kind == "MARKER":
                 if message["session"] == self._session and not self._processor.live:
@@ -636,6 +641,8 @@ class ClientCache:
             self._record["queue_topic"] = queue_topic
             self._session = self._record["session"] = uuid.uuid4().hex[:12]
             self._answered_version = -1
+            self._loading_from = None
+            self._processor.applying = False
             self._next = 0
             self._consumer.assign([TopicPartition(queue_topic, 0, 0)])
             self._publish()
@@ -676,6 +683,8 @@ class ClientCache:
             self._consumer.close()
             if self._client is not None:
                 self._client.close()
+            # librdkafka's handles go now, not whenever this object is collected.
+            self._producer = self._admin = None
 
     def abandon(self) -> None:
         """Stop without a word to the service, as a crashed process would (for tests and drills)."""

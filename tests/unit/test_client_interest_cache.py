@@ -207,3 +207,16 @@ def test_a_region_clear_arrives_bucket_by_bucket_and_is_announced_once() -> None
     assert sorted(cache.entries) == ["d"] and cache.get("d") == "new"
     assert [c for c in listener.calls if c[0] == "after_region_clear"] == [
         ("after_region_clear", None, True), ("after_region_clear", None, False)], "announced once per clear"
+
+
+def test_after_a_registration_is_answered_events_before_the_marker_also_update_the_cache() -> None:
+    """The backlog before the answer is only replayed; what follows the answer is replayed and applied,
+    since the registration's load may predate it."""
+    cache, listener = RegionCache("orders"), Recorder()
+    proc = MessageProcessor({"orders": cache}, EventTracker(900_000), {"orders": [listener]})
+    proc.on_event(_event("a", Operation.UPDATE, "backlog", 1), 0)
+    assert not cache.contains_key("a")
+    proc.applying = True
+    proc.on_event(_event("a", Operation.UPDATE, "after the answer", 2), 0)
+    assert cache.get("a") == "after the answer" and not proc.live
+    assert [c[2] for c in listener.calls] == [True, True], "both shown as replayed"
