@@ -62,6 +62,7 @@ examples:
   sluice demo --events 6000         # a longer workload
   sluice demo --duration 60         # write for 60 s instead of a number of operations
   sluice demo --no-faults           # no kill -9 of the sender primary
+  sluice demo --all-faults          # kill -9 one process of every service type, one after another
   sluice demo --keep-running        # leave everything up; try `sluice admin -c FILE status`; Ctrl-C stops
 """
 
@@ -82,6 +83,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--duration", type=float, default=None,
                    help="write for this many seconds instead of --events operations")
     p.add_argument("--no-faults", action="store_true", help="do not kill the sender primary midway")
+    p.add_argument("--all-faults", action="store_true",
+                   help="also kill -9 (and restart) one process of every other service type during the workload: "
+                        "a region instance, the serial sender, a receiver, the write-behind dispatcher and a "
+                        "subscription instance")
     p.add_argument("--engine", choices=("auto", "kafka", "tansu"), default="auto", help="embedded brokers")
     p.add_argument("--keep-running", action="store_true", help="leave the sites up until Ctrl-C")
     p.add_argument("--seed", type=int, default=7, help="workload seed (default 7)")
@@ -151,8 +156,30 @@ class Sites:
     paths: dict[str, Path] = field(default_factory=dict)
     cfgs: dict[str, Any] = field(default_factory=dict)
     procs: list[ServiceProcess] = field(default_factory=list)
+    #: How to start each process again (after a kill -9), by the process.
+    restart: dict[int, Any] = field(default_factory=dict)
     regions: dict[str, list[RegionProcess]] = field(default_factory=dict)
     senders: dict[str, list[SenderProcess]] = field(default_factory=dict)
+    receivers: dict[str, ReceiverProcess] = field(default_factory=dict)
+    dispatcher: Any = None
+    subscriptions: list[SubscriptionsProcess] = field(default_factory=list)
+
+    def kill_and_restart(self, proc: ServiceProcess) -> ServiceProcess:
+        """kill -9, then the same service again (a new process)."""
+        proc.kill()
+        fresh = self.restart[id(proc)]()
+        self.procs.append(fresh)
+        self.restart[id(fresh)] = self.restart[id(proc)]
+        def swap(items: list[Any]) -> list[Any]:
+            return [fresh if item is proc else item for item in items]
+
+        self.regions = {name: swap(regions) for name, regions in self.regions.items()}
+        self.senders = {name: swap(senders) for name, senders in self.senders.items()}
+        self.receivers = {name: fresh if r is proc else r for name, r in self.receivers.items()}
+        self.subscriptions = swap(self.subscriptions)
+        if self.dispatcher is proc:
+            self.dispatcher = fresh
+        return fresh
 
     def urls(self, site: str) -> list[str]:
         return [p.url for p in self.regions[site]]
@@ -185,22 +212,27 @@ def start_sites(console: Console, sites: Sites, engine: str) -> None:
         sites.procs.append(proc)
         return proc
 
+    def again(make: Any) -> Any:
+        proc = started(make())
+        sites.restart[id(proc)] = make
+        return proc
+
     with console.status("starting the services (15 processes)…") as status:
         for name in ("a", "b"):
-            sites.regions[name] = [started(RegionProcess(sites.paths[name], log / f"region-{name}{i}.log"))
-                                   for i in range(2)]
+            sites.regions[name] = [
+                again(lambda n=name, i=i: RegionProcess(sites.paths[n], log / f"region-{n}{i}.log")) for i in range(2)]
         for name in ("a", "b"):
             status.update(f"starting site {name}'s receiver and senders…")
-            started(ReceiverProcess(sites.paths[name], log / f"receiver-{name}.log"))
+            sites.receivers[name] = again(lambda n=name: ReceiverProcess(sites.paths[n], log / f"receiver-{n}.log"))
         sites.senders["orders-to-b"] = [
             started(SenderProcess(sites.paths["a"], "orders-to-b", log / f"orders-to-b-{i}.log")) for i in range(2)]
-        sites.senders["customers-to-b"] = [started(SenderProcess(
+        sites.senders["customers-to-b"] = [again(lambda: SenderProcess(
             sites.paths["a"], "customers-to-b", log / "customers-to-b.log", parallel=False))]
         sites.senders["orders-to-a"] = [started(SenderProcess(sites.paths["b"], "orders-to-a", log / "orders-to-a.log"))]
         status.update("starting the write-behind dispatcher and the subscription services…")
-        started(DispatcherProcess(sites.paths["a"], "orders-jdbc", log / "dispatcher.log"))
-        for i in range(2):
-            started(SubscriptionsProcess(sites.paths["b"], log / f"subscriptions-{i}.log"))
+        sites.dispatcher = again(lambda: DispatcherProcess(sites.paths["a"], "orders-jdbc", log / "dispatcher.log"))
+        sites.subscriptions = [again(lambda i=i: SubscriptionsProcess(sites.paths["b"], log / f"subscriptions-{i}.log"))
+                               for i in range(2)]
         status.update("waiting for every bucket to have a ready owner…")
         for region in sites.regions["a"] + sites.regions["b"]:
             region.wait_ready()
@@ -529,6 +561,13 @@ def run(args: argparse.Namespace) -> int:
         rates: dict[tuple[str, int], tuple[float, int]] = {}
         killed_at = None
         durable_away = durable_back = False
+        schedule: list[tuple[float, str, Any]] = [] if not args.all_faults else [
+            (0.15, "a region instance of a", lambda: sites.regions["a"][0]),
+            (0.25, "the serial sender customers a→b", lambda: sites.senders["customers-to-b"][-1]),
+            (0.40, "the receiver of b", lambda: sites.receivers["b"]),
+            (0.60, "the write-behind dispatcher", lambda: sites.dispatcher),
+            (0.80, "a subscription instance of b", lambda: sites.subscriptions[0]),
+        ]
         shown = [queue_table(sites, rates)]
         watching = threading.Event()
 
@@ -544,6 +583,13 @@ def run(args: argparse.Namespace) -> int:
             while any(w.is_alive() for w in writers):
                 f = budget.fraction
                 progress.update(task, completed=f, done=written.operations)
+                for at, what, victim in list(schedule):
+                    if f >= at:
+                        schedule.remove((at, what, victim))
+                        proc = victim()
+                        sites.kill_and_restart(proc)
+                        events.append(f"kill -9 of {what} ({getattr(proc, 'member_id', '') or proc.pid}) at {f:.0%}, "
+                                      "started again")
                 if not args.no_faults and killed_at is None and f >= 0.5:
                     victim = sites.senders["orders-to-b"][0]
                     victim.kill()
