@@ -96,8 +96,11 @@ def add_parser(subparsers: Any) -> None:
 # --- the two sites -------------------------------------------------------------------------
 
 
-def site_files(workdir: Path, bootstrap: dict[str, str], prefix: str) -> dict[str, Path]:
-    """Site files for a and b; a's write-behind database is ``workdir/orders.db``."""
+def site_files(workdir: Path, bootstrap: dict[str, str], prefix: str,
+               region_ports: dict[str, int] | None = None) -> dict[str, Path]:
+    """Site files for a and b; a's write-behind database is ``workdir/orders.db``.  ``region_ports``: fixed
+    region-service ports, for brokers whose groups do not list their members (the receiver then finds the
+    region service by the site file)."""
     kafka = {"session_timeout_ms": 3000, "heartbeat_interval_ms": 500}
     fast = {"batch_size": 100, "batch_time_interval_ms": 50, "socket_read_timeout_ms": 10000}
 
@@ -140,6 +143,8 @@ def site_files(workdir: Path, bootstrap: dict[str, str], prefix: str) -> dict[st
                               "maximum_time_between_pings_ms": 10000},
         },
     }
+    for name, port in (region_ports or {}).items():
+        sites[name]["region_service"] = {"port": port}
     paths = {}
     for name, data in sites.items():
         paths[name] = workdir / f"site-{name}.yaml"
@@ -202,7 +207,11 @@ def start_sites(console: Console, sites: Sites, engine: str) -> None:
     for name, broker in sites.brokers.items():
         console.print(f"[bold]site {name}[/]: {broker.engine} broker on {broker.bootstrap}")
     prefix = f"demo{uuid.uuid4().hex[:6]}."
-    sites.paths = site_files(sites.workdir, {n: b.bootstrap for n, b in sites.brokers.items()}, prefix)
+    # Tansu describes consumer groups without their members, so region instances cannot find each
+    # other's buckets there, nor receivers the region service: one instance per site, on a fixed port.
+    tansu = any(b.engine == "tansu" for b in sites.brokers.values())
+    ports = {name: free_port() for name in ("a", "b")} if tansu else {}
+    sites.paths = site_files(sites.workdir, {n: b.bootstrap for n, b in sites.brokers.items()}, prefix, ports)
     for name, path in sites.paths.items():
         sites.cfgs[name] = load_config(path)
         apply_topics(sites.cfgs[name])
@@ -218,9 +227,12 @@ def start_sites(console: Console, sites: Sites, engine: str) -> None:
         return proc
 
     with console.status("starting the services (15 processes)…") as status:
+        instances = 1 if tansu else 2
         for name in ("a", "b"):
             sites.regions[name] = [
-                again(lambda n=name, i=i: RegionProcess(sites.paths[n], log / f"region-{n}{i}.log")) for i in range(2)]
+                again(lambda n=name, i=i: RegionProcess(sites.paths[n], log / f"region-{n}{i}.log",
+                                                        port=ports.get(n, 0)))
+                for i in range(instances)]
         for name in ("a", "b"):
             status.update(f"starting site {name}'s receiver and senders…")
             sites.receivers[name] = again(lambda n=name: ReceiverProcess(sites.paths[n], log / f"receiver-{n}.log"))
@@ -228,7 +240,8 @@ def start_sites(console: Console, sites: Sites, engine: str) -> None:
             started(SenderProcess(sites.paths["a"], "orders-to-b", log / f"orders-to-b-{i}.log")) for i in range(2)]
         sites.senders["customers-to-b"] = [again(lambda: SenderProcess(
             sites.paths["a"], "customers-to-b", log / "customers-to-b.log", parallel=False))]
-        sites.senders["orders-to-a"] = [started(SenderProcess(sites.paths["b"], "orders-to-a", log / "orders-to-a.log"))]
+        sites.senders["orders-to-a"] = [
+            started(SenderProcess(sites.paths["b"], "orders-to-a", log / "orders-to-a.log"))]
         status.update("starting the write-behind dispatcher and the subscription services…")
         sites.dispatcher = again(lambda: DispatcherProcess(sites.paths["a"], "orders-jdbc", log / "dispatcher.log"))
         sites.subscriptions = [again(lambda i=i: SubscriptionsProcess(sites.paths["b"], log / f"subscriptions-{i}.log"))
@@ -236,9 +249,17 @@ def start_sites(console: Console, sites: Sites, engine: str) -> None:
         status.update("waiting for every bucket to have a ready owner…")
         for region in sites.regions["a"] + sites.regions["b"]:
             region.wait_ready()
-    console.print(f"services: {len(sites.procs)} processes (2 region instances and a receiver per site; senders "
-                  "orders a→b ×2, customers a→b (serial), orders b→a; a SQLite write-behind on a; 2 subscription "
-                  "instances on b); logs in " + str(sites.workdir))
+    console.print(f"services: {len(sites.procs)} processes ({instances} region instance(s) and a receiver per "
+                  "site; senders orders a→b ×2, customers a→b (serial), orders b→a; a SQLite write-behind on a; "
+                  "2 subscription instances on b); logs in " + str(sites.workdir))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 # --- the workload ----------------------------------------------------------------------------
