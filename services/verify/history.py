@@ -234,16 +234,23 @@ class Report:
 
 
 def supersedes(winner: VersionTag, loser: VersionTag) -> bool:
-    """Whether an entry at ``winner`` keeps out an event at ``loser``, by Geode's WAN rule.
+    """Whether an entry at ``winner`` is later in the key's history than an event at ``loser``.
 
-    From the same distributed system, the newer entry version wins; otherwise
-    the later timestamp, and on equal timestamps the higher dsid.  Written here
-    again rather than imported from ``region.conflicts``, so the checker does
-    not trust the code it checks; a unit test holds the two to the same answers.
+    The later timestamp wins (a site never moves a key's timestamp back, and a
+    remote event applies only with a later one, or on a tie by Geode's rule);
+    on equal timestamps, from the same distributed system the newer entry
+    version, otherwise the higher dsid.  Unlike Geode's rule at the moment of
+    application (``region.conflicts.remote_wins``), entry versions are not
+    compared across other timestamps: between two writes of one site, the
+    other site's events may have reset the entry version to its own count.
+    Written here rather than imported, so the checker does not trust the code
+    it checks; a unit test holds it to ``remote_wins`` where the two must agree.
     """
+    if winner.timestamp != loser.timestamp:
+        return winner.timestamp > loser.timestamp
     if winner.dsid == loser.dsid:
         return winner.entry_version > loser.entry_version
-    return (winner.timestamp, winner.dsid) > (loser.timestamp, loser.dsid)
+    return winner.dsid > loser.dsid
 
 
 def ignore_nothing(applied: Applied) -> bool:
