@@ -34,7 +34,7 @@ from ..core.kafka import (
     read_to_end,
     translate,
 )
-from ..subscriptions.registry import registry_partition
+from ..subscriptions.registry import last_heard, registry_partition
 
 STATES = {"pause": "PAUSED", "resume": "RUNNING", "stop": "STOPPED", "start": "RUNNING"}
 
@@ -325,7 +325,7 @@ def client_status(cfg: SiteConfig) -> list[ClientStatus]:
                     consumer.unassign()
             except KafkaException:
                 pass
-            heard = max(reg["changed_at"], ack["at"] if ack and ack["session"] == reg["session"] else 0)
+            heard = last_heard(reg, ack)
             connected = reg["connected"] and now_ms - heard <= cfg.subscriptions.maximum_time_between_pings_ms
             since = reg["changed_at"] if connected or not reg["connected"] else heard
             interest = ", ".join(

@@ -15,6 +15,13 @@ def registry_partition(client_id: str, partitions: int) -> int:
     return partition_for_key(client_id.encode(), partitions)
 
 
+def last_heard(record: dict[str, Any], ack: dict[str, Any] | None) -> int:
+    """When the client last spoke in its current session: its registry record, or a later ack (ping)."""
+    if ack is not None and ack["session"] == record["session"]:
+        return max(record["changed_at"], ack["at"])
+    return int(record["changed_at"])
+
+
 def interest_of(record: dict[str, Any], *, durable_only: bool = False) -> dict[str, RegionInterest]:
     """A registry record's interest, per region (only the durable part for a durable client away)."""
     out: dict[str, RegionInterest] = {}
@@ -57,4 +64,4 @@ def read_latest(cfg: SiteConfig, topic: str, partition: int, key: str) -> bytes 
     return found
 
 
-__all__ = ["create_queue", "interest_of", "read_latest", "registry_partition"]
+__all__ = ["create_queue", "interest_of", "last_heard", "read_latest", "registry_partition"]

@@ -63,7 +63,7 @@ from ..core.kafka import (
     translate,
 )
 from ..core.lifecycle import ServiceState
-from .registry import create_queue, interest_of, registry_partition
+from .registry import create_queue, interest_of, last_heard, registry_partition
 
 log = logging.getLogger("sluice.subscriptions")
 
@@ -407,10 +407,7 @@ class SubscriptionService:
                     self._unregister(client, "closed" if not record["durable"] else "closed without keep-alive")
                     continue
             else:
-                ack = self.acks.get(client.id)
-                heard = record["changed_at"]
-                if ack is not None and ack["session"] == record["session"]:
-                    heard = max(heard, ack["at"])
+                heard = last_heard(record, self.acks.get(client.id))
                 silent_ms = now_ms - heard
                 if silent_ms > self.sub.maximum_time_between_pings_ms:
                     if not record["durable"]:
