@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .sender import cli as sender_cli
     from .region import cli as region_cli
     from .subscriptions import cli as subscriptions_cli
+    from .verify import soak
 
     parser = argparse.ArgumentParser(
         prog="sluice",
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     subscriptions_cli.add_parser(sub)
     admin_cli.add_parser(sub)
     demo.add_parser(sub)
+    soak.add_parser(sub)
     return parser
 
 

@@ -88,6 +88,10 @@ _TRANSIENT = {
     KafkaError.COORDINATOR_NOT_AVAILABLE,
     KafkaError.NOT_COORDINATOR,
     KafkaError.REBALANCE_IN_PROGRESS,
+    # A broker back from a pause or a restart: for a moment the client's
+    # metadata lacks partitions it knew, or a broker handle is replaced.
+    KafkaError._UNKNOWN_PARTITION,
+    KafkaError._DESTROY_BROKER,
 }
 
 

@@ -58,7 +58,7 @@ class ServiceProcess:
     banner = ""
 
     def __init__(self, args: Sequence[str], log_path: Path, *, start_timeout_s: float = 60.0,
-                 extra_path: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
+                 extra_path: Sequence[str] = (), env: dict[str, str] | None = None, wait: bool = True) -> None:
         self.log_path = log_path
         self._log = open(log_path, "ab")
         pythonpath = [*extra_path, *filter(None, [os.environ.get("PYTHONPATH")])]
@@ -77,13 +77,31 @@ class ServiceProcess:
         except BaseException:
             self._log.close()
             raise
+        #: The service's banner line, once :meth:`wait_started` has read it.
+        self.announcement = ""
+        #: Seconds from spawn to the banner.
+        self.ready_s: float | None = None
+        if wait:
+            self.wait_started(start_timeout_s)
+
+    def wait_started(self, timeout_s: float = 60.0) -> "ServiceProcess":
+        """Wait for the banner (the service runs); stops the process and raises RuntimeError if it does not come.
+
+        With ``wait=False`` several services start side by side: spawn them all, then wait for each.
+        """
+        if self.announcement:
+            return self
         try:
-            self.announcement = self._read_banner(start_timeout_s)
+            self.announcement = self._read_banner(timeout_s)
         except BaseException:
             self.stop()
             raise
-        #: Seconds from spawn to the banner.
         self.ready_s = time.monotonic() - self.started
+        self._announced()
+        return self
+
+    def _announced(self) -> None:
+        """Read what the subclass needs from ``announcement`` (its member id, its URL)."""
 
     @property
     def pid(self) -> int:
@@ -152,7 +170,10 @@ class RegionProcess(ServiceProcess):
 
     def __init__(self, config_path: Path, log_path: Path, *, port: int = 0, **kwargs: Any) -> None:
         self.config_path = config_path
+        self.url = ""
         super().__init__(["region", "-c", str(config_path), "--port", str(port)], log_path, **kwargs)
+
+    def _announced(self) -> None:
         self.url = self.announcement.split(" on ", 1)[1].split(" ", 1)[0]
 
     def wait_ready(self, timeout_s: float = 60.0) -> float:
@@ -180,7 +201,10 @@ class DispatcherProcess(ServiceProcess):
     banner = "dispatcher "
 
     def __init__(self, config_path: Path, queue_id: str, log_path: Path, **kwargs: Any) -> None:
+        self.member_id = ""
         super().__init__(["dispatcher", "-c", str(config_path), "--queue", queue_id], log_path, **kwargs)
+
+    def _announced(self) -> None:
         self.member_id = self.announcement.split()[1]
 
 
@@ -190,7 +214,10 @@ class ReceiverProcess(ServiceProcess):
     banner = "receiver "
 
     def __init__(self, config_path: Path, log_path: Path, **kwargs: Any) -> None:
+        self.member_id = ""
         super().__init__(["receiver", "-c", str(config_path)], log_path, **kwargs)
+
+    def _announced(self) -> None:
         self.member_id = self.announcement.split()[1]
 
 
@@ -202,7 +229,10 @@ class SenderProcess(ServiceProcess):
     def __init__(self, config_path: Path, sender_id: str, log_path: Path, *, parallel: bool = True,
                  **kwargs: Any) -> None:
         command = "parallel-sender" if parallel else "serial-sender"
+        self.member_id = ""
         super().__init__([command, "-c", str(config_path), "--sender", sender_id], log_path, **kwargs)
+
+    def _announced(self) -> None:
         self.member_id = self.announcement.split()[1]
 
 
@@ -212,5 +242,8 @@ class SubscriptionsProcess(ServiceProcess):
     banner = "subscriptions "
 
     def __init__(self, config_path: Path, log_path: Path, **kwargs: Any) -> None:
+        self.member_id = ""
         super().__init__(["subscriptions", "-c", str(config_path)], log_path, **kwargs)
+
+    def _announced(self) -> None:
         self.member_id = self.announcement.split()[1]

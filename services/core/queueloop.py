@@ -103,6 +103,7 @@ class QueuePartition:
     last_removed_offset: int = -1
     last_accepted_at: int = 0  # epoch ms of the last delivered batch (a sender: its last ack)
     alerting_since: float = 0.0  # monotonic time of the last ALERT logged; 0 when none is due
+    dispatched_yet: bool = False  # a batch of events has gone out since this member took the partition
 
 
 @dataclass(frozen=True, slots=True)
@@ -399,6 +400,11 @@ class QueuePrimary:
                 # Only dead letters, filtered or conflated-away records: nothing to offer.
                 self._inbox.put(("done", _OfferDone(part.tp.partition, group, len(group), 0, now_ms)))
                 continue
+            if not part.dispatched_yet:
+                # The end of a failover, as an operator (and `sluice soak`) measures it.
+                part.dispatched_yet = True
+                log.info("queue %s[%d]: first batch dispatched since taking the partition (batch %d)",
+                         self.queue_id, part.tp.partition, group[0].batch_id)
             self._pool.submit(self._offer, part, group)
 
     def _offer(self, part: QueuePartition, group: list[Batch[AsyncEvent]]) -> None:

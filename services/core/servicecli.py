@@ -22,6 +22,8 @@ def add_site_options(parser: argparse.ArgumentParser) -> None:
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    # One line per HTTP request between services (receiver → region service) drowns what matters.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def load_site(args: argparse.Namespace) -> SiteConfig:

@@ -103,6 +103,7 @@ class _Lane:
         self.stop = threading.Event()  # set on revoke or shutdown
         self.paused = False
         self.error: BaseException | None = None
+        self.handled_yet = False  # a batch of this partition was handled since the lane began
         self.thread = threading.Thread(target=self._run, args=(receiver,), daemon=True,
                                        name=f"receiver-lane-{partition}")
         self.thread.start()
@@ -114,6 +115,11 @@ class _Lane:
                 if msg is None or self.stop.is_set():
                     return
                 receiver._handle(msg, self.stop)
+                if not self.handled_yet:
+                    # The end of a failover, as an operator (and `sluice soak`) measures it.
+                    self.handled_yet = True
+                    log.info("receiver %s: first batch handled on inbound partition %d since taking it",
+                             receiver.member_id, self.partition)
         except _Stopping:
             return
         except BaseException as exc:  # top of a thread: the service's loop re-raises it

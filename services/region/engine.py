@@ -331,9 +331,12 @@ class RegionEngine:
                     result.duplicate = True
                     self.stats["duplicates"] += 1
                     original = ob.inflight.get(event_id)
-                    if original is not None:
+                    if original is not None and original is not pending:
                         # The first attempt is still being written: answer
-                        # this retry when that one is durable.
+                        # this retry when that one is durable.  (The same
+                        # event twice in one request, as a batch may hold it
+                        # after a queue re-enqueued it, is already waited for:
+                        # chaining the request to itself would never answer.)
                         original.then(pending)
                     continue
                 if isinstance(outcome, Skipped):

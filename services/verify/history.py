@@ -208,8 +208,9 @@ class Report:
             keyed.setdefault(finding.key, []).append(finding)
         return keyed
 
-    def render(self) -> str:
-        """A plain-text table: one line per finding, grouped by observer and kind; then the counts."""
+    def render(self, limit: int | None = None) -> str:
+        """A plain-text table: one line per finding (the first ``limit``), grouped by observer and kind; then
+        the counts."""
         c = self.counts
         verdict = "OK" if self.ok else "FAILED"
         lines = [f"history {verdict}: {c.lost} lost, {c.duplicated} duplicated, {c.reordered} reordered, "
@@ -218,7 +219,9 @@ class Report:
             lines.append("")
             lines += _table(("observer", "kind", "key", "event", "detail"),
                             [(f.observer, f.kind.value, f.key, ", ".join(map(str, f.event_ids)) or "-", f.detail)
-                             for f in self.findings])
+                             for f in self.findings[:limit]])
+            if limit is not None and len(self.findings) > limit:
+                lines.append(f"… and {len(self.findings) - limit} more findings")
         lines.append("")
         names = ("applied", "expected", "lost", "duplicated", "reordered", "unexpected", "ignored", "superseded",
                  "unacked missing")

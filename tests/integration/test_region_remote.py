@@ -54,6 +54,24 @@ def test_remote_events_apply_by_geodes_conflict_rule_and_reach_the_queues(site_a
         region.stop()
 
 
+def test_the_same_event_twice_in_one_request_is_applied_once_and_answered(site_a, unique_prefix, tmp_path: Path):
+    """A gateway batch may hold an event twice (a new region owner re-enqueues what its predecessor may not
+    have enqueued, flagged possibleDuplicate): the first is applied, the second answered as a duplicate, and
+    the request is answered at once rather than waiting on itself until it times out."""
+    write_site(tmp_path / "site.yaml", site="a", bootstrap=site_a.bootstrap, prefix=site_a.topic_prefix(unique_prefix))
+    region = RegionProcess(tmp_path / "site.yaml", tmp_path / "region.log")
+    try:
+        region.wait_ready()
+        client = RegionClient([region.url], timeout_s=10, retry_for_s=0)
+        event = _remote("twice", Operation.CREATE, b'{"n":1}', 2, 1_000, 1, seq=7)
+        repeat = event.as_possible_duplicate()
+        answer = client.apply_remote("orders", [event, repeat], outcomes="all")
+        assert [o["status"] for o in answer["outcomes"]] == ["ok", "duplicate"]
+        assert client.get("orders", "twice") == {"n": 1}
+    finally:
+        region.stop()
+
+
 def test_apply_remote_refuses_what_cannot_cross_sites(site_a, unique_prefix, tmp_path: Path):
     """Invalidates, this site's own events and bytes that are not events are refused, naming the event."""
     write_site(tmp_path / "site.yaml", site="a", bootstrap=site_a.bootstrap,
