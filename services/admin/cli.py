@@ -1,4 +1,4 @@
-"""``sluice admin -c FILE {status|pause|resume|stop|start} [QUEUE]``.
+"""``sluice admin -c FILE {status|pause|resume|stop|start} [QUEUE]``, and ``serve`` (the status page, serve.py).
 
 Commands travel through Kafka: pause, resume, stop and start write the
 queue's desired state to the site's compacted control topic, which every
@@ -49,18 +49,23 @@ examples:
 
 
 def add_parser(subparsers: Any) -> None:
+    from . import serve
+
     p = subparsers.add_parser(
         "admin",
-        help="status of queues (gateway senders, async event queues), and pause/resume/stop/start them",
-        description="Show the status of a site's gateway senders and async event queues per partition, or "
-        "change their state.",
-        epilog=EXAMPLE,
+        help="status of queues (gateway senders, async event queues), pause/resume/stop/start them, "
+        "or serve the status page",
+        description="Show the status of a site's gateway senders and async event queues per partition, "
+        "change their state, or serve a status page (tables and a chart, refreshed every 2 s) with the same "
+        "data as JSON and the same actions as buttons.",
+        epilog=EXAMPLE + "\n" + serve.EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("-c", "--config", required=True, help="site configuration file")
     p.add_argument("--bootstrap", help="override kafka.bootstrap_servers")
-    p.add_argument("command", choices=("status", "pause", "resume", "stop", "start"))
+    p.add_argument("command", choices=("status", "pause", "resume", "stop", "start", "serve"))
     p.add_argument("queue", nargs="?", help="queue id (status: all queues when left out)")
+    serve.add_options(p)
     p.set_defaults(func=run)
 
 
@@ -87,6 +92,10 @@ class PartitionStatus:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.command == "serve":
+        from . import serve
+
+        return serve.run(args)
     # Piped (a log, CI, watch): wide enough that no column is cut.
     console = Console() if sys.stdout.isatty() else Console(width=220)
     try:

@@ -1,0 +1,498 @@
+"""``sluice admin -c FILE serve``: the site's status page, and its pause/resume/stop/start buttons.
+
+The page shows what ``sluice admin status`` prints, kept fresh, plus rates and a
+chart of the last minutes.  One process, two threads that share one immutable value:
+
+1. The sampler thread takes a snapshot of the site every ``interval_s``, with the
+   very reads ``sluice admin status`` makes (``queue_status`` for every queue,
+   ``receiver_status``, ``client_status``), plus the region service's consumer
+   group (which instance owns how many buckets of each region).
+2. From two snapshots in a row it derives each queue partition's rates: events
+   in/s from its end offset moving (the region service enqueueing), events out/s
+   from its head moving (batches removed after the listener or the remote site
+   accepted them).  Offsets only grow, so a rate needs no counter of any service
+   and survives a failover of the primary.
+3. It appends queue size and rates per queue to a history bounded by
+   ``history_s`` (the chart), renders snapshot and history to JSON bytes once,
+   and swaps those bytes in.  Readers take whatever bytes are current: no lock,
+   and a hundred open pages cost the brokers nothing more than one.
+4. uvicorn serves the page (one static HTML file, its JS and CSS: no build step,
+   no CDN, so it works offline) and the JSON it polls every 2 s, ``GET
+   /api/status``.  ``POST /api/queues/{queue}/{action}`` writes the queue's desired
+   state to the site's control topic exactly as ``sluice admin pause`` does (it
+   calls the same ``set_state``), then asks the sampler for an early snapshot.
+
+A broker that cannot be reached does not stop the page: the snapshot keeps the
+last good tables, says since when they are stale and why, and sampling goes on.
+
+With a token (``--token-file`` or ``SLUICE_ADMIN_TOKEN``) every ``/api/`` path
+answers 401 unless the request carries ``Authorization: Bearer <token>``,
+compared in constant time.  The page itself and its assets hold no data and are
+served to anyone; the page asks for the token once and keeps it in the tab's
+sessionStorage.
+
+The sampler's lifecycle::
+
+    NEW ──start()──► RUNNING ──stop()──► STOPPING ──► STOPPED
+                        └── the thread died of a bug ──► CRASHED (the command exits 1)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import hmac
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import orjson
+import uvicorn
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import FileResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
+
+from ..core.config import SiteConfig, load_config
+from ..core.errors import ConfigError, InvalidRequest, SluiceError
+from ..core.kafka import KafkaException, describe_group_members, make_admin
+from ..core.lifecycle import ServiceState
+from .cli import STATES, PartitionStatus, client_status, kind_of, queue_status, receiver_status, set_state
+
+log = logging.getLogger("sluice.admin.serve")
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+TOKEN_ENV = "SLUICE_ADMIN_TOKEN"
+#: What the region service puts before its URL in its consumer-group client.id.
+REGION_CLIENT_ID_PREFIX = "sluice-region@"
+#: The page's poll period; the sampler never needs to be faster than this.
+PAGE_POLL_S = 2.0
+
+EXAMPLE = """\
+serve (the status page):
+  sluice admin -c deploy/sites/site-a.yaml serve --port 7090
+  open http://127.0.0.1:7090/                                      # refreshes itself every 2 s
+  curl -s 127.0.0.1:7090/api/status                                # the same data as JSON
+
+  # with a bearer token: every /api/ path (status and the buttons) needs it
+  head -c 24 /dev/urandom | base64 > admin.token
+  sluice admin -c deploy/sites/site-a.yaml serve --host 0.0.0.0 --token-file admin.token
+  curl -s -H "Authorization: Bearer $(cat admin.token)" 127.0.0.1:7090/api/status
+  curl -s -XPOST -H "Authorization: Bearer $(cat admin.token)" 127.0.0.1:7090/api/queues/orders-jdbc/pause
+  (or SLUICE_ADMIN_TOKEN=... instead of --token-file; the page asks for the token once per tab)
+"""
+
+
+def add_options(parser: argparse.ArgumentParser) -> None:
+    """The options only ``serve`` reads."""
+    group = parser.add_argument_group("serve options")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    group.add_argument("--port", type=int, default=7090, help="port to listen on, 0 for any free port (default 7090)")
+    group.add_argument("--token-file", help=f"file holding the bearer token the page's API requires "
+                                            f"(default: ${TOKEN_ENV} when set, else no token)")
+    group.add_argument("--interval-s", type=float, default=PAGE_POLL_S,
+                       help=f"seconds between two samples of the site (default {PAGE_POLL_S:g}, at least 0.5)")
+    group.add_argument("--history-s", type=float, default=600.0,
+                       help="seconds of queue size and rates the chart keeps (default 600)")
+
+
+# --- the sampler -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Offsets:
+    """Where one queue partition stood at one sample."""
+
+    at_s: float
+    head: int
+    end: int
+
+
+class StatusSampler:
+    """Samples the site in a thread of its own; ``status_json`` is the latest rendering.
+
+    Only the sampler thread reads Kafka and touches ``_offsets`` and
+    ``_history``; other threads read ``status_json`` (bytes, swapped whole) and
+    ``state``, and call ``wake()``.
+    """
+
+    def __init__(self, cfg: SiteConfig, *, interval_s: float, history_s: float, token_required: bool) -> None:
+        if interval_s < 0.5:
+            raise InvalidRequest("--interval-s", interval_s, "must be at least 0.5 seconds")
+        if history_s < interval_s:
+            raise InvalidRequest("--history-s", history_s, "must be at least --interval-s")
+        self.cfg = cfg
+        self.interval_s = interval_s
+        self.history_s = history_s
+        self.token_required = token_required
+        self.state = ServiceState.NEW
+        self.crash: BaseException | None = None
+        self.status_json: bytes = b""
+        self._stopping = threading.Event()
+        self._woken = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._offsets: dict[tuple[str, int], _Offsets] = {}
+        # Bounded twice: by count here, and by age in _remember().
+        self._history: collections.deque[dict[str, Any]] = collections.deque(
+            maxlen=int(history_s / interval_s) + 2)
+        self._last_good: dict[str, Any] | None = None
+        self._stale_since_ms: int | None = None
+
+    def start(self) -> None:
+        assert self.state is ServiceState.NEW, self.state
+        self.status_json = orjson.dumps(self._render(self._empty(), error=None))
+        self.state = ServiceState.RUNNING
+        self._thread = threading.Thread(target=self._run, name="status-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self, deadline_s: float = 10.0) -> None:
+        """Idempotent; a sample in progress finishes first (each read has its own deadline)."""
+        if self.state in (ServiceState.STOPPING, ServiceState.STOPPED, ServiceState.CRASHED):
+            return
+        if self.state is ServiceState.NEW:
+            self.state = ServiceState.STOPPED
+            return
+        self.state = ServiceState.STOPPING
+        self._stopping.set()
+        self._woken.set()
+        if self._thread is not None:
+            self._thread.join(deadline_s)
+        if self.state is ServiceState.STOPPING:
+            self.state = ServiceState.STOPPED
+
+    def wake(self) -> None:
+        """Take the next sample now (after an action, so the page shows its effect soon)."""
+        self._woken.set()
+
+    @property
+    def ready(self) -> bool:
+        return self._last_good is not None
+
+    def _run(self) -> None:
+        try:
+            admin = make_admin(self.cfg.kafka.client_settings())
+            while not self._stopping.is_set():
+                started = time.monotonic()
+                self._woken.clear()
+                self._sample_once(admin)
+                self._woken.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
+        except Exception as exc:  # the top of the thread: record the crash; the command exits 1
+            log.exception("status sampler crashed")
+            self.crash = exc
+            self.state = ServiceState.CRASHED
+
+    def _sample_once(self, admin: Any) -> None:
+        started = time.monotonic()
+        try:
+            snapshot = self._sample(admin)
+        except SluiceError as exc:
+            # The broker is away or a topic is missing: keep showing the last good
+            # tables, marked stale, and try again next interval.
+            log.warning("sampling site %s failed: %s", self.cfg.site, exc)
+            if self._stale_since_ms is None:
+                self._stale_since_ms = int(time.time() * 1000)
+            body = self._last_good or self._empty()
+            self.status_json = orjson.dumps(self._render(body, error=f"{type(exc).__name__}: {exc}"))
+            return
+        snapshot["sample_s"] = round(time.monotonic() - started, 3)
+        self._stale_since_ms = None
+        self._last_good = snapshot
+        self.status_json = orjson.dumps(self._render(snapshot, error=None))
+
+    def _sample(self, admin: Any) -> dict[str, Any]:
+        cfg = self.cfg
+        now_s = time.time()
+        queues = []
+        for attached in cfg.all_attached_queues():
+            rows = queue_status(cfg, attached.id)
+            queues.append(self._queue_entry(attached.id, attached.kind, attached.parallel, rows, now_s))
+        # Queues are the page's point: if they cannot be read the sample fails (above).
+        # Receivers and clients only cost their own table.
+        section_errors: dict[str, str] = {}
+        receivers = self._section("receivers", section_errors,
+                                  lambda: receiver_status(cfg) if cfg.receiver is not None else [])
+        clients = self._section("clients", section_errors, lambda: [asdict(c) for c in client_status(cfg)])
+        self._remember(now_s, queues)
+        return {
+            "sampled_at_ms": int(now_s * 1000),
+            "sites": self._sites(queues),
+            "regions": self._regions(admin),
+            "queues": queues,
+            "receivers": receivers,
+            "clients": clients,
+            "section_errors": section_errors,
+        }
+
+    def _section(self, name: str, errors: dict[str, str], read: Callable[[], list[Any]]) -> list[Any]:
+        try:
+            return read()
+        except SluiceError as exc:
+            log.warning("reading the %s of site %s failed: %s", name, self.cfg.site, exc)
+            errors[name] = f"{type(exc).__name__}: {exc}"
+            return []
+
+    def _queue_entry(self, queue_id: str, kind: str, parallel: bool, rows: list[PartitionStatus],
+                     now_s: float) -> dict[str, Any]:
+        partitions = []
+        for r in rows:
+            before = self._offsets.get((queue_id, r.partition))
+            in_per_s = out_per_s = None
+            if before is not None and now_s > before.at_s:
+                elapsed_s = now_s - before.at_s
+                # Offsets only grow; a recreated topic starts again from 0: no rate then.
+                in_per_s = max(0, r.end - before.end) / elapsed_s
+                out_per_s = max(0, r.head - before.head) / elapsed_s
+            self._offsets[(queue_id, r.partition)] = _Offsets(now_s, r.head, r.end)
+            partitions.append({**asdict(r), "size": r.size, "in_per_s": in_per_s, "out_per_s": out_per_s})
+        ages = [p["oldest_age_s"] for p in partitions if p["oldest_age_s"] is not None]
+        acks = [p["last_delivered_age_s"] for p in partitions if p["last_delivered_age_s"] is not None]
+        states = sorted({p["state"] for p in partitions})
+        sender = next((s for s in self.cfg.gateway_senders if s.id == queue_id), None)
+        return {
+            "id": queue_id,
+            "kind": kind,
+            "parallel": parallel,
+            "remote_dsid": sender.remote_dsid if sender else None,
+            "regions": [r.name for r in self.cfg.regions_of(queue_id)],
+            "states": states,
+            "primaries": sorted({p["primary"] for p in partitions if p["primary"] != "—"}),
+            "size": sum(p["size"] for p in partitions),
+            "oldest_age_s": max(ages) if ages else None,
+            "in_per_s": _sum_rates(p["in_per_s"] for p in partitions),
+            "out_per_s": _sum_rates(p["out_per_s"] for p in partitions),
+            "resends": sum(p["redeliveries"] for p in partitions),
+            "dead_lettered": sum(p["dead_lettered"] for p in partitions),
+            "last_ack_age_s": min(acks) if acks else None,
+            "partitions": partitions,
+        }
+
+    def _remember(self, now_s: float, queues: list[dict[str, Any]]) -> None:
+        self._history.append({
+            "t_ms": int(now_s * 1000),
+            "queues": {q["id"]: [q["size"], q["in_per_s"], q["out_per_s"]] for q in queues},
+        })
+        while self._history and self._history[0]["t_ms"] < (now_s - self.history_s) * 1000:
+            self._history.popleft()
+
+    def _sites(self, queues: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """This site, then every site it sends to or accepts from, with what is queued for it."""
+        cfg = self.cfg
+        remote_dsids = sorted({s.remote_dsid for s in cfg.gateway_senders}
+                              | set(cfg.receiver.accepted_dsids if cfg.receiver else ()))
+        sites = [{"dsid": cfg.dsid, "name": cfg.site, "role": "this site",
+                  "bootstrap": cfg.kafka.bootstrap_servers, "senders": [], "queued": None, "out_per_s": None,
+                  "accepted_by_receiver": None}]
+        for dsid in remote_dsids:
+            senders = [s for s in cfg.gateway_senders if s.remote_dsid == dsid]
+            to_it = [q for q in queues if q["remote_dsid"] == dsid]
+            remote = next((s.remote for s in senders if s.remote is not None), None)
+            sites.append({
+                "dsid": dsid, "name": None, "role": "remote",
+                "bootstrap": remote.bootstrap_servers if remote else None,
+                "senders": [s.id for s in senders],
+                "queued": sum(q["size"] for q in to_it) if to_it else None,
+                "out_per_s": _sum_rates(q["out_per_s"] for q in to_it) if to_it else None,
+                "accepted_by_receiver": dsid in cfg.receiver.accepted_dsids if cfg.receiver else False,
+            })
+        return sites
+
+    def _regions(self, admin: Any) -> list[dict[str, Any]]:
+        """Each region and the region-service instances that own its buckets (the group's assignment)."""
+        cfg = self.cfg
+        try:
+            members: list[tuple[str, list[tuple[str, int]]]] | None = describe_group_members(
+                admin, f"{cfg.kafka.topic_prefix}region")
+        except KafkaException as exc:
+            log.warning("cannot describe the region service's group: %s", exc)
+            members = None
+        except SluiceError as exc:
+            # A broker that lists no group members (Tansu) costs the page this column, not its tables.
+            log.warning("cannot describe the region service's group: %s", exc)
+            members = None
+        regions = []
+        for region in cfg.regions:
+            changelog = cfg.topics.region_changelog(region.name)
+            instances: list[dict[str, Any]] | None = None if members is None else []
+            for client_id, tps in members or ():
+                owned = sum(1 for topic, _ in tps if topic == changelog)
+                if owned and instances is not None:
+                    url = client_id.removeprefix(REGION_CLIENT_ID_PREFIX)
+                    instances.append({"instance": url, "buckets": owned})
+            regions.append({
+                "name": region.name,
+                "buckets": region.buckets,
+                "buckets_owned": None if instances is None else sum(i["buckets"] for i in instances),
+                "instances": None if instances is None else sorted(instances, key=lambda i: i["instance"]),
+                "gateway_senders": list(region.gateway_senders),
+                "async_event_queues": list(region.async_event_queues),
+            })
+        return regions
+
+    def _empty(self) -> dict[str, Any]:
+        return {"sampled_at_ms": None, "sites": [], "regions": [], "queues": [], "receivers": [], "clients": [],
+                "section_errors": {}}
+
+    def _render(self, snapshot: dict[str, Any], *, error: str | None) -> dict[str, Any]:
+        cfg = self.cfg
+        return {
+            "site": {"name": cfg.site, "dsid": cfg.dsid, "bootstrap": cfg.kafka.bootstrap_servers},
+            **snapshot,
+            "error": error,
+            "stale_since_ms": self._stale_since_ms,
+            "interval_s": self.interval_s,
+            "actions": sorted(STATES),
+            "token_required": self.token_required,
+            "history": {"window_s": self.history_s, "points": list(self._history)},
+        }
+
+
+def _sum_rates(rates: Any) -> float | None:
+    """The sum of the rates known; None when none is known yet (the first sample)."""
+    known = [r for r in rates if r is not None]
+    return sum(known) if known else None
+
+
+# --- the HTTP face -----------------------------------------------------------------
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+def create_app(sampler: StatusSampler, token: str | None) -> FastAPI:
+    cfg = sampler.cfg
+    # Compare digests: equal length whatever is offered, so the comparison's
+    # time says nothing about the token's length either.
+    expected = _digest(token) if token else None
+    app = FastAPI(title=f"Sluice status page of site {cfg.site}", version="1", docs_url=None, redoc_url=None,
+                  openapi_url="/api/openapi.json")
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next: Any) -> Response:
+        if expected is not None and request.url.path.startswith("/api/"):
+            scheme, _, credential = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(_digest(credential.strip()), expected):
+                return JSONResponse({"error": "Unauthorized", "message": "missing or wrong bearer token",
+                                     "retriable": False}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
+
+    @app.get("/", include_in_schema=False)
+    def page() -> FileResponse:
+        return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+    @app.get("/healthz")
+    def healthz() -> JSONResponse:
+        alive = sampler.state is ServiceState.RUNNING
+        return JSONResponse({"state": sampler.state.value}, status_code=200 if alive else 503)
+
+    @app.get("/readyz")
+    def readyz() -> JSONResponse:
+        """200 once a first snapshot of the site has been taken."""
+        return JSONResponse({"ready": sampler.ready}, status_code=200 if sampler.ready else 503)
+
+    @app.get("/api/status")
+    def status() -> Response:
+        """The latest snapshot and the chart's history (what the page polls)."""
+        return Response(sampler.status_json, media_type="application/json", headers={"Cache-Control": "no-store"})
+
+    @app.post("/api/queues/{queue_id}/{action}")
+    def act(queue_id: str, action: str) -> JSONResponse:
+        """pause, resume, stop or start a gateway sender or async event queue, as ``sluice admin`` does."""
+        if action not in STATES:
+            err = InvalidRequest("action", action, f"not one of {sorted(STATES)}")
+            return JSONResponse(err.to_dict(), status_code=404)
+        try:
+            kind_of(cfg, queue_id)
+        except InvalidRequest as exc:
+            return JSONResponse(exc.to_dict(), status_code=404)
+        try:
+            set_state(cfg, queue_id, STATES[action], issued_by="sluice admin serve")
+        except SluiceError as exc:
+            return JSONResponse(exc.to_dict(), status_code=503 if exc.retriable else 500)
+        sampler.wake()
+        return JSONResponse({"queue": queue_id, "action": action, "state": STATES[action],
+                             "message": f"{action} requested; the queue's dispatchers follow within a poll"})
+
+    return app
+
+
+# --- the command -------------------------------------------------------------------
+
+
+def read_token(args: argparse.Namespace) -> str | None:
+    """``--token-file``, else ``$SLUICE_ADMIN_TOKEN``, else None; InvalidRequest for an empty or unreadable one."""
+    if args.token_file:
+        try:
+            token = Path(args.token_file).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise InvalidRequest("--token-file", args.token_file, f"cannot be read: {exc.strerror}") from exc
+        if not token:
+            raise InvalidRequest("--token-file", args.token_file, "is empty")
+        return token
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    return token or None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve the page until SIGTERM or Ctrl-C.  Exit status: 0 stopped, 1 crashed, 2 bad input."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if args.queue:
+        print("sluice admin serve: takes no queue (the page shows every queue)", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(args.config)
+        if args.bootstrap:
+            cfg = cfg.with_overrides({"kafka": {"bootstrap_servers": args.bootstrap}})
+        token = read_token(args)
+        sampler = StatusSampler(cfg, interval_s=args.interval_s, history_s=args.history_s,
+                                token_required=token is not None)
+    except (ConfigError, InvalidRequest) as exc:
+        print(f"sluice admin serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+        sock = socket.create_server((args.host, args.port), family=family)
+    except OSError as exc:
+        print(f"sluice admin serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 2
+    host, port = sock.getsockname()[:2]
+    server = uvicorn.Server(uvicorn.Config(create_app(sampler, token), log_level="warning", access_log=False,
+                                           lifespan="off", timeout_graceful_shutdown=5))
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        server.should_exit = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    # Our handlers route both signals to should_exit; uvicorn must not replace them.
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+
+    def watch_crash() -> None:
+        while not server.should_exit:
+            if sampler.state is ServiceState.CRASHED:
+                server.should_exit = True
+                return
+            threading.Event().wait(0.2)
+
+    sampler.start()
+    shown = f"[{host}]" if ":" in host else host
+    print(f"admin page on http://{shown}:{port}/ (site {cfg.site}, dsid {cfg.dsid}; "
+          f"{'bearer token required' if token else 'no token'})", flush=True)
+    threading.Thread(target=watch_crash, name="crash-watch", daemon=True).start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sampler.stop()
+    if sampler.state is ServiceState.CRASHED:
+        print(f"sluice admin serve: crashed: {sampler.crash!r}", file=sys.stderr)
+        return 1
+    return 0
