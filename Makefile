@@ -14,10 +14,10 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench install jars clean help helm
+.PHONY: demo test bench soak install jars clean help helm
 
 help:
-	@echo "make demo | make test | make bench [ONLY=name] | make clean"
+	@echo "make demo | make test | make bench [ONLY=name] | make soak [SEED=1] [MINUTES=10] | make clean"
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "make: $(PYTHON) not found (Python 3.11 is required)"; exit 2; }
@@ -57,6 +57,14 @@ test: jars
 
 bench: jars
 	$(PY) -m bench $(if $(ONLY),--only $(ONLY))
+
+# The fault harness for longer: two sites under load and every kind of fault
+# on a seeded schedule, then the convergence check (`sluice soak --help`).
+SEED    ?= 1
+MINUTES ?= 10
+soak: jars
+	@mkdir -p .sluice
+	$(PY) -m sluice.cli soak --seed $(SEED) --minutes $(MINUTES) --report .sluice/soak-$(SEED).json
 
 clean:
 	rm -rf .sluice .pytest_cache .hypothesis

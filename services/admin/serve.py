@@ -62,7 +62,8 @@ from fastapi.staticfiles import StaticFiles
 
 from ..core.config import SiteConfig, load_config
 from ..core.errors import ConfigError, InvalidRequest, SluiceError
-from ..core.kafka import KafkaException, describe_group_members, make_admin
+from ..core.kafka import KafkaException, make_admin
+from ..region.directory import owners_of, read_instances
 from ..core.lifecycle import ServiceState
 from .cli import STATES, PartitionStatus, client_status, kind_of, queue_status, receiver_status, set_state
 
@@ -71,7 +72,6 @@ log = logging.getLogger("sluice.admin.serve")
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 TOKEN_ENV = "SLUICE_ADMIN_TOKEN"
 #: What the region service puts before its URL in its consumer-group client.id.
-REGION_CLIENT_ID_PREFIX = "sluice-region@"
 #: The page's poll period; the sampler never needs to be faster than this.
 PAGE_POLL_S = 2.0
 
@@ -304,17 +304,16 @@ class StatusSampler:
         return sites
 
     def _regions(self, admin: Any) -> list[dict[str, Any]]:
-        """Each region and the region-service instances that own its buckets (the group's assignment)."""
+        """Each region and the region-service instances that own its buckets (their published claims,
+        ``sluice.region.directory``)."""
         cfg = self.cfg
         try:
-            members: list[tuple[str, list[tuple[str, int]]]] | None = describe_group_members(
-                admin, f"{cfg.kafka.topic_prefix}region")
-        except KafkaException as exc:
-            log.warning("cannot describe the region service's group: %s", exc)
-            members = None
-        except SluiceError as exc:
-            # A broker that lists no group members (Tansu) costs the page this column, not its tables.
-            log.warning("cannot describe the region service's group: %s", exc)
+            owners = owners_of(read_instances(cfg))
+            members: list[tuple[str, list[tuple[str, int]]]] | None = [
+                (url, [(cfg.topics.region_changelog(r), b) for (r, b), u in owners.items() if u == url])
+                for url in sorted(set(owners.values()))]
+        except (KafkaException, SluiceError) as exc:
+            log.warning("cannot read the region-service instances: %s", exc)
             members = None
         regions = []
         for region in cfg.regions:
@@ -323,8 +322,7 @@ class StatusSampler:
             for client_id, tps in members or ():
                 owned = sum(1 for topic, _ in tps if topic == changelog)
                 if owned and instances is not None:
-                    url = client_id.removeprefix(REGION_CLIENT_ID_PREFIX)
-                    instances.append({"instance": url, "buckets": owned})
+                    instances.append({"instance": client_id, "buckets": owned})
             regions.append({
                 "name": region.name,
                 "buckets": region.buckets,

@@ -61,6 +61,7 @@ SCHEMA_ORDER = (
     "ClientMessage",
     "ClientAck",
     "FillCheckpoint",
+    "RegionInstance",
 )
 
 

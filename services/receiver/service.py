@@ -49,6 +49,7 @@ from tenacity import Retrying, retry_if_exception_type, wait_exponential
 from ..client.region import RegionClient, RegionError
 from ..core.codec import get_codec
 from ..core.config import SiteConfig
+from ..region.directory import live_urls, read_instances
 from ..core.errors import CodecError, SluiceError
 from ..core.events import EntryEvent, goes_to_gateway
 from ..core.lifecycle import ServiceState
@@ -60,7 +61,6 @@ from ..core.kafka import (
     Message,
     TopicPartition,
     consume_available,
-    make_admin,
     make_consumer,
     make_producer,
     produce_durably,
@@ -70,7 +70,6 @@ from ..core.kafka import (
 
 log = logging.getLogger("sluice.receiver")
 
-REGION_CLIENT_PREFIX = "sluice-region@"
 
 #: The pause before reading the acks on assignment again.
 READ_RETRY_BACKOFF_S = 1.0
@@ -84,14 +83,12 @@ class _Stopping(Exception):
     """The receiver is stopping in the middle of a batch: it is neither acked nor committed."""
 
 
-def region_service_urls(admin: Any, group_id: str) -> list[str]:
-    """URLs of the live region-service instances, from their consumer group."""
+def region_service_urls(cfg: SiteConfig) -> list[str]:
+    """URLs of the live region-service instances, from the records they publish (``sluice.region.directory``)."""
     try:
-        desc = admin.describe_consumer_groups([group_id], request_timeout=5)[group_id].result(timeout=6)
+        return live_urls(read_instances(cfg))
     except KafkaException as exc:
-        raise translate(exc, "describing the region group") from exc
-    return sorted({m.client_id[len(REGION_CLIENT_PREFIX):] for m in desc.members
-                   if m.client_id.startswith(REGION_CLIENT_PREFIX)})
+        raise translate(exc, "reading the region-service instances") from exc
 
 
 class _Lane:
@@ -162,7 +159,6 @@ class ReceiverService:
         self._last_batch: dict[str, int] = {}
         self._consumer: Consumer | None = None
         self._producer: Any = None
-        self._admin: Any = None
         self._client: RegionClient | None = None
         self._client_lock = threading.Lock()
         self._lanes: dict[int, _Lane] = {}
@@ -184,7 +180,6 @@ class ReceiverService:
         self._producer = make_producer(base, **{"client.id": self.member_id}, **self.cfg.kafka.producer_settings())
         self._consumer = make_consumer(base, self.group_id, **{"client.id": self.member_id},
                                        **self.cfg.kafka.group_settings())
-        self._admin = make_admin(base)
         self.state = ServiceState.RUNNING
 
     def stop(self) -> None:
@@ -450,7 +445,7 @@ class ReceiverService:
     def _region_client(self) -> RegionClient:
         with self._client_lock:
             if self._client is None:
-                urls = region_service_urls(self._admin, self.region_group) or self._configured_region_url()
+                urls = region_service_urls(self.cfg) or self._configured_region_url()
                 if not urls:
                     raise _NoRegionService("no region-service instance is running at this site")
                 self._client = RegionClient(urls, retry_for_s=30)

@@ -32,7 +32,6 @@ one thread.
 
 from __future__ import annotations
 
-import concurrent.futures
 import enum
 import logging
 import queue
@@ -55,13 +54,10 @@ from ..core.events import EntryEvent, EventID
 from ..core.events import Operation as EventOperation
 from ..core.kafka import (
     OFFSET_BEGINNING,
-    AdminClient,
-    ConsumerGroupTopicPartitions,
     Consumer,
     KafkaException,
     Producer,
     TopicPartition,
-    make_admin,
     make_consumer,
     make_producer,
     partition_for_key,
@@ -91,6 +87,7 @@ class OwnedBucket:
     inflight: dict[EventID, Pending] = field(default_factory=dict)
     # A server-assigned EventID stream (member = this instance, thread = bucket).
     next_sequence: int = 0
+    since_ms: int = 0  # when this instance was assigned the bucket (its claim in the directory)
 
 
 @dataclass(slots=True)
@@ -151,6 +148,7 @@ class RegionEngine:
         event_tracking_timeout_s: float = 900.0,
         conflict_resolver: ConflictResolver | None = None,
         on_crash: Callable[[BaseException], None] | None = None,
+        on_ownership: Callable[[list[tuple[str, int, int]]], None] | None = None,
     ) -> None:
         self.site = site
         self.dsid = dsid
@@ -170,6 +168,8 @@ class RegionEngine:
         self._load_timeout_s = load_timeout_s
         self._tracking_timeout_ms = int(event_tracking_timeout_s * 1000)
         self._on_crash = on_crash
+        #: Called (in the group thread) with [(region, bucket, since_ms)] whenever the owned buckets change.
+        self._on_ownership = on_ownership
 
         self._lock = threading.Lock()
         self._owned: dict[tuple[str, int], OwnedBucket] = {}
@@ -183,7 +183,7 @@ class RegionEngine:
         self._threads: list[threading.Thread] = []
         self._producer: Producer | None = None
         self._group: Consumer | None = None
-        self._admin: AdminClient | None = None
+        self._offsets: Consumer | None = None
         self._writer: FanoutWriter | None = None
         self.assigned_once = threading.Event()
         self.stats = {"applied": 0, "duplicates": 0, "conflicts_lost": 0, "loads": 0, "refanned_out": 0,
@@ -193,7 +193,11 @@ class RegionEngine:
 
     def start(self) -> None:
         self._producer = make_producer(self._kafka_settings, **{"client.id": self.client_id}, **self._producer_settings)
-        self._admin = make_admin(self._kafka_settings)
+        # Committed checkpoints are read through a consumer of the group that never subscribes (the group
+        # member belongs to the group thread): not through the admin API, whose coordinator requests can
+        # abort the process when the broker connection drops (confluentinc/librdkafka#4605).
+        self._offsets = make_consumer(self._kafka_settings, self.group_id,
+                                      **{"client.id": f"{self.client_id}-offsets", "enable.auto.commit": False})
         self._writer = FanoutWriter(self._producer, self._codec, self.changelog_topics, self._targets, self._bucket_failed)
         self._group = make_consumer(
             self._kafka_settings,
@@ -226,6 +230,8 @@ class RegionEngine:
         for t in self._threads:
             if t.name == "region-poll":
                 t.join(max(0.1, end - time.monotonic()))
+        if self._offsets is not None:
+            self._offsets.close()
 
     def _guard(self, fn: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
@@ -251,6 +257,18 @@ class RegionEngine:
             for (region, bucket), ob in sorted(self._owned.items()):
                 out.setdefault(region, []).append((bucket, ob.status.value))
             return out
+
+    def claims(self) -> list[tuple[str, int, int]]:
+        """(region, bucket, since_ms) of every bucket this instance owns, loaded or loading."""
+        with self._lock:
+            return [(ob.region, ob.bucket, ob.since_ms) for ob in self._owned.values()]
+
+    def _ownership_changed(self) -> None:
+        if self._on_ownership is not None:
+            try:
+                self._on_ownership(self.claims())
+            except Exception:  # noqa: BLE001 - the directory is advisory: never fail a rebalance over it
+                log.exception("publishing the owned buckets failed")
 
     def owns(self, region: str, bucket: int) -> bool:
         with self._lock:
@@ -526,13 +544,15 @@ class RegionEngine:
         if partitions:
             consumer.pause(partitions)
         loads = []
+        now_ms = int(time.time() * 1000)
         with self._lock:
             for tp in partitions:
                 region = self._topic_region[tp.topic]
                 self._epoch += 1
-                self._owned[(region, tp.partition)] = OwnedBucket(region, tp.partition, self._epoch)
+                self._owned[(region, tp.partition)] = OwnedBucket(region, tp.partition, self._epoch, since_ms=now_ms)
                 loads.append((region, tp.partition, self._epoch))
         log.info("assigned %s", ", ".join(f"{r}[{b}]" for r, b, _ in loads) or "nothing")
+        self._ownership_changed()
         for item in loads:
             self._loads.put(item)
         self.assigned_once.set()
@@ -559,6 +579,7 @@ class RegionEngine:
                 log.warning("committing checkpoints on revoke: %s", exc)
                 self._release_fenced(OwnershipUnconfirmed("ownership moved"))
         log.info("revoked %s", ", ".join(f"{ob.region}[{ob.bucket}]" for ob in revoked if ob) or "nothing")
+        self._ownership_changed()
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         with self._lock:
@@ -567,6 +588,7 @@ class RegionEngine:
         # A lost member may be a zombie: nothing it wrote since is acknowledged.
         self._release_fenced(OwnershipUnconfirmed("this instance lost its buckets (session expired)"))
         log.warning("lost %d buckets (session expired)", len(partitions))
+        self._ownership_changed()
 
     def _checkpoint_offsets(self, force: bool) -> list[TopicPartition]:
         """Fan-out checkpoints of READY buckets: those that advanced, or all (``force``)."""
@@ -615,18 +637,16 @@ class RegionEngine:
 
     def _committed(self, topic: str, bucket: int) -> int:
         """The fan-out checkpoint committed for a changelog partition (-1: none)."""
-        assert self._admin is not None
-        request = ConsumerGroupTopicPartitions(self.group_id, [TopicPartition(topic, bucket)])
-        futures = self._admin.list_consumer_group_offsets([request], request_timeout=10)
+        assert self._offsets is not None
         try:
-            result = futures[self.group_id].result(timeout=15)
-        except concurrent.futures.TimeoutError:
-            raise BrokerUnavailable(f"committed offset of {topic}[{bucket}]: no answer in 15 s") from None
-        for tp in result.topic_partitions:
+            found = self._offsets.committed([TopicPartition(topic, bucket)], timeout=15)
+        except KafkaException as exc:
+            raise translate(exc, f"committed offset of {topic}[{bucket}]") from exc
+        for tp in found:
             if tp.topic == topic and tp.partition == bucket:
                 if tp.error is not None:
                     raise BrokerUnavailable(f"committed offset of {topic}[{bucket}]: {tp.error}")
-                return tp.offset
+                return tp.offset if tp.offset >= 0 else -1
         return -1
 
     def _current(self, region: str, bucket: int, epoch: int) -> OwnedBucket | None:

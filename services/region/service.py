@@ -51,7 +51,8 @@ from ..core.errors import (
 )
 from ..core.events import EntryEvent, EventID
 from ..core.lifecycle import ServiceState
-from ..core.kafka import AdminClient, KafkaException, make_admin, translate
+from ..core.kafka import KafkaException, make_admin, translate
+from .directory import DirectoryPublisher, OwnerDirectory
 from .engine import Operation, OpResult, RegionEngine
 from ..core.gatewayfilters import SenderFilters
 from .conflicts import load_resolver
@@ -136,49 +137,6 @@ def _retry_routing(outcome: Outcome) -> bool:
     )
 
 
-class OwnerDirectory:
-    """Who owns which bucket, read from the consumer group's description."""
-
-    def __init__(self, admin: AdminClient, group_id: str, topic_region: dict[str, str], refresh_s: float = 0.5) -> None:
-        self._admin = admin
-        self._group_id = group_id
-        self._topic_region = topic_region
-        self._refresh_s = refresh_s
-        self._owners: dict[tuple[str, int], str] = {}
-        self._lock = threading.Lock()
-        self._fetched_at = 0.0
-
-    def refresh(self) -> None:
-        try:
-            futures = self._admin.describe_consumer_groups([self._group_id], request_timeout=5)
-            desc = futures[self._group_id].result(timeout=6)
-        except KafkaException as exc:
-            raise translate(exc, "describing the region group") from exc
-        owners: dict[tuple[str, int], str] = {}
-        for member in desc.members:
-            if not member.client_id.startswith(CLIENT_ID_PREFIX) or member.assignment is None:
-                continue
-            url = member.client_id[len(CLIENT_ID_PREFIX):]
-            for tp in member.assignment.topic_partitions:
-                region = self._topic_region.get(tp.topic)
-                if region is not None:
-                    owners[(region, tp.partition)] = url
-        with self._lock:
-            self._owners = owners
-            self._fetched_at = time.monotonic()
-
-    def owner(self, region: str, bucket: int) -> str | None:
-        with self._lock:
-            return self._owners.get((region, bucket))
-
-    def table(self) -> dict[tuple[str, int], str]:
-        with self._lock:
-            return dict(self._owners)
-
-    def stale(self) -> bool:
-        return time.monotonic() - self._fetched_at > self._refresh_s
-
-
 class RegionService:
     """One region-service instance: engine, router and HTTP face."""
 
@@ -199,6 +157,7 @@ class RegionService:
         self.url = ""
         self.engine: RegionEngine | None = None
         self.directory: OwnerDirectory | None = None
+        self._publisher: DirectoryPublisher | None = None
         self._http: httpx.AsyncClient | None = None
         self._stop_lock = threading.Lock()
         self._directory_thread: threading.Thread | None = None
@@ -265,10 +224,10 @@ class RegionService:
             event_tracking_timeout_s=self.cfg.region_service.event_tracking_timeout_s,
             conflict_resolver=load_resolver(self.cfg.gateway_conflict_resolver),
             on_crash=self._crashed,
+            on_ownership=self._owned_changed,
         )
-        self.directory = OwnerDirectory(
-            make_admin(kafka.client_settings()), self.group_id, {t: r for r, t in self.changelog_topics.items()}
-        )
+        self._publisher = DirectoryPublisher(self.cfg, self.instance_id, self.url)
+        self.directory = OwnerDirectory(self.cfg)
         self._check_topics()
         self.engine.start()
         self._directory_thread = threading.Thread(target=self._directory_loop, name="region-directory", daemon=True)
@@ -292,11 +251,16 @@ class RegionService:
             if len(found.partitions) != partitions:
                 raise TopicMismatch(topic, "partitions", partitions, len(found.partitions))
 
+    def _owned_changed(self, claims: list[tuple[str, int, int]]) -> None:
+        if self._publisher is not None:
+            self._publisher.publish(claims)
+
     def _directory_loop(self) -> None:
-        assert self.directory is not None
+        assert self.directory is not None and self._publisher is not None
         while not self._stopped.is_set():
             try:
                 self.directory.refresh()
+                self._publisher.heartbeat()
             except SluiceError as exc:
                 log.debug("owner directory refresh failed: %s", exc)
             self._stopped.wait(0.5)
@@ -317,6 +281,12 @@ class RegionService:
                 if self.engine is not None:
                     self.engine.stop()
             finally:
+                if self._directory_thread is not None:
+                    self._directory_thread.join(5)
+                if self._publisher is not None:
+                    self._publisher.close()
+                if self.directory is not None:
+                    self.directory.close()
                 if self._sock is not None:
                     self._sock.close()
                 self.state = ServiceState.CRASHED if crashed else ServiceState.STOPPED

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(resolve_engine("auto", notice=False) != "kafka",
 PLAN = [
     (4, "kill-parallel"), (10, "kill-region"), (16, "kill-serial"), (22, "kill-receiver"),
     (28, "kill-dispatcher"), (34, "kill-subscriptions"), (40, "pause-broker"), (50, "corrupt"),
-    (53, "kill-broker"), (64, "restart-site"), (76, "hang-receiver"),
+    (53, "kill-broker"), (66, "restart-site"), (79, "hang-receiver"),
 ]
 
 
