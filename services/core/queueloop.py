@@ -187,6 +187,9 @@ class QueuePrimary:
         """False leaves the event out of the batches (it is still removed with them)."""
         return True
 
+    def assignment_starting(self) -> None:
+        """A new assignment is about to call ``first_batch_id`` for each of its partitions."""
+
     def first_batch_id(self, partition: int) -> int:
         """Batch ids increase per partition, across primaries too."""
         return int(time.time() * 1000)
@@ -515,6 +518,7 @@ class QueuePrimary:
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         consumer.assign(partitions)
+        self.assignment_starting()
         dispatched_before = self._partitions_dispatched_before()
         for tp in partitions:
             high = self._end_offset(consumer, tp.partition)

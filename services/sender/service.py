@@ -225,17 +225,23 @@ class GatewaySenderService(QueuePrimary):
         produce_durably(self._producer, self.removals_topic, self._codec.encode("RemovalRecord", record),
                         str(partition).encode(), what=f"epoch {epoch} of {self.queue_id}[{partition}]",
                         stopping=self._stopping)
+        self._removals[partition] = record
         log.info("sender %s[%d]: epoch %d", self.queue_id, partition, epoch)
         return first + 1
+
+    def assignment_starting(self) -> None:
+        # Read the removals afresh for every assignment: an epoch this or another member opened since the
+        # last read must be seen, or a new epoch would repeat its batch ids, and the receiver would take
+        # the new batches for repeats of acknowledged ones and drop them.
+        self._removals_read_at = None
 
     def _last_removal(self, partition: int) -> dict[str, Any] | None:
         """The partition's latest removal record.  An assignment opens the
         epochs of all its partitions one after another: one read of the
-        removals topic serves them all."""
-        now = time.monotonic()
-        if self._removals_read_at is None or now - self._removals_read_at > 2.0:
+        removals topic (per assignment) serves them all."""
+        if self._removals_read_at is None:
             self._removals = self._read_removals()
-            self._removals_read_at = now
+            self._removals_read_at = time.monotonic()
         return self._removals.get(partition)
 
     def _read_removals(self) -> dict[int, dict[str, Any]]:

@@ -118,3 +118,24 @@ def test_a_receiver_killed_mid_stream_loses_nothing_and_applies_nothing_twice(si
     finally:
         for proc in reversed(procs):
             proc.stop()
+
+
+def test_each_assignment_opens_a_new_epoch_even_seconds_apart(site_a, unique_prefix, tmp_path: Path):
+    """A sender member assigned a partition twice within a second or two (a rebalance right after a
+    restart) opens two epochs: the second's batch ids must not repeat the first's, or the receiver would
+    take the new batches for repeats of acknowledged ones and drop their events."""
+    from sluice.sender.service import GatewaySenderService
+
+    path_a, _, cfg_a, _ = _sites(tmp_path, site_a.bootstrap, site_a.topic_prefix(unique_prefix))
+    sender = GatewaySenderService(cfg_a, "to-b")
+    sender.start()
+    try:
+        firsts = []
+        for _ in range(3):
+            sender.assignment_starting()
+            firsts.append(sender.first_batch_id(0))
+        epochs = [first >> 32 for first in firsts]
+        assert epochs == [epochs[0], epochs[0] + 1, epochs[0] + 2], firsts
+    finally:
+        sender.stop()
+        sender.run()  # returns at once (stopping): leaves the group and closes its clients
