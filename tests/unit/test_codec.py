@@ -110,6 +110,12 @@ def record_strategies(millis: st.SearchStrategy[int] = longs) -> dict[str, st.Se
              "positions": st.lists(st.fixed_dictionaries({"topic": texts, "partition": ints, "offset": longs}),
                                    max_size=4)}
         ),
+        "RegionInstance": st.fixed_dictionaries(
+            {"instance": texts, "url": texts, "state": st.sampled_from(["running", "stopped"]),
+             "buckets": st.lists(st.fixed_dictionaries({"region": texts, "bucket": ints, "since": millis}),
+                                 max_size=4),
+             "updated_at": millis}
+        ),
         "EventID": event_id,
         "VersionTag": version_tag,
         "EntryEvent": entry_event,
@@ -309,6 +315,9 @@ SAMPLES: dict[str, dict[str, Any]] = {
                   "received": 12, "repeats": 1, "at": 1_700_000_000_010},
     "FillCheckpoint": {"registry_partition": 3, "member": "b-subscriptions-1", "updated_at": 1_700_000_000_011,
                        "positions": [{"topic": "region.orders.changelog", "partition": 0, "offset": 99}]},
+    "RegionInstance": {"instance": "a-1f2e3d4c5b6a", "url": "http://10.0.0.7:7070", "state": "running",
+                       "buckets": [{"region": "orders", "bucket": 3, "since": 1_700_000_000_012}],
+                       "updated_at": 1_700_000_000_013},
     "ReceiverStatus": {"member": "b-receiver-1", "dsid": 2, "partitions": [0, 3], "batches": 40,
                        "duplicate_batches": 2, "rejected_batches": 1, "bad_signatures": 0, "events_applied": 3990,
                        "events_duplicate": 10, "conflicts": 3, "exceptions": 1, "dead_lettered": 1,
