@@ -100,6 +100,12 @@ def error_from_kafka_error(error: KafkaError, what: str) -> SluiceError:
     return translate(KafkaException(error), what)
 
 
+#: librdkafka refreshes its metadata every 5 minutes by default; a client that cached a broker's answer
+#: from the moment it came back from a pause or a restart (partitions without a leader, or missing) would
+#: fail "Unknown partition" on them for that long.
+METADATA_REFRESH_MS = 10_000
+
+
 def make_producer(base: dict[str, Any], **settings: Any) -> Producer:
     """An idempotent, acks=all producer: a delivered record is durable and in order.
 
@@ -115,6 +121,7 @@ def make_producer(base: dict[str, Any], **settings: Any) -> Producer:
         "queue.buffering.max.kbytes": 1_048_576,
         "delivery.timeout.ms": 120_000,
         "partitioner": "murmur2_random",
+        "topic.metadata.refresh.interval.ms": METADATA_REFRESH_MS,
     }
     conf.update(base)
     conf.update({k.replace("_", "."): v for k, v in settings.items()})
@@ -138,6 +145,7 @@ def make_consumer(base: dict[str, Any], group_id: str | None = None, **settings:
         "enable.partition.eof": False,
         "isolation.level": "read_committed",
         "partition.assignment.strategy": "range",
+        "topic.metadata.refresh.interval.ms": METADATA_REFRESH_MS,
     }
     conf.update(base)
     conf.update({k.replace("_", "."): v for k, v in settings.items()})
@@ -149,7 +157,7 @@ def make_consumer(base: dict[str, Any], group_id: str | None = None, **settings:
 
 def make_admin(base: dict[str, Any]) -> AdminClient:
     try:
-        return AdminClient(dict(base))
+        return AdminClient({"topic.metadata.refresh.interval.ms": METADATA_REFRESH_MS, **base})
     except KafkaException as exc:
         raise translate(exc, "creating an admin client") from exc
 

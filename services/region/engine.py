@@ -630,6 +630,11 @@ class RegionEngine:
                     self._load(reader, region, bucket, epoch)
                 except SluiceError as exc:
                     log.warning("loading %s[%d] failed (%s); retrying", region, bucket, exc)
+                    # A fresh reader: the old one's metadata may be stuck on what the broker said as it
+                    # came back (partitions unknown until the next metadata refresh).
+                    reader.close()
+                    reader = make_consumer(self._kafka_settings, None,
+                                           **{"client.id": f"{self.client_id}-loader", "fetch.wait.max.ms": 10})
                     time.sleep(0.5)
                     self._loads.put(item)
         finally:

@@ -48,6 +48,7 @@ class Layout:
     receivers: int = 1
     parallel_senders: int = 2  # orders a→b; b→a always has one
     serial_senders: int = 1  # customers a→b: a primary and, with 2, a secondary
+    dispatchers: int = 1  # per async event queue: a primary and, with 2, a secondary
     subscriptions: int = 2
     #: The ``orders-ledger`` queue on a, delivering to a LedgerListener failing this often (None: no ledger).
     ledger_failure_rate: float | None = None
@@ -55,8 +56,9 @@ class Layout:
 
     @property
     def process_count(self) -> int:
+        queues = 1 + (self.ledger_failure_rate is not None)
         return (2 * self.region_instances + 2 * self.receivers + self.parallel_senders + 1 + self.serial_senders
-                + 1 + (self.ledger_failure_rate is not None) + self.subscriptions)
+                + queues * self.dispatchers + self.subscriptions)
 
 
 def site_files(workdir: Path, bootstrap: dict[str, str], prefix: str, layout: Layout,
@@ -225,9 +227,10 @@ class TwoSites:
         add("sender", "a", "customers-to-b", lay.serial_senders,
             lambda log: SenderProcess(p["a"], "customers-to-b", log, parallel=False, wait=False))
         add("sender", "b", "orders-to-a", 1, lambda log: SenderProcess(p["b"], "orders-to-a", log, wait=False))
-        add("dispatcher", "a", "orders-jdbc", 1, lambda log: DispatcherProcess(p["a"], "orders-jdbc", log, wait=False))
+        add("dispatcher", "a", "orders-jdbc", lay.dispatchers,
+            lambda log: DispatcherProcess(p["a"], "orders-jdbc", log, wait=False))
         if lay.ledger_failure_rate is not None:
-            add("dispatcher", "a", "orders-ledger", 1,
+            add("dispatcher", "a", "orders-ledger", lay.dispatchers,
                 lambda log: DispatcherProcess(p["a"], "orders-ledger", log, wait=False))
         add("subscriptions", "b", "subscriptions", lay.subscriptions,
             lambda log: SubscriptionsProcess(p["b"], log, wait=False))

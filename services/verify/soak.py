@@ -51,7 +51,7 @@ FAULT_HELP = {
     "kill-parallel": "kill -9 a primary of the parallel sender orders a→b, start it again",
     "kill-serial": "kill -9 the primary of the serial sender customers a→b (its secondary takes over)",
     "kill-receiver": "kill -9 a gateway receiver, start it again",
-    "kill-dispatcher": "kill -9 an async-event-queue dispatcher (the write-behind's or the ledger's), start it again",
+    "kill-dispatcher": "kill -9 the primary dispatcher of an async event queue (its secondary takes over), start it again",
     "kill-subscriptions": "kill -9 a subscription-service primary, start it again",
     "pause-broker": "SIGSTOP a site's broker for 4-10 s, then SIGCONT; both sites keep writing the same keys",
     "kill-broker": "kill -9 a site's broker and start it again on its data directory",
@@ -256,7 +256,8 @@ def run_soak(*, seed: int, minutes: float, faults: list[str], interval_s: float,
     rng = random.Random(seed)
     own_dir = workdir is None
     workdir = workdir or Path(tempfile.mkdtemp(prefix="sluice-soak-"))
-    layout = Layout(receivers=2, serial_senders=2, ledger_failure_rate=listener_failures, seed=seed)
+    # Geode's redundancy: a secondary beside every primary, so a kill -9 fails over to a running process.
+    layout = Layout(receivers=2, serial_senders=2, dispatchers=2, ledger_failure_rate=listener_failures, seed=seed)
     sites = TwoSites(workdir, layout)
     report = RunReport(seed=seed, minutes=minutes, engine=engine)
     client = None
