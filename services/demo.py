@@ -112,20 +112,12 @@ def verify(console: Console, sites: TwoSites, written: Written, client: Any, con
     """The summary, computed by reading regions, changelogs, the SQLite table and the client's cache."""
     v = verify_sites(sites, written, converged_s=converged_s)
     check_client_cache(v, sites, client, DURABLE_PATTERN)
-    for region, report in v.reports.items():
-        if not report.ok:
-            console.print(f"{region}:\n" + report.render(limit=40), markup=False, highlight=False)
-    table = Table(title="verification (read from the sites, not counted)", title_justify="left")
-    table.add_column("check")
-    table.add_column("result", justify="right")
-    table.add_column("")
-    for check, result, good in v.rows:
-        table.add_row(check, result, "" if good is None else "[green]ok[/]" if good else "[red]DIVERGED[/]")
-    table.add_row("duplicates discarded (receivers' repeats, the client's repeats)",
-                  str(v.receiver_repeats + client.processed()["repeats"]), "")
-    table.add_row("conflicts resolved (events that lost at the receiving site)", str(v.conflicts), "")
-    table.add_row("failover of the a→b primary", failover, "")
-    console.print(table)
+    v.show(console, failed="DIVERGED", extra=[
+        ("duplicates discarded (receivers' repeats, the client's repeats)",
+         str(v.receiver_repeats + client.processed()["repeats"])),
+        ("conflicts resolved (events that lost at the receiving site)", str(v.conflicts)),
+        ("failover of the a→b primary", failover),
+    ])
     problems = [check for check, _, good in v.rows if good is False]
     ok = not problems
     console.print(f"[{'green' if ok else 'red'}]{'OK' if ok else 'DIVERGED'}[/]: {v.acknowledged} operations "

@@ -13,6 +13,7 @@ import re
 import sqlite3
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,6 +125,24 @@ class Verification:
 
     def row(self, check: str, result: str, good: bool | None) -> None:
         self.rows.append((check, result, good))
+
+    def show(self, console: Any, failed: str = "FAILED", extra: Sequence[tuple[str, str]] = ()) -> None:
+        """Print the findings of every failed history check (the first 40 each), then the summary table
+        with ``extra`` rows (figures without a verdict)."""
+        from rich.table import Table
+
+        for region, report in self.reports.items():
+            if not report.ok:
+                console.print(f"{region}:\n" + report.render(limit=40), markup=False, highlight=False)
+        table = Table(title="verification (read from the sites, not counted)", title_justify="left")
+        table.add_column("check")
+        table.add_column("result", justify="right")
+        table.add_column("")
+        for name, result, good in self.rows:
+            table.add_row(name, result, "" if good is None else "[green]ok[/]" if good else f"[red]{failed}[/]")
+        for name, result in extra:
+            table.add_row(name, result, "")
+        console.print(table)
 
 
 def verify_sites(sites: TwoSites, written: Written, *, converged_s: float | None) -> Verification:

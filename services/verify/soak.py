@@ -372,16 +372,7 @@ def build_report(report: RunReport, harness: Harness, written: Written, v: Verif
 
 def print_report(console: Console, report: RunReport, v: Verification) -> None:
     f = report.figures
-    table = Table(title="verification (read from the sites, not counted)", title_justify="left")
-    table.add_column("check")
-    table.add_column("result", justify="right")
-    table.add_column("")
-    for check, result, good in v.rows:
-        table.add_row(check, result, "" if good is None else "[green]ok[/]" if good else "[red]FAILED[/]")
-    console.print(table)
-    for region, r in v.reports.items():
-        if not r.ok:
-            console.print(f"{region}:\n" + r.render(limit=40), markup=False, highlight=False)
+    v.show(console)
 
     figures = Table(title="run report", title_justify="left")
     figures.add_column("figure")
