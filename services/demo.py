@@ -79,8 +79,9 @@ def add_parser(subparsers: Any) -> None:
 
 
 def queue_table(sites: TwoSites, previous: dict[tuple[str, int], tuple[float, int]]) -> Table:
-    """Per sender and queue: size, oldest event, events/s since the last look, resends."""
-    from .admin.cli import queue_status
+    """Per sender and queue: size, oldest event, events/s since the last look, resends, dead letters; and the
+    duplicates each site's receivers discarded."""
+    from .admin.cli import queue_status, receiver_status
 
     table = Table(title="queues (live)", title_justify="left")
     for col in ("site", "queue", "primaries", "queue size", "oldest event", "events/s", "resends", "dead letters"):
@@ -101,6 +102,16 @@ def queue_table(sites: TwoSites, previous: dict[tuple[str, int], tuple[float, in
             table.add_row(site, queue.id, str(len({r.primary for r in rows if r.primary != "—"})),
                           str(sum(r.size for r in rows)), f"{oldest:.1f}s", f"{rate:,.0f}",
                           str(sum(r.redeliveries for r in rows)), str(sum(r.dead_lettered for r in rows)))
+    repeats = []
+    for site, cfg in sites.cfgs.items():
+        try:
+            reports = receiver_status(cfg)
+        except Exception:  # noqa: BLE001 - as above
+            continue
+        repeats.append(f"at {site} {sum(r['events_duplicate'] for r in reports):,} events in "
+                       f"{sum(r['duplicate_batches'] for r in reports):,} repeated batches")
+    table.caption = "duplicates discarded by the receivers (already applied): " + "; ".join(repeats)
+    table.caption_justify = "left"
     return table
 
 
