@@ -291,6 +291,7 @@ def load_benchmarks() -> dict[str, Entry]:
     from . import dispatcher  # noqa: F401
     from . import gateway  # noqa: F401
     from . import subscriptions  # noqa: F401
+    from . import lake  # noqa: F401
 
     return REGISTRY
 

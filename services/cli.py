@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .broker import cli as broker_cli
     from .core import configcli
     from .dispatcher import cli as dispatcher_cli
+    from .pipelines import cli as pipeline_cli
     from .receiver import cli as receiver_cli
     from .sender import cli as sender_cli
     from .region import cli as region_cli
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     sender_cli.add_parser(sub)
     subscriptions_cli.add_parser(sub)
     admin_cli.add_parser(sub)
+    pipeline_cli.add_parser(sub)
     demo.add_parser(sub)
     soak.add_parser(sub)
     return parser
