@@ -143,10 +143,13 @@ class KafkaConnection(_Model):
     sasl_mechanism: SaslMechanism | None = None
     sasl_username: str | None = None
     sasl_password: SecretStr | None = None
+    sasl_password_file: str | None = Field(
+        None, description="a file holding the SASL password (a mounted Kubernetes secret), instead of sasl_password")
     ssl_ca_location: str | None = Field(None, description="CA bundle (PEM) that signed the brokers' certificates")
     ssl_certificate_location: str | None = Field(None, description="client certificate (PEM), for mutual TLS")
     ssl_key_location: str | None = Field(None, description="client private key (PEM), for mutual TLS")
     ssl_key_password: SecretStr | None = None
+    ssl_key_password_file: str | None = Field(None, description="a file holding ssl_key_password, instead of it")
     topic_prefix: str = Field("sluice.", pattern=TOPIC_PREFIX_PATTERN)
 
     @field_validator("bootstrap_servers")
@@ -165,7 +168,8 @@ class KafkaConnection(_Model):
                 raise _invalid(f"port {port!r} of {server!r} must be a number from 1 to 65535")
         return ",".join(servers)
 
-    @field_validator("ssl_ca_location", "ssl_certificate_location", "ssl_key_location")
+    @field_validator("ssl_ca_location", "ssl_certificate_location", "ssl_key_location", "sasl_password_file",
+                     "ssl_key_password_file")
     @classmethod
     def _check_file(cls, value: str | None, info: ValidationInfo) -> str | None:
         # Relative paths are taken from the site file's folder, not from
@@ -198,6 +202,8 @@ class KafkaConnection(_Model):
             settings["sasl.username"] = self.sasl_username
         if self.sasl_password is not None:
             settings["sasl.password"] = self.sasl_password.get_secret_value()
+        elif self.sasl_password_file is not None:
+            settings["sasl.password"] = _read_secret(self.sasl_password_file, "kafka.sasl_password_file")
         if self.ssl_ca_location is not None:
             settings["ssl.ca.location"] = self.ssl_ca_location
         if self.ssl_certificate_location is not None:
@@ -206,6 +212,8 @@ class KafkaConnection(_Model):
             settings["ssl.key.location"] = self.ssl_key_location
         if self.ssl_key_password is not None:
             settings["ssl.key.password"] = self.ssl_key_password.get_secret_value()
+        elif self.ssl_key_password_file is not None:
+            settings["ssl.key.password"] = _read_secret(self.ssl_key_password_file, "kafka.ssl_key_password_file")
         return settings
 
     @property
@@ -573,12 +581,20 @@ def _connection_rules(section: Mapping[str, Any]) -> list[Problem]:
     if not isinstance(protocol, str):
         return []
     problems: list[Problem] = []
-    sasl = ("sasl_mechanism", "sasl_username", "sasl_password")
-    ssl = ("ssl_ca_location", "ssl_certificate_location", "ssl_key_location", "ssl_key_password")
+    sasl = ("sasl_mechanism", "sasl_username", "sasl_password", "sasl_password_file")
+    ssl = ("ssl_ca_location", "ssl_certificate_location", "ssl_key_location", "ssl_key_password",
+           "ssl_key_password_file")
     if protocol.startswith("SASL_"):
-        for name in sasl:
+        for name in ("sasl_mechanism", "sasl_username"):
             if section.get(name) is None:
                 problems.append((name, None, f"is required when security_protocol is {protocol}"))
+        given = [n for n in ("sasl_password", "sasl_password_file") if section.get(n) is not None]
+        if not given:
+            problems.append(("sasl_password", None, f"is required when security_protocol is {protocol} "
+                                                    "(or sasl_password_file: a file holding it)"))
+        elif len(given) == 2:
+            problems.append(("sasl_password_file", section["sasl_password_file"],
+                             "give sasl_password or sasl_password_file, not both"))
     else:
         for name in sasl:
             if section.get(name) is not None:
@@ -608,7 +624,23 @@ def _connection_rules(section: Mapping[str, Any]) -> list[Problem]:
         problems.append(("ssl_certificate_location", None, "is required with ssl_key_location (mutual TLS needs both)"))
     if section.get("ssl_key_password") is not None and key is None:
         problems.append(("ssl_key_password", _HIDDEN, "is only used with ssl_key_location"))
+    if section.get("ssl_key_password_file") is not None:
+        if key is None:
+            problems.append(("ssl_key_password_file", section["ssl_key_password_file"],
+                             "is only used with ssl_key_location"))
+        if section.get("ssl_key_password") is not None:
+            problems.append(("ssl_key_password_file", section["ssl_key_password_file"],
+                             "give ssl_key_password or ssl_key_password_file, not both"))
     return problems
+
+
+def _read_secret(path: str, field: str) -> str:
+    """A secret kept in a file (a mounted Kubernetes secret): its content without the trailing newline,
+    read when a client is made, so a rotated secret is picked up by the next one."""
+    try:
+        return Path(path).read_text(encoding="utf-8").rstrip("\r\n")
+    except OSError as exc:
+        raise ConfigError([(field, path, f"cannot be read: {exc.strerror or exc}")]) from None
 
 
 def _timing_rules(section: Mapping[str, Any]) -> list[Problem]:

@@ -46,9 +46,9 @@ def minimal() -> dict[str, Any]:
     }
 
 
-def problems_of(data: dict[str, Any]) -> list[tuple[str, Any, str]]:
+def problems_of(data: dict[str, Any], base_dir: Path | None = None) -> list[tuple[str, Any, str]]:
     with pytest.raises(ConfigError) as caught:
-        parse_config(data, source="test.yaml")
+        parse_config(data, source="test.yaml", base_dir=base_dir)
     return caught.value.problems
 
 
@@ -429,6 +429,31 @@ def test_secrets_are_never_shown() -> None:
     assert "hunter2" not in repr(cfg) and "s3cret" not in repr(cfg)
     assert cfg.kafka.client_settings()["sasl.password"] == "hunter2"
     assert cfg.kafka.client_settings()["sasl.mechanism"] == "PLAIN"
+
+
+def test_passwords_can_come_from_files_that_are_read_when_a_client_is_made(tmp_path: Path) -> None:
+    """sasl_password_file (a mounted secret) instead of sasl_password: beside the site file, read when
+    client settings are made (a rotated secret is picked up), never shown; both at once, or a missing file,
+    is named."""
+    secret = tmp_path / "password"
+    secret.write_text("hunter2\n")
+    data = minimal()
+    data["kafka"].update(security_protocol="SASL_PLAINTEXT", sasl_mechanism="SCRAM-SHA-512", sasl_username="u",
+                         sasl_password_file="password")
+    cfg = parse_config(data, base_dir=tmp_path)
+    assert cfg.kafka.sasl_password_file == str(secret)
+    assert cfg.kafka.client_settings()["sasl.password"] == "hunter2"
+    secret.write_text("rotated")
+    assert cfg.kafka.client_settings()["sasl.password"] == "rotated"
+    assert "rotated" not in repr(cfg)
+
+    data["kafka"]["sasl_password"] = "other"
+    assert find(problems_of(data, base_dir=tmp_path), "kafka.sasl_password_file")[2] == \
+        "give sasl_password or sasl_password_file, not both"
+    del data["kafka"]["sasl_password"], data["kafka"]["sasl_password_file"]
+    assert "sasl_password_file" in find(problems_of(data, base_dir=tmp_path), "kafka.sasl_password")[2]
+    data["kafka"]["sasl_password_file"] = "absent"
+    assert find(problems_of(data, base_dir=tmp_path), "kafka.sasl_password_file")[2].startswith("no such file:")
 
 
 def test_security_settings_must_fit_the_protocol() -> None:
