@@ -157,17 +157,15 @@ class OwnerDirectory:
     ``refresh()`` reads what arrived since the last call; the first call reads the topic from its start.
     """
 
-    def __init__(self, cfg: SiteConfig, refresh_s: float = 0.5) -> None:
+    def __init__(self, cfg: SiteConfig) -> None:
         self._codec = get_codec()
         self._topic = cfg.topics.status()
         self._consumer: Consumer = make_consumer(cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 50})
         self._consumer.assign([TopicPartition(self._topic, 0, OFFSET_BEGINNING)])
-        self._refresh_s = refresh_s
         self._instances: dict[str, Instance] = {}
         self._owners: dict[tuple[str, int], str] = {}
         self._lock = threading.Lock()
         self._reading = threading.Lock()
-        self._fetched_at = 0.0
 
     def refresh(self) -> None:
         with self._reading:
@@ -194,10 +192,9 @@ class OwnerDirectory:
                     self._instances.pop(item[0], None)
                 else:
                     self._instances[item[0]] = item[1]
-        with self._lock:
-            if changed:
+        if changed:
+            with self._lock:
                 self._owners = owners_of(self._instances)
-            self._fetched_at = time.monotonic()
 
     def owner(self, region: str, bucket: int) -> str | None:
         with self._lock:
@@ -206,13 +203,6 @@ class OwnerDirectory:
     def table(self) -> dict[tuple[str, int], str]:
         with self._lock:
             return dict(self._owners)
-
-    def urls(self) -> list[str]:
-        with self._lock:
-            return live_urls(self._instances)
-
-    def stale(self) -> bool:
-        return time.monotonic() - self._fetched_at > self._refresh_s
 
     def close(self) -> None:
         self._consumer.close()

@@ -141,8 +141,6 @@ class Service:
     log_dir: Path
     proc: ServiceProcess | None = None
     logs: list[Path] = field(default_factory=list)
-    #: Wall-clock times this service's process was started.
-    started_at: list[float] = field(default_factory=list)
     #: The current process was killed or stopped on purpose.
     ended_on_purpose: bool = False
 
@@ -154,7 +152,6 @@ class Service:
     def spawn(self) -> ServiceProcess:
         log = self.log_dir / f"{self.kind}-{self.name}-{self.site}{self.instance}.{len(self.logs)}.log"
         self.logs.append(log)
-        self.started_at.append(time.time())
         self.ended_on_purpose = False
         self.proc = self.make(log)
         return self.proc
@@ -175,7 +172,6 @@ class TwoSites:
         self.cfgs: dict[str, Any] = {}
         self.services: list[Service] = []
         self.ports: dict[str, int] = {}
-        self._lock = threading.Lock()
 
     # --- starting ----------------------------------------------------------------------------
 
