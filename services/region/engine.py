@@ -667,6 +667,18 @@ class RegionEngine:
         tp = TopicPartition(topic, bucket)
         group = self._group
         assert group is not None and self._writer is not None
+        # Records this instance wrote to the bucket before (a reload after a
+        # failed write, or the bucket back after a lost session) may still be
+        # on their way: the producer retries them until delivery.timeout.ms.
+        # Read the changelog before they land, and the state would not know
+        # their EventIDs, so a client's retry of one would be applied again.
+        unreported = self._writer.unreported(region, bucket)
+        if unreported:
+            log.info("%s[%d]: waiting for %d changelog records of ours still in flight before loading",
+                     region, bucket, unreported)
+            if not self._writer.wait_reported(region, bucket, self._load_timeout_s):
+                raise BrokerUnavailable(f"{self._writer.unreported(region, bucket)} changelog records of "
+                                        f"{region}[{bucket}] still unacknowledged")
         try:
             low, high = reader.get_watermark_offsets(tp, timeout=10.0)
             # The group consumer belongs to the group thread; ask the

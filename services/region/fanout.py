@@ -198,6 +198,28 @@ class FanoutWriter:
         self._queue_id_bytes = {
             t.id: _avro_string(t.id) for ts in targets.values() for t in ts
         }
+        # Changelog records produced and not yet reported, per bucket: a reload
+        # must not read a changelog that records of ours may still land in.
+        self._unreported: collections.Counter[tuple[str, int]] = collections.Counter()
+        self._reported = threading.Condition()
+
+    def unreported(self, region: str, bucket: int) -> int:
+        """Changelog records of the bucket produced and not yet reported."""
+        with self._reported:
+            return self._unreported[(region, bucket)]
+
+    def wait_reported(self, region: str, bucket: int, timeout_s: float) -> bool:
+        """Wait until every changelog record of the bucket produced so far was
+        reported (delivered or failed for good); False if ``timeout_s`` passed first."""
+        with self._reported:
+            return self._reported.wait_for(lambda: self._unreported[(region, bucket)] <= 0, timeout_s)
+
+    def _changelog_reported(self, where: tuple[str, int]) -> None:
+        with self._reported:
+            self._unreported[where] -= 1
+            if self._unreported[where] <= 0:
+                del self._unreported[where]
+                self._reported.notify_all()
 
     def write(self, event: EntryEvent, pending: Pending, progress: BucketProgress) -> None:
         """Step 1: the changelog record.  Called in bucket order by the owner."""
@@ -205,8 +227,10 @@ class FanoutWriter:
         value = self._entry_fp + entry_event_body(event)
         targets = [t for t in self._targets.get(event.region, ()) if t.accepts(event.operation)]
         pending.add(1 + len(targets))
+        where = (event.region, event.bucket)
 
         def on_changelog(err: KafkaError | None, msg: Message) -> None:
+            self._changelog_reported(where)
             if err is not None:
                 failure = error_from_kafka_error(err, f"writing the changelog of {event.region}[{event.bucket}]")
                 progress.failed = True
@@ -217,7 +241,13 @@ class FanoutWriter:
             pending.done()
             self._fan_out(event, key_bytes, value, msg.offset(), targets, pending, progress)
 
-        self._produce(self._changelog_topics[event.region], key_bytes, value, event.bucket, on_changelog)
+        with self._reported:
+            self._unreported[where] += 1
+        try:
+            self._produce(self._changelog_topics[event.region], key_bytes, value, event.bucket, on_changelog)
+        except BaseException:
+            self._changelog_reported(where)
+            raise
 
     def refanout(self, event: EntryEvent, offset: int, pending: Pending, progress: BucketProgress) -> None:
         """Re-enqueue a changelog record after a change of owner (possibleDuplicate)."""
