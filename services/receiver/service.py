@@ -244,9 +244,12 @@ class ReceiverService:
             if not lane.paused and depth >= self.LANE_DEPTH:
                 consumer.pause(tp)
                 lane.paused = True
+                log.info("receiver %s: inbound partition %d paused, %d batches waiting", self.member_id,
+                         lane.partition, depth)
             elif lane.paused and depth <= self.LANE_RESUME:
                 consumer.resume(tp)
                 lane.paused = False
+                log.info("receiver %s: inbound partition %d resumed", self.member_id, lane.partition)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Lanes of revoked partitions finish the batch in hand (or give it up) before the next owner starts."""
@@ -258,6 +261,9 @@ class ReceiverService:
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         consumer.assign(partitions)
+        # librdkafka keeps a partition's pause across a rebalance: one paused
+        # here before (its lane was behind) would never be fetched again.
+        consumer.resume(partitions)
         # The broker that just handed out this assignment can become
         # unreachable again at once (a flapping network, a broker paused
         # again): an exception raised here leaves consume() and would crash
@@ -448,7 +454,9 @@ class ReceiverService:
                 urls = region_service_urls(self.cfg) or self._configured_region_url()
                 if not urls:
                     raise _NoRegionService("no region-service instance is running at this site")
-                self._client = RegionClient(urls, retry_for_s=30)
+                # Short: _apply_region retries for as long as it takes, and checks between
+                # attempts whether the lane must stop (a rebalance waits for that).
+                self._client = RegionClient(urls, retry_for_s=3)
             return self._client
 
     # --- acks, dead letters, commits ---------------------------------------------------------
