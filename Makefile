@@ -14,7 +14,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench soak install jars clean help helm
+.PHONY: demo test bench soak install jars clean help helm docs
 
 help:
 	@echo "make demo | make test | make bench [ONLY=name] | make soak [SEED=1] [MINUTES=10] | make clean"
@@ -65,6 +65,13 @@ MINUTES ?= 10
 soak: jars
 	@mkdir -p .sluice
 	$(PY) -m sluice.cli soak --seed $(SEED) --minutes $(MINUTES) --report .sluice/soak-$(SEED).json
+
+# docs/configuration.md, the site file reference, is generated from the
+# configuration model (services/core/config.py); tests/unit/test_config_reference.py
+# fails when the checked-in file is out of date.
+docs: install
+	@mkdir -p docs
+	$(PY) -m sluice.cli config reference --output docs/configuration.md
 
 clean:
 	rm -rf .sluice .pytest_cache .hypothesis

@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import copy
 import difflib
+import os
 import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import (
@@ -85,14 +86,19 @@ NAME_PATTERN = r"^[A-Za-z][A-Za-z0-9_-]{0,100}$"
 # Kafka's legal topic characters; 100 keeps every derived name under Kafka's
 # 249-character limit (the longest suffix is "queue.<101 chars>.removals").
 TOPIC_PREFIX_PATTERN = r"^[A-Za-z0-9._-]{0,100}$"
+# POSIX's portable environment variable names (what Kubernetes' env: accepts).
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
 _PATTERN_REASONS = {
     SITE_PATTERN: "must be 1 to 41 lowercase letters, digits or '-', starting with a letter or digit",
     NAME_PATTERN: "must start with a letter and hold only letters, digits, '_' or '-' (at most 101 characters)",
     TOPIC_PREFIX_PATTERN: "may hold only letters, digits, '.', '_' or '-' (legal Kafka topic characters), at most 100",
+    ENV_NAME_PATTERN: "must be an environment variable name: letters, digits and '_', not starting with a digit",
 }
 
-#: Fields whose values are never shown, not even in an error.
+#: Fields whose values are never shown, not even in an error.  Each may
+#: instead be given as ``<field>_file`` (a file holding it) or ``<field>_env``
+#: (the name of an environment variable holding it): see "Secrets" below.
 _SECRET_FIELDS = frozenset({"sasl_password", "ssl_key_password", "token", "gateway_signing_key", "sender_keys"})
 _HIDDEN = "**********"
 
@@ -132,25 +138,226 @@ def check_import_path(value: str) -> str:
     return value
 
 
+# --- secrets -----------------------------------------------------------------
+#
+# Every secret X of a site file (the fields in _SECRET_FIELDS) may come from
+# one of three sources, whichever suits the deployment:
+#
+#   X:       the value, in the site file itself (then keep the file secret);
+#   X_file:  a file holding it (a mounted Kubernetes secret), relative to the
+#            site file: its content without the trailing newline;
+#   X_env:   the name of an environment variable holding it (Kubernetes'
+#            env.valueFrom.secretKeyRef), which must be set and not empty.
+#
+# Giving two is an error.  The Kafka passwords are read from their source each
+# time a client is made (KafkaConnection.client_settings), so a rotated
+# mounted secret reaches the next client; region_service.token,
+# gateway_signing_key and receiver.sender_keys are read once, when the file
+# is loaded (a service reads them when it starts).  Either way a source that
+# cannot be read is a ConfigError naming the field and the file or variable,
+# and the value is never shown: SecretStr masks it in reprs and _shown in
+# errors.  receiver.sender_keys, a map of dsid → key, has the maps
+# sender_keys_file and sender_keys_env beside it, each dsid in one of them.
+
+
+def _existing_file(value: str, info: ValidationInfo) -> str:
+    """``value`` as an absolute path to an existing file, relative to the site file's folder."""
+    # Relative paths are taken from the site file's folder, not from wherever
+    # the service happens to be started, and stored absolute because
+    # librdkafka would resolve them against the working directory.
+    base = Path((info.context or {}).get("base_dir") or Path.cwd())
+    path = Path(value).expanduser()
+    if not path.is_absolute():
+        path = base / path
+    if not path.is_file():
+        raise _invalid(f"no such file: {path}")
+    return str(path.resolve())
+
+
+def _read_secret(path: str, field: str) -> str:
+    """A secret kept in a file: its content without the trailing newline."""
+    try:
+        value = Path(path).read_text(encoding="utf-8").rstrip("\r\n")
+    except OSError as exc:
+        raise ConfigError([(field, path, f"cannot be read: {exc.strerror or exc}")]) from None
+    if not value:
+        raise ConfigError([(field, path, "the file is empty")])
+    return value
+
+
+def _read_env(variable: str, field: str) -> str:
+    """A secret kept in the environment variable ``variable``, without a trailing newline."""
+    value = os.environ.get(variable)
+    if value is None:
+        raise ConfigError([(field, variable, f"the environment variable {variable} is not set")])
+    value = value.rstrip("\r\n")
+    if not value:
+        raise ConfigError([(field, variable, f"the environment variable {variable} is empty")])
+    return value
+
+
+def _secret_source_problems(section: Mapping[str, Any], name: str) -> list[Problem]:
+    """At most one source for the secret ``name``, and its environment variable set.
+
+    The file's existence is checked by the field itself; the variable is
+    checked here so that ``sluice config check`` run where the service runs
+    (the chart's init step) finds a missing one before the service does.
+    """
+    sources = (name, f"{name}_file", f"{name}_env")
+    given = [source for source in sources if section.get(source) is not None]
+    problems: list[Problem] = []
+    if len(given) == 2:
+        problems.append((given[1], section[given[1]], f"give {given[0]} or {given[1]}, not both"))
+    elif len(given) == 3:
+        problems.append((given[2], section[given[2]], f"give one of {', '.join(sources)}, not several"))
+    variable = section.get(f"{name}_env")
+    if isinstance(variable, str) and re.match(ENV_NAME_PATTERN, variable):
+        try:
+            _read_env(variable, f"{name}_env")
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+    return problems
+
+
+def _resolve_secret(data: Any, name: str, info: ValidationInfo) -> Any:
+    """``data`` with the secret ``name`` read from ``name_file`` or ``name_env`` when one is given.
+
+    For a model's before-validator: the value lands in the field the services
+    read, so they need not know where it came from.  A value of the wrong type
+    is left for the field's own check to report.
+    """
+    if not isinstance(data, Mapping):
+        return data
+    _raise_rules(_secret_source_problems(data, name))
+    path, variable = data.get(f"{name}_file"), data.get(f"{name}_env")
+    try:
+        if isinstance(path, str):
+            return {**data, name: _read_secret(_existing_file(path, info), f"{name}_file")}
+        if isinstance(variable, str) and re.match(ENV_NAME_PATTERN, variable):
+            return {**data, name: _read_env(variable, f"{name}_env")}
+    except PydanticCustomError as exc:  # _existing_file: no such file
+        _raise_rules([(f"{name}_file", path, str(exc))])
+    except ConfigError as exc:
+        _raise_rules(exc.problems)
+    return data
+
+
+def _resolve_sender_keys(data: Any, info: ValidationInfo) -> Any:
+    """The receiver's ``data`` with sender_keys completed from sender_keys_file and sender_keys_env."""
+    if not isinstance(data, Mapping):
+        return data
+    data = {name: _by_dsid(value) if name in _SENDER_KEY_MAPS else value for name, value in data.items()}
+    keys, files, variables = (data.get(name) for name in _SENDER_KEY_MAPS)
+    if not all(value is None or isinstance(value, Mapping) for value in (keys, files, variables)):
+        return data  # the fields' own checks report a map that is not one
+    if files is None and variables is None:
+        return data
+    _raise_rules(_sender_key_problems(data))
+    merged = dict(keys or {})
+    problems: list[Problem] = []
+    # A dsid that is not a number, or a source that is not text, is left for
+    # the field's own check to report.
+    for dsid, path in (files or {}).items():
+        if isinstance(dsid, int) and isinstance(path, str):
+            try:
+                merged[dsid] = _read_secret(_existing_file(path, info), f"sender_keys_file[{dsid}]")
+            except PydanticCustomError as exc:  # _existing_file: no such file
+                problems.append((f"sender_keys_file[{dsid}]", path, str(exc)))
+            except ConfigError as exc:
+                problems.extend(exc.problems)
+    for dsid, variable in (variables or {}).items():
+        if isinstance(dsid, int) and isinstance(variable, str) and re.match(ENV_NAME_PATTERN, variable):
+            try:
+                merged[dsid] = _read_env(variable, f"sender_keys_env[{dsid}]")
+            except ConfigError as exc:
+                problems.extend(exc.problems)
+    _raise_rules(problems)
+    return {**data, "sender_keys": merged}
+
+
+_SENDER_KEY_MAPS = ("sender_keys", "sender_keys_file", "sender_keys_env")
+
+
+def _sender_key_problems(section: Mapping[str, Any]) -> list[Problem]:
+    """Each dsid's key in one of the receiver's three key maps, and the variables named set."""
+    maps = [(name, section.get(name)) for name in _SENDER_KEY_MAPS]
+    if any(value is not None and not isinstance(value, Mapping) for _, value in maps):
+        return []  # the field's own check reports a map that is not one
+    given_in: dict[Any, str] = {}
+    problems: list[Problem] = []
+    for name, sources in maps:
+        for dsid, source in (sources or {}).items():
+            where = f"{name}[{dsid}]"
+            if _dsid_key(dsid) in given_in:
+                problems.append((where, _shown(name, source), f"dsid {dsid} already has its key in "
+                                 f"{given_in[_dsid_key(dsid)]}; give each dsid's key once"))
+                continue
+            given_in[_dsid_key(dsid)] = name
+            if name == "sender_keys_env" and isinstance(source, str) and re.match(ENV_NAME_PATTERN, source):
+                try:
+                    _read_env(source, where)
+                except ConfigError as exc:
+                    problems.extend(exc.problems)
+    return problems
+
+
+def _by_dsid(value: Any) -> Any:
+    """A map keyed by dsid with TOML's string keys ("2", TOML has no other) made numbers."""
+    return {_dsid_key(k): v for k, v in value.items()} if isinstance(value, Mapping) else value
+
+
+def _dsid_key(dsid: Any) -> Any:
+    """A dsid as YAML (1) and TOML ("1") write a map key, made comparable."""
+    return int(dsid) if isinstance(dsid, str) and dsid.isdigit() else dsid
+
+
 # --- Kafka -----------------------------------------------------------------
 
 
 class KafkaConnection(_Model):
     """How to reach a Kafka cluster, and the prefix of Sluice's topics on it."""
 
-    bootstrap_servers: str = Field(description="host:port[,host:port…] of the cluster's brokers")
-    security_protocol: SecurityProtocol = "PLAINTEXT"
-    sasl_mechanism: SaslMechanism | None = None
-    sasl_username: str | None = None
-    sasl_password: SecretStr | None = None
+    #: How errors name this section's fields when a client is made.
+    _SECTION: ClassVar[str] = "kafka"
+
+    bootstrap_servers: str = Field(
+        description="host:port[,host:port…] of the cluster's brokers",
+        json_schema_extra={"kafka": "bootstrap.servers"})
+    security_protocol: SecurityProtocol = Field(
+        "PLAINTEXT", description="how clients talk to the brokers: plain or TLS, with or without SASL",
+        json_schema_extra={"kafka": "security.protocol"})
+    sasl_mechanism: SaslMechanism | None = Field(
+        None, description="required with SASL_PLAINTEXT and SASL_SSL", json_schema_extra={"kafka": "sasl.mechanism"})
+    sasl_username: str | None = Field(
+        None, description="required with SASL_PLAINTEXT and SASL_SSL", json_schema_extra={"kafka": "sasl.username"})
+    sasl_password: SecretStr | None = Field(
+        None, description="the SASL password; with SASL, exactly one of sasl_password, sasl_password_file or "
+        "sasl_password_env is required", json_schema_extra={"kafka": "sasl.password"})
     sasl_password_file: str | None = Field(
-        None, description="a file holding the SASL password (a mounted Kubernetes secret), instead of sasl_password")
-    ssl_ca_location: str | None = Field(None, description="CA bundle (PEM) that signed the brokers' certificates")
-    ssl_certificate_location: str | None = Field(None, description="client certificate (PEM), for mutual TLS")
-    ssl_key_location: str | None = Field(None, description="client private key (PEM), for mutual TLS")
-    ssl_key_password: SecretStr | None = None
-    ssl_key_password_file: str | None = Field(None, description="a file holding ssl_key_password, instead of it")
-    topic_prefix: str = Field("sluice.", pattern=TOPIC_PREFIX_PATTERN)
+        None, description="a file holding the SASL password (a mounted Kubernetes secret), read each time a "
+        "client is made, so a rotated secret is picked up")
+    sasl_password_env: str | None = Field(
+        None, pattern=ENV_NAME_PATTERN, description="the name of an environment variable holding the SASL password "
+        "(e.g. set from a Kubernetes secret with secretKeyRef); it must be set and not empty")
+    ssl_ca_location: str | None = Field(
+        None, description="CA bundle (PEM) that signed the brokers' certificates; relative to the site file",
+        json_schema_extra={"kafka": "ssl.ca.location"})
+    ssl_certificate_location: str | None = Field(
+        None, description="client certificate (PEM), for mutual TLS; relative to the site file",
+        json_schema_extra={"kafka": "ssl.certificate.location"})
+    ssl_key_location: str | None = Field(
+        None, description="client private key (PEM), for mutual TLS; relative to the site file",
+        json_schema_extra={"kafka": "ssl.key.location"})
+    ssl_key_password: SecretStr | None = Field(
+        None, description="the password of ssl_key_location's key, if it has one; at most one of ssl_key_password, "
+        "ssl_key_password_file or ssl_key_password_env", json_schema_extra={"kafka": "ssl.key.password"})
+    ssl_key_password_file: str | None = Field(
+        None, description="a file holding ssl_key_password, read each time a client is made")
+    ssl_key_password_env: str | None = Field(
+        None, pattern=ENV_NAME_PATTERN, description="the name of an environment variable holding ssl_key_password")
+    topic_prefix: str = Field(
+        "sluice.", pattern=TOPIC_PREFIX_PATTERN, description="the start of every Sluice topic name on this cluster, "
+        "so several sites or installations can share one")
 
     @field_validator("bootstrap_servers")
     @classmethod
@@ -172,18 +379,7 @@ class KafkaConnection(_Model):
                      "ssl_key_password_file")
     @classmethod
     def _check_file(cls, value: str | None, info: ValidationInfo) -> str | None:
-        # Relative paths are taken from the site file's folder, not from
-        # wherever the service happens to be started, and stored absolute
-        # because librdkafka would resolve them against the working directory.
-        if value is None:
-            return None
-        base = Path((info.context or {}).get("base_dir") or Path.cwd())
-        path = Path(value).expanduser()
-        if not path.is_absolute():
-            path = base / path
-        if not path.is_file():
-            raise _invalid(f"no such file: {path}")
-        return str(path.resolve())
+        return None if value is None else _existing_file(value, info)
 
     @model_validator(mode="after")
     def _check_connection(self) -> KafkaConnection:
@@ -191,7 +387,11 @@ class KafkaConnection(_Model):
         return self
 
     def client_settings(self) -> dict[str, Any]:
-        """librdkafka connection settings; the only place secrets are revealed."""
+        """librdkafka connection settings; the only place Kafka secrets are revealed.
+
+        A password from a file or an environment variable is read here, each
+        time, so the next client made after a secret is rotated gets the new one.
+        """
         settings: dict[str, Any] = {
             "bootstrap.servers": self.bootstrap_servers,
             "security.protocol": self.security_protocol,
@@ -200,21 +400,32 @@ class KafkaConnection(_Model):
             settings["sasl.mechanism"] = self.sasl_mechanism
         if self.sasl_username is not None:
             settings["sasl.username"] = self.sasl_username
-        if self.sasl_password is not None:
-            settings["sasl.password"] = self.sasl_password.get_secret_value()
-        elif self.sasl_password_file is not None:
-            settings["sasl.password"] = _read_secret(self.sasl_password_file, "kafka.sasl_password_file")
+        sasl_password = self._secret("sasl_password")
+        if sasl_password is not None:
+            settings["sasl.password"] = sasl_password
         if self.ssl_ca_location is not None:
             settings["ssl.ca.location"] = self.ssl_ca_location
         if self.ssl_certificate_location is not None:
             settings["ssl.certificate.location"] = self.ssl_certificate_location
         if self.ssl_key_location is not None:
             settings["ssl.key.location"] = self.ssl_key_location
-        if self.ssl_key_password is not None:
-            settings["ssl.key.password"] = self.ssl_key_password.get_secret_value()
-        elif self.ssl_key_password_file is not None:
-            settings["ssl.key.password"] = _read_secret(self.ssl_key_password_file, "kafka.ssl_key_password_file")
+        ssl_key_password = self._secret("ssl_key_password")
+        if ssl_key_password is not None:
+            settings["ssl.key.password"] = ssl_key_password
         return settings
+
+    def _secret(self, name: str) -> str | None:
+        """The secret ``name`` read now from whichever of its three sources the file gives, or None."""
+        value: SecretStr | None = getattr(self, name)
+        if value is not None:
+            return value.get_secret_value()
+        path: str | None = getattr(self, f"{name}_file")
+        if path is not None:
+            return _read_secret(path, f"{self._SECTION}.{name}_file")
+        variable: str | None = getattr(self, f"{name}_env")
+        if variable is not None:
+            return _read_env(variable, f"{self._SECTION}.{name}_env")
+        return None
 
     @property
     def topics(self) -> TopicNames:
@@ -224,16 +435,31 @@ class KafkaConnection(_Model):
 class KafkaConfig(KafkaConnection):
     """This site's cluster, plus the client tuning every service shares."""
 
-    replication_factor: int = Field(1, description=">= 1, or -1 for the broker's default.replication.factor")
+    replication_factor: int = Field(
+        1, description="replicas of every topic `sluice topics apply` creates: >= 1, or -1 for the broker's "
+        "default.replication.factor", json_schema_extra={"kafka": "replication.factor"})
     # Tuned for fast failover (DESIGN §1: group membership is the primary
     # lock): a dead member is noticed after session_timeout_ms.  6000 is the
     # smallest session Kafka's default group.min.session.timeout.ms allows.
-    session_timeout_ms: int = Field(6000, ge=1)
-    heartbeat_interval_ms: int = Field(1000, ge=1)
-    max_poll_interval_ms: int = Field(30000, ge=1)
-    producer_linger_ms: int = Field(0, ge=0, description="0 sends at once: a write waits for two sequential records (changelog, then queues); batches still form under load")
-    delivery_timeout_ms: int = Field(120000, ge=1)
-    request_timeout_ms: int = Field(30000, ge=1)
+    session_timeout_ms: int = Field(
+        6000, ge=1, description="a consumer-group member silent this long is taken as dead and its partitions "
+        "(buckets, queue partitions) move to another member: the failover time",
+        json_schema_extra={"kafka": "session.timeout.ms"})
+    heartbeat_interval_ms: int = Field(
+        1000, ge=1, description="how often members tell the group they are alive; lower than session_timeout_ms",
+        json_schema_extra={"kafka": "heartbeat.interval.ms"})
+    max_poll_interval_ms: int = Field(
+        30000, ge=1, description="a member that does not poll this long leaves the group; at least "
+        "session_timeout_ms", json_schema_extra={"kafka": "max.poll.interval.ms"})
+    producer_linger_ms: int = Field(
+        0, ge=0, description="0 sends at once: a write waits for two sequential records (changelog, then "
+        "queues); batches still form under load", json_schema_extra={"kafka": "linger.ms"})
+    delivery_timeout_ms: int = Field(
+        120000, ge=1, description="how long a produced record may take to be acknowledged before the write "
+        "fails; at least producer_linger_ms + request_timeout_ms", json_schema_extra={"kafka": "delivery.timeout.ms"})
+    request_timeout_ms: int = Field(
+        30000, ge=1, description="how long a client waits for a broker's answer to one request",
+        json_schema_extra={"kafka": "request.timeout.ms"})
 
     @field_validator("replication_factor")
     @classmethod
@@ -267,6 +493,8 @@ class KafkaConfig(KafkaConnection):
 class RemoteSiteConfig(KafkaConnection):
     """How a gateway sender reaches the remote site's Kafka cluster."""
 
+    _SECTION: ClassVar[str] = "remote"
+
 
 # --- regions and queues -----------------------------------------------------
 
@@ -274,38 +502,82 @@ class RemoteSiteConfig(KafkaConnection):
 class RegionConfig(_Model):
     """A region: a keyed map whose buckets are its topics' partitions."""
 
-    name: str = Field(pattern=NAME_PATTERN)
-    buckets: int = Field(113, ge=1, le=1024, description="Geode's total-num-buckets")
-    gateway_senders: tuple[str, ...] = _seq(description="ids of the gateway senders this region's events go to")
-    async_event_queues: tuple[str, ...] = _seq(description="ids of the async event queues this region's events go to")
-    key_max_bytes: int = Field(1024, ge=1)
-    value_max_bytes: int = Field(900_000, ge=1)
+    name: str = Field(pattern=NAME_PATTERN, description="the region's name, unique in the site; names its "
+                      "changelog topic", json_schema_extra={"geode": "region name"})
+    buckets: int = Field(
+        113, ge=1, le=1024, description="buckets: the partitions of the region's changelog (and of every "
+        "parallel queue attached to it); a key's bucket is Kafka's murmur2 partition of the key",
+        json_schema_extra={"geode": "total-num-buckets"})
+    gateway_senders: tuple[str, ...] = _seq(
+        description="ids of the gateway senders this region's events go to",
+        json_schema_extra={"geode": "gateway-sender-ids"})
+    async_event_queues: tuple[str, ...] = _seq(
+        description="ids of the async event queues this region's events go to",
+        json_schema_extra={"geode": "async-event-queue-ids"})
+    key_max_bytes: int = Field(1024, ge=1, description="the largest key accepted, in UTF-8 bytes")
+    value_max_bytes: int = Field(
+        900_000, ge=1, description="the largest value accepted, in bytes (under Kafka's default 1 MB message size)")
 
 
 class GatewaySenderConfig(_Model):
     """A gateway sender (Geode defaults): a queue whose events go to a remote site."""
 
-    id: str = Field(pattern=NAME_PATTERN)
-    remote_dsid: int = Field(ge=1, le=255)
-    parallel: bool = False
-    batch_size: int = Field(100, ge=1)
-    batch_time_interval_ms: int = Field(1000, ge=0)
-    batch_conflation: bool = False
-    dispatcher_threads: int = Field(5, ge=1, le=1024)
-    order_policy: OrderPolicy = "KEY"
-    persistent: bool = False
-    maximum_queue_memory_mb: int = Field(100, ge=0)
-    alert_threshold_ms: int = Field(0, ge=0, description="0 = no alert")
-    socket_read_timeout_ms: int = Field(0, ge=0, description="0 = wait for an ack forever")
-    manual_start: bool = False
-    group_transaction_events: bool = False
-    retry_interval_ms: int = Field(5000, ge=1, description="longest wait between two attempts to send a batch the remote site did not take (Geode: 5 s)")
+    id: str = Field(pattern=NAME_PATTERN, description="the sender's id, unique among the site's senders and "
+                    "async event queues; names its queue topics", json_schema_extra={"geode": "id"})
+    remote_dsid: int = Field(ge=1, le=255, description="the dsid of the site this sender sends to",
+                             json_schema_extra={"geode": "remote-distributed-system-id"})
+    parallel: bool = Field(
+        False, description="true: one queue partition per region bucket, every member primary for some; "
+        "false (serial): one primary for the whole queue", json_schema_extra={"geode": "parallel"})
+    batch_size: int = Field(100, ge=1, description="a batch is sent when it holds this many events",
+                            json_schema_extra={"geode": "batch-size"})
+    batch_time_interval_ms: int = Field(
+        1000, ge=0, description="… or when this long has passed since its first event, whichever comes first",
+        json_schema_extra={"geode": "batch-time-interval"})
+    batch_conflation: bool = Field(
+        False, description="an update of a key replaces the earlier update of that key still waiting in the batch",
+        json_schema_extra={"geode": "enable-batch-conflation"})
+    dispatcher_threads: int = Field(
+        5, ge=1, le=1024, description="a serial sender's queue partitions (a parallel one has its region's buckets)",
+        json_schema_extra={"geode": "dispatcher-threads"})
+    order_policy: OrderPolicy = Field(
+        "KEY", description="how a serial queue's events are spread over its partitions: by key, by writing "
+        "thread, or by the region bucket; a parallel sender cannot use THREAD",
+        json_schema_extra={"geode": "order-policy"})
+    persistent: bool = Field(
+        False, description="accepted as in Geode, changes nothing: a queue is a Kafka topic, always durable",
+        json_schema_extra={"geode": "enable-persistence"})
+    maximum_queue_memory_mb: int = Field(
+        100, ge=0, description="what a sender holds in memory; beyond it, it stops reading until batches are "
+        "removed (the rest waits in Kafka)", json_schema_extra={"geode": "maximum-queue-memory"})
+    alert_threshold_ms: int = Field(
+        0, ge=0, description="log an alert while the queue's oldest event is older than this; 0 = no alert",
+        json_schema_extra={"geode": "alert-threshold"})
+    socket_read_timeout_ms: int = Field(
+        0, ge=0, description="a batch not acknowledged within this is sent again; 0 = wait for an ack forever",
+        json_schema_extra={"geode": "socket-read-timeout"})
+    manual_start: bool = Field(
+        False, description="true: the sender starts stopped, until `sluice admin start`",
+        json_schema_extra={"geode": "manual-start"})
+    group_transaction_events: bool = Field(
+        False, description="the events of one put_all / remove_all in a bucket travel in one batch; not with "
+        "batch_conflation, and a serial sender needs dispatcher_threads 1",
+        json_schema_extra={"geode": "group-transaction-events"})
+    retry_interval_ms: int = Field(
+        5000, ge=1, description="longest wait between two attempts to send a batch the remote site did not take "
+        "(Geode: 5 s)")
     max_batches_in_flight: int = Field(
         4, ge=1, le=64,
         description="batches of a queue partition sent and waiting for their acks at once; removal stays in order")
-    event_filters: tuple[str, ...] = _seq()
-    event_substitution_filter: str | None = None
-    remote: RemoteSiteConfig | None = None
+    event_filters: tuple[str, ...] = _seq(
+        description="import paths of classes with before_enqueue, before_transmit and/or after_acknowledgement",
+        json_schema_extra={"geode": "gateway-event-filter"})
+    event_substitution_filter: str | None = Field(
+        None, description="import path of a class whose get_substitute_value(event) replaces the value queued "
+        "and sent", json_schema_extra={"geode": "gateway-event-substitution-filter"})
+    remote: RemoteSiteConfig | None = Field(
+        None, description="the remote site's Kafka cluster and topic prefix, where batches are written and acks "
+        "read (Geode finds the remote site through its locators)")
 
     @field_validator("event_filters")
     @classmethod
@@ -331,9 +603,16 @@ class GatewaySenderConfig(_Model):
 class ListenerConfig(_Model):
     """The async event listener an async event queue delivers batches to."""
 
-    type: Literal["sql", "kafka", "python"]
-    class_path: str | None = None
-    settings: dict[str, Any] = Field(default_factory=dict, strict=False)
+    type: Literal["sql", "kafka", "python"] = Field(
+        description="sql: write-behind to PostgreSQL or SQLite; kafka: forward to a downstream topic; python: "
+        "your class")
+    class_path: str | None = Field(
+        None, description="with type python: import path of the listener class, or an entry point of the group "
+        "sluice.listeners", json_schema_extra={"geode": "async-event-listener class-name"})
+    settings: dict[str, Any] = Field(
+        default_factory=dict, strict=False, description="handed to the listener's init(config) as "
+        "config['settings']; the sql and kafka listeners check theirs",
+        json_schema_extra={"geode": "async-event-listener parameter"})
 
     @field_validator("class_path")
     @classmethod
@@ -349,18 +628,40 @@ class ListenerConfig(_Model):
 class AsyncEventQueueConfig(_Model):
     """An async event queue (Geode defaults): a queue whose events go to a listener."""
 
-    id: str = Field(pattern=NAME_PATTERN)
-    parallel: bool = False
-    batch_size: int = Field(100, ge=1)
-    batch_time_interval_ms: int = Field(5, ge=0)
-    batch_conflation: bool = False
-    dispatcher_threads: int = Field(5, ge=1, le=1024)
-    order_policy: OrderPolicy = "KEY"
-    persistent: bool = False
-    maximum_queue_memory_mb: int = Field(100, ge=0)
-    pause_event_processing: bool = False
-    forward_expiration_destroy: bool = False
-    listener: ListenerConfig | None = None
+    id: str = Field(pattern=NAME_PATTERN, description="the queue's id, unique among the site's senders and "
+                    "async event queues; names its topics", json_schema_extra={"geode": "id"})
+    parallel: bool = Field(
+        False, description="true: one queue partition per region bucket, every dispatcher primary for some; "
+        "false (serial): dispatcher_threads partitions", json_schema_extra={"geode": "parallel"})
+    batch_size: int = Field(100, ge=1, description="a batch is offered to the listener when it holds this many "
+                            "events", json_schema_extra={"geode": "batch-size"})
+    batch_time_interval_ms: int = Field(
+        5, ge=0, description="… or when this long has passed since its first event, whichever comes first",
+        json_schema_extra={"geode": "batch-time-interval"})
+    batch_conflation: bool = Field(
+        False, description="an update of a key replaces the earlier update of that key still waiting in the batch",
+        json_schema_extra={"geode": "enable-batch-conflation"})
+    dispatcher_threads: int = Field(
+        5, ge=1, le=1024, description="a serial queue's partitions; batches offered at once",
+        json_schema_extra={"geode": "dispatcher-threads"})
+    order_policy: OrderPolicy = Field(
+        "KEY", description="how a serial queue's events are spread over its partitions: by key, by writing "
+        "thread, or by the region bucket; a parallel queue cannot use THREAD",
+        json_schema_extra={"geode": "order-policy"})
+    persistent: bool = Field(
+        False, description="accepted as in Geode, changes nothing: a queue is a Kafka topic, always durable",
+        json_schema_extra={"geode": "persistent"})
+    maximum_queue_memory_mb: int = Field(
+        100, ge=0, description="what a dispatcher holds in memory; beyond it, it stops reading until batches are "
+        "removed (the rest waits in Kafka)", json_schema_extra={"geode": "maximum-queue-memory"})
+    pause_event_processing: bool = Field(
+        False, description="true: the queue starts paused (events queue up) until `sluice admin resume`",
+        json_schema_extra={"geode": "pause-event-processing"})
+    forward_expiration_destroy: bool = Field(
+        False, description="expiration destroys are queued too",
+        json_schema_extra={"geode": "forward-expiration-destroy"})
+    listener: ListenerConfig | None = Field(
+        None, description="where the batches go", json_schema_extra={"geode": "async-event-listener"})
 
     @model_validator(mode="after")
     def _check_geode_rules(self) -> AsyncEventQueueConfig:
@@ -374,16 +675,40 @@ class AsyncEventQueueConfig(_Model):
 class ReceiverConfig(_Model):
     """This site's gateway receiver: the only entry point for remote sites."""
 
-    inbound_partitions: int = Field(8, ge=1, le=1024)
+    inbound_partitions: int = Field(
+        8, ge=1, le=1024, description="partitions of this site's inbound topic, which remote senders write "
+        "batches to: the receiver's lanes working side by side (Geode: the receiver's port range)")
     accepted_dsids: tuple[Annotated[int, Field(ge=1, le=255)], ...] = _seq(
         description="dsids whose batches are applied; batches from any other site are rejected and counted"
     )
-    max_time_between_pings_ms: int = Field(60000, ge=1)
-    manual_start: bool = False
+    max_time_between_pings_ms: int = Field(
+        60000, ge=1, description="accepted as in Geode, not used: senders reach the receiver through Kafka, "
+        "with no connection to ping", json_schema_extra={"geode": "maximum-time-between-pings"})
+    manual_start: bool = Field(
+        False, description="accepted as in Geode, not used: a receiver starts when its service starts",
+        json_schema_extra={"geode": "manual-start"})
     sender_keys: dict[Annotated[int, Field(ge=1, le=255)], SecretStr] = Field(
         default_factory=dict, strict=False,
         description="dsid -> that site's gateway_signing_key; when set, every accepted dsid needs one and "
         "batches without a valid signature are rejected")
+    sender_keys_file: dict[Annotated[int, Field(ge=1, le=255)], str] = Field(
+        default_factory=dict, strict=False,
+        description="dsid -> a file holding that site's key, read when the site file is loaded; each dsid's key "
+        "in one of sender_keys, sender_keys_file, sender_keys_env")
+    sender_keys_env: dict[Annotated[int, Field(ge=1, le=255)], Annotated[str, Field(pattern=ENV_NAME_PATTERN)]] = Field(
+        default_factory=dict, strict=False,
+        description="dsid -> the name of an environment variable holding that site's key, read when the site "
+        "file is loaded")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_keys(cls, data: Any, info: ValidationInfo) -> Any:
+        return _resolve_sender_keys(data, info)
+
+    @field_validator("sender_keys_file")
+    @classmethod
+    def _check_key_files(cls, value: dict[int, str], info: ValidationInfo) -> dict[int, str]:
+        return {dsid: _existing_file(path, info) for dsid, path in value.items()}
 
     @model_validator(mode="after")
     def _check_keys(self) -> ReceiverConfig:
@@ -404,16 +729,29 @@ class ReceiverConfig(_Model):
 class SubscriptionsConfig(_Model):
     """Client subscription queues (Geode's client/server messaging defaults)."""
 
-    durable_client_timeout_s: int = Field(300, ge=1)
-    message_sync_interval_s: int = Field(1, ge=1)
-    message_time_to_live_s: int = Field(180, ge=1)
-    subscription_message_tracking_timeout_ms: int = Field(900000, ge=1)
-    subscription_ack_interval_ms: int = Field(100, ge=1)
-    maximum_message_count: int = Field(230000, ge=1)
+    durable_client_timeout_s: int = Field(
+        300, ge=1, description="how long a durable client's queue and durable interest outlive its disconnect; "
+        "then they are deleted and an alert is logged", json_schema_extra={"geode": "durable-client-timeout"})
+    message_sync_interval_s: int = Field(
+        1, ge=1, description="how often a primary checkpoints what it filled and deletes from each queue what "
+        "its client acknowledged", json_schema_extra={"geode": "message-sync-interval"})
+    message_time_to_live_s: int = Field(
+        180, ge=1, description="a non-durable client's queue whose unacknowledged head is older than this is "
+        "dropped; the client re-fetches its interest", json_schema_extra={"geode": "message-time-to-live"})
+    subscription_message_tracking_timeout_ms: int = Field(
+        900000, ge=1, description="how long a client remembers a writer thread's EventIDs to discard repeats",
+        json_schema_extra={"geode": "subscription-message-tracking-timeout"})
+    subscription_ack_interval_ms: int = Field(
+        100, ge=1, description="how often a client acknowledges what it received",
+        json_schema_extra={"geode": "subscription-ack-interval"})
+    maximum_message_count: int = Field(
+        230000, ge=1, description="accepted as in Geode, not enforced: a client's queue is a Kafka topic",
+        json_schema_extra={"geode": "maximum-message-count"})
     maximum_time_between_pings_ms: int = Field(
-        60000, ge=1, description="a connected client silent this long is taken as crashed (Geode's "
-        "maximum-time-between-pings)")
-    ping_interval_ms: int = Field(10000, ge=1, description="how often an idle client pings (Geode's ping-interval)")
+        60000, ge=1, description="a connected client silent this long is taken as crashed",
+        json_schema_extra={"geode": "maximum-time-between-pings"})
+    ping_interval_ms: int = Field(10000, ge=1, description="how often an idle client pings",
+                                  json_schema_extra={"geode": "ping-interval"})
     registry_partitions: int = Field(
         8, ge=1, le=1024, description="partitions of the client registry: the units subscription instances share "
         "as primaries")
@@ -422,15 +760,38 @@ class SubscriptionsConfig(_Model):
 class RegionServiceConfig(_Model):
     """The region service's HTTP face."""
 
-    host: str = Field("127.0.0.1", min_length=1)
-    port: int = Field(7070, ge=0, le=65535, description="0 = any free port")
-    advertised_url: str | None = Field(None, description="URL other members and clients use to reach this one")
-    token: SecretStr | None = None
-    load_timeout_s: float = Field(60, gt=0)
-    request_timeout_s: float = Field(30, gt=0)
+    host: str = Field("127.0.0.1", min_length=1, description="the address the HTTP API listens on",
+                      json_schema_extra={"geode": "bind-address"})
+    port: int = Field(7070, ge=0, le=65535, description="the HTTP API's port; 0 = any free port",
+                      json_schema_extra={"geode": "port"})
+    advertised_url: str | None = Field(
+        None, description="URL other members and clients use to reach this one (default: http://host:port)",
+        json_schema_extra={"geode": "hostname-for-clients"})
+    token: SecretStr | None = Field(
+        None, description="when set, every request but /healthz and /readyz needs `Authorization: Bearer <token>`; "
+        "members and clients of the site send it")
+    token_file: str | None = Field(
+        None, description="a file holding token (relative to the site file), read when the site file is loaded")
+    token_env: str | None = Field(
+        None, pattern=ENV_NAME_PATTERN, description="the name of an environment variable holding token, read when "
+        "the site file is loaded")
+    load_timeout_s: float = Field(
+        60, gt=0, description="how long a member may take to rebuild a bucket from its changelog before it gives up")
+    request_timeout_s: float = Field(
+        30, gt=0, description="how long one request may take, including forwarding it to the bucket's owner")
     event_tracking_timeout_s: float = Field(
         900, gt=0, description="how long a (member, thread) EventID stream is remembered after its last operation"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_token(cls, data: Any, info: ValidationInfo) -> Any:
+        return _resolve_secret(data, "token", info)
+
+    @field_validator("token_file")
+    @classmethod
+    def _check_token_file(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return None if value is None else _existing_file(value, info)
 
     @field_validator("advertised_url")
     @classmethod
@@ -460,21 +821,48 @@ class AttachedQueue:
 class SiteConfig(_Model):
     """One site: its dsid, its Kafka cluster, regions, queues, receiver and services."""
 
-    site: str = Field(pattern=SITE_PATTERN)
-    dsid: int = Field(ge=1, le=255, description="Geode's distributed-system-id")
-    kafka: KafkaConfig
-    regions: tuple[RegionConfig, ...] = _seq(..., min_length=1)
-    gateway_senders: tuple[GatewaySenderConfig, ...] = _seq()
-    async_event_queues: tuple[AsyncEventQueueConfig, ...] = _seq()
-    receiver: ReceiverConfig | None = None
-    subscriptions: SubscriptionsConfig = Field(default_factory=SubscriptionsConfig)
-    region_service: RegionServiceConfig = Field(default_factory=RegionServiceConfig)
+    site: str = Field(pattern=SITE_PATTERN, description="the site's name, in logs, metrics and consumer-group ids")
+    dsid: int = Field(ge=1, le=255, description="the site's id, unique among the sites that exchange events",
+                      json_schema_extra={"geode": "distributed-system-id"})
+    kafka: KafkaConfig = Field(description="this site's Kafka cluster and the client settings every service shares")
+    regions: tuple[RegionConfig, ...] = _seq(
+        ..., min_length=1, description="the site's regions: at least one", json_schema_extra={"geode": "region"})
+    gateway_senders: tuple[GatewaySenderConfig, ...] = _seq(
+        description="queues whose events go to other sites", json_schema_extra={"geode": "gateway-sender"})
+    async_event_queues: tuple[AsyncEventQueueConfig, ...] = _seq(
+        description="queues whose events go to a listener", json_schema_extra={"geode": "async-event-queue"})
+    receiver: ReceiverConfig | None = Field(
+        None, description="this site's gateway receiver; none: the site takes no events from other sites",
+        json_schema_extra={"geode": "gateway-receiver"})
+    subscriptions: SubscriptionsConfig = Field(
+        default_factory=SubscriptionsConfig, description="client subscription queues",
+        json_schema_extra={"geode": "cache-server and pool subscription settings"})
+    region_service: RegionServiceConfig = Field(
+        default_factory=RegionServiceConfig, description="the region service's HTTP API",
+        json_schema_extra={"geode": "cache-server"})
     gateway_signing_key: SecretStr | None = Field(
         None, min_length=16, description="secret key this site's gateway senders sign their batches with "
-        "(HMAC-SHA256); receivers of other sites hold it in receiver.sender_keys")
+        "(HMAC-SHA256), 16 characters or more; receivers of other sites hold it in receiver.sender_keys")
+    gateway_signing_key_file: str | None = Field(
+        None, description="a file holding gateway_signing_key (relative to the site file), read when the site file "
+        "is loaded")
+    gateway_signing_key_env: str | None = Field(
+        None, pattern=ENV_NAME_PATTERN, description="the name of an environment variable holding "
+        "gateway_signing_key, read when the site file is loaded")
     gateway_conflict_resolver: str | None = Field(
-        None, description="import path of a WAN conflict resolver class (Geode's GatewayConflictResolver); "
-        "unset: the later timestamp wins, ties go to the higher dsid")
+        None, description="import path of a WAN conflict resolver class with on_event(event, helper); "
+        "unset: the later timestamp wins, ties go to the higher dsid",
+        json_schema_extra={"geode": "gateway-conflict-resolver"})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_signing_key(cls, data: Any, info: ValidationInfo) -> Any:
+        return _resolve_secret(data, "gateway_signing_key", info)
+
+    @field_validator("gateway_signing_key_file")
+    @classmethod
+    def _check_key_file(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return None if value is None else _existing_file(value, info)
 
     @field_validator("gateway_conflict_resolver")
     @classmethod
@@ -559,8 +947,40 @@ class SiteConfig(_Model):
         ``cfg.with_overrides({"kafka": {"bootstrap_servers": broker.bootstrap}})``.
         Mappings merge key by key; anything else (lists included) replaces.
         """
-        data = _deep_merge(self.model_dump(exclude_unset=True), overrides)
+        data = _deep_merge(_without_loaded_secrets(self.model_dump(exclude_unset=True)), overrides)
         return parse_config(data, source="<overrides>")
+
+    def secret_sources(self) -> list[tuple[str, str]]:
+        """(field, where its value comes from) for every secret this file sets; never the value itself."""
+        out: list[tuple[str, str]] = []
+
+        def add(field: str, section: BaseModel, name: str) -> None:
+            variable, path = getattr(section, f"{name}_env"), getattr(section, f"{name}_file")
+            if variable is not None:
+                out.append((field, f"environment variable {variable}"))
+            elif path is not None:
+                out.append((field, f"file {path}"))
+            elif getattr(section, name) is not None:
+                out.append((field, "the site file"))
+
+        connections: list[tuple[str, KafkaConnection]] = [("kafka", self.kafka)]
+        connections += [(f"gateway_senders[{i}].remote", s.remote) for i, s in enumerate(self.gateway_senders)
+                        if s.remote is not None]
+        for where, connection in connections:
+            add(f"{where}.sasl_password", connection, "sasl_password")
+            add(f"{where}.ssl_key_password", connection, "ssl_key_password")
+        add("region_service.token", self.region_service, "token")
+        add("gateway_signing_key", self, "gateway_signing_key")
+        if self.receiver is not None:
+            for dsid in sorted(self.receiver.sender_keys):
+                if dsid in self.receiver.sender_keys_env:
+                    source = f"environment variable {self.receiver.sender_keys_env[dsid]}"
+                elif dsid in self.receiver.sender_keys_file:
+                    source = f"file {self.receiver.sender_keys_file[dsid]}"
+                else:
+                    source = "the site file"
+                out.append((f"receiver.sender_keys[{dsid}]", source))
+        return out
 
 
 # --- rules within a section, on plain data -------------------------------------
@@ -581,20 +1001,18 @@ def _connection_rules(section: Mapping[str, Any]) -> list[Problem]:
     if not isinstance(protocol, str):
         return []
     problems: list[Problem] = []
-    sasl = ("sasl_mechanism", "sasl_username", "sasl_password", "sasl_password_file")
+    sasl = ("sasl_mechanism", "sasl_username", "sasl_password", "sasl_password_file", "sasl_password_env")
     ssl = ("ssl_ca_location", "ssl_certificate_location", "ssl_key_location", "ssl_key_password",
-           "ssl_key_password_file")
+           "ssl_key_password_file", "ssl_key_password_env")
     if protocol.startswith("SASL_"):
         for name in ("sasl_mechanism", "sasl_username"):
             if section.get(name) is None:
                 problems.append((name, None, f"is required when security_protocol is {protocol}"))
-        given = [n for n in ("sasl_password", "sasl_password_file") if section.get(n) is not None]
-        if not given:
+        if all(section.get(n) is None for n in ("sasl_password", "sasl_password_file", "sasl_password_env")):
             problems.append(("sasl_password", None, f"is required when security_protocol is {protocol} "
-                                                    "(or sasl_password_file: a file holding it)"))
-        elif len(given) == 2:
-            problems.append(("sasl_password_file", section["sasl_password_file"],
-                             "give sasl_password or sasl_password_file, not both"))
+                                                    "(or sasl_password_file: a file holding it, or "
+                                                    "sasl_password_env: an environment variable holding it)"))
+        problems += _secret_source_problems(section, "sasl_password")
     else:
         for name in sasl:
             if section.get(name) is not None:
@@ -622,25 +1040,11 @@ def _connection_rules(section: Mapping[str, Any]) -> list[Problem]:
         problems.append(("ssl_key_location", None, "is required with ssl_certificate_location (mutual TLS needs both)"))
     if key is not None and certificate is None:
         problems.append(("ssl_certificate_location", None, "is required with ssl_key_location (mutual TLS needs both)"))
-    if section.get("ssl_key_password") is not None and key is None:
-        problems.append(("ssl_key_password", _HIDDEN, "is only used with ssl_key_location"))
-    if section.get("ssl_key_password_file") is not None:
-        if key is None:
-            problems.append(("ssl_key_password_file", section["ssl_key_password_file"],
-                             "is only used with ssl_key_location"))
-        if section.get("ssl_key_password") is not None:
-            problems.append(("ssl_key_password_file", section["ssl_key_password_file"],
-                             "give ssl_key_password or ssl_key_password_file, not both"))
+    for name in ("ssl_key_password", "ssl_key_password_file", "ssl_key_password_env"):
+        if section.get(name) is not None and key is None:
+            problems.append((name, _shown(name, section[name]), "is only used with ssl_key_location"))
+    problems += _secret_source_problems(section, "ssl_key_password")
     return problems
-
-
-def _read_secret(path: str, field: str) -> str:
-    """A secret kept in a file (a mounted Kubernetes secret): its content without the trailing newline,
-    read when a client is made, so a rotated secret is picked up by the next one."""
-    try:
-        return Path(path).read_text(encoding="utf-8").rstrip("\r\n")
-    except OSError as exc:
-        raise ConfigError([(field, path, f"cannot be read: {exc.strerror or exc}")]) from None
 
 
 def _timing_rules(section: Mapping[str, Any]) -> list[Problem]:
@@ -735,6 +1139,14 @@ def _all_rule_problems(data: Mapping[str, Any]) -> list[Problem]:
     kafka = data.get("kafka")
     if isinstance(kafka, Mapping):
         problems += under("kafka", _connection_rules(kafka) + _timing_rules(kafka))
+    # The sources of the secrets read at load time (see "secrets" above).
+    problems += _secret_source_problems(data, "gateway_signing_key")
+    region_service = data.get("region_service")
+    if isinstance(region_service, Mapping):
+        problems += under("region_service", _secret_source_problems(region_service, "token"))
+    receiver = data.get("receiver")
+    if isinstance(receiver, Mapping):
+        problems += under("receiver", _sender_key_problems(receiver))
     for i, sender in _entries(data, "gateway_senders"):
         problems += under(f"gateway_senders[{i}]", _sender_rules(sender))
         remote = sender.get("remote")
@@ -1205,6 +1617,23 @@ def _line(text: str, line: int) -> str:
 def _short(value: Any) -> Any:
     text = repr(value)
     return value if len(text) <= 80 else text[:77] + "..."
+
+
+def _without_loaded_secrets(data: dict[str, Any]) -> dict[str, Any]:
+    """A SiteConfig dump without the secrets read from a file or variable, which validation reads again."""
+    data = dict(data)
+    if data.get("gateway_signing_key_file") is not None or data.get("gateway_signing_key_env") is not None:
+        data.pop("gateway_signing_key", None)
+    region_service = data.get("region_service")
+    if isinstance(region_service, dict) and (region_service.get("token_file") is not None
+                                             or region_service.get("token_env") is not None):
+        data["region_service"] = {k: v for k, v in region_service.items() if k != "token"}
+    receiver = data.get("receiver")
+    if isinstance(receiver, dict) and isinstance(receiver.get("sender_keys"), dict):
+        loaded = set(receiver.get("sender_keys_file") or {}) | set(receiver.get("sender_keys_env") or {})
+        keys = {dsid: key for dsid, key in receiver["sender_keys"].items() if dsid not in loaded}
+        data["receiver"] = {**receiver, "sender_keys": keys}
+    return data
 
 
 def _deep_merge(base: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
