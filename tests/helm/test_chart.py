@@ -297,6 +297,38 @@ def test_sasl_settings_pass_through_to_the_site_file(helm: Helm, tmp_path: Path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_secrets_from_the_environment_reach_every_container(helm: Helm, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """secretEnv sets each variable from its Secret in every container, the config-check init step
+    and the topics Job included, so a site file naming `*_env` secrets holds none itself, stays a
+    ConfigMap, and passes `sluice config check` where those variables are set."""
+    values = tmp_path / "env.yaml"
+    values.write_text(yaml.safe_dump({
+        "kafka": {"settings": {"security_protocol": "SASL_PLAINTEXT", "sasl_mechanism": "SCRAM-SHA-512",
+                               "sasl_username": "sluice", "sasl_password_env": "KAFKA_PASSWORD"}},
+        "secretEnv": [{"name": "KAFKA_PASSWORD", "secret": "sluice-kafka-user", "key": "password"}],
+    }))
+    release = helm.template("-f", str(values))
+    expected = {"name": "KAFKA_PASSWORD",
+                "valueFrom": {"secretKeyRef": {"name": "sluice-kafka-user", "key": "password"}}}
+    specs = [pod_spec(w) for w in release.workloads().values()]
+    specs.append(release.get("Job", "sluice-topics")["spec"]["template"]["spec"])
+    for spec in specs:
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            assert expected in container.get("env", []), (container["name"], container.get("env"))
+    text = release.site_file("sluice-site")
+    assert "sluice-site" in release.of_kind("ConfigMap")
+    assert yaml.safe_load(text)["kafka"]["sasl_password_env"] == "KAFKA_PASSWORD"
+
+    monkeypatch.delenv("KAFKA_PASSWORD", raising=False)
+    refused = config_check(text, tmp_path)
+    assert refused.returncode != 0 and "KAFKA_PASSWORD is not set" in refused.stdout + refused.stderr
+    monkeypatch.setenv("KAFKA_PASSWORD", "a-password-never-shown")
+    accepted = config_check(text, tmp_path)
+    assert accepted.returncode == 0, accepted.stdout + accepted.stderr
+    assert "a-password-never-shown" not in accepted.stdout + accepted.stderr
+
+
 # --- region service ------------------------------------------------------------------
 
 

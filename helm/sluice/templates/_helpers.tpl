@@ -224,6 +224,20 @@ material (when kafka.secrets names any), a writable work folder and /tmp
 {{- end }}
 {{- end }}
 
+{{/* secretEnv as container env entries (secretKeyRef), for the site file's *_env secrets. */}}
+{{- define "sluice.secretEnv" -}}
+{{- range .Values.secretEnv }}
+- name: {{ .name }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ .secret }}
+      key: {{ .key }}
+      {{- if hasKey . "optional" }}
+      optional: {{ .optional }}
+      {{- end }}
+{{- end }}
+{{- end }}
+
 {{- define "sluice.siteFilePath" -}}
 {{- printf "%s/site.yaml" (.Values.siteMountPath | trimSuffix "/") }}
 {{- end }}
@@ -338,6 +352,10 @@ spec:
           image: {{ include "sluice.image" $root }}
           imagePullPolicy: {{ $root.Values.image.pullPolicy }}
           args: ["config", "check", {{ include "sluice.siteFilePath" $root | quote }}]
+          {{- with $root.Values.secretEnv }}
+          env:
+            {{- include "sluice.secretEnv" $root | nindent 12 }}
+          {{- end }}
           {{- with $root.Values.securityContext }}
           securityContext:
             {{- toYaml . | nindent 12 }}
@@ -376,6 +394,7 @@ spec:
               value: {{ printf "sluice-%s" .component | quote }}
             - name: OTEL_RESOURCE_ATTRIBUTES
               value: {{ printf "sluice.site=%s,sluice.dsid=%v,k8s.namespace.name=$(POD_NAMESPACE),k8s.pod.name=$(POD_NAME)" (get $site "site") (get $site "dsid") | quote }}
+            {{- include "sluice.secretEnv" $root | nindent 12 }}
             {{- with $s.extraEnv }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
