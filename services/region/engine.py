@@ -591,14 +591,23 @@ class RegionEngine:
         self._ownership_changed()
 
     def _checkpoint_offsets(self, force: bool) -> list[TopicPartition]:
-        """Fan-out checkpoints of READY buckets: those that advanced, or all (``force``)."""
+        """Fan-out checkpoints of READY buckets: those that advanced, or all (``force``).
+
+        ``force`` (a fencing commit) also takes the buckets being reloaded, at
+        the checkpoint last committed: any commit of this member's generation
+        proves it still holds its buckets, and a write that became durable
+        while its bucket reloads is then answered, not refused.
+        """
         offsets = []
         with self._lock:
             for ob in self._owned.values():
+                topic = self.changelog_topics[ob.region]
                 if ob.status is not BucketStatus.READY or ob.progress is None:
+                    if force and ob.committed >= 0:
+                        offsets.append(TopicPartition(topic, ob.bucket, ob.committed))
                     continue
                 if force or ob.progress.checkpoint > ob.committed:
-                    offsets.append(TopicPartition(self.changelog_topics[ob.region], ob.bucket, ob.progress.checkpoint))
+                    offsets.append(TopicPartition(topic, ob.bucket, ob.progress.checkpoint))
                     ob.committed = max(ob.committed, ob.progress.checkpoint)
         return offsets
 
