@@ -29,6 +29,7 @@ runs the same sites under every kind of fault.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import shutil
 import signal
@@ -43,6 +44,7 @@ from rich.live import Live
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from .core import telemetry
 from .verify.checks import check_client_cache, converge, verify_sites
 from .verify.sites import SESSION_TIMEOUT_MS, Layout, TwoSites
 from .verify.workload import Budget, Written, write_site
@@ -54,6 +56,7 @@ examples:
   sluice demo --duration 60         # write for 60 s instead of a number of operations
   sluice demo --no-faults           # no kill -9 of the sender primary
   sluice demo --keep-running        # leave everything up; try `sluice admin -c FILE status`; Ctrl-C stops
+  sluice demo --traces spans.jsonl  # every service's spans in one file; prints a trace from a to b
   sluice soak --minutes 2           # the same sites under every kind of fault (the fault harness)
 """
 
@@ -75,6 +78,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--engine", choices=("auto", "kafka", "tansu"), default="auto", help="embedded brokers")
     p.add_argument("--keep-running", action="store_true", help="leave the sites up until Ctrl-C")
     p.add_argument("--seed", type=int, default=7, help="workload seed (default 7)")
+    p.add_argument("--traces", metavar="FILE", type=Path, default=None,
+                   help="every service appends its OpenTelemetry spans to FILE (one JSON span a line); at the "
+                        "end, a trace from a put on a to its apply on b and a listener call is printed")
     p.set_defaults(func=run)
 
 
@@ -152,6 +158,11 @@ def run(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    if args.traces is not None:
+        # The services inherit it: each appends its spans to the one file.
+        args.traces = args.traces.resolve()
+        args.traces.write_bytes(b"")
+        os.environ[telemetry.TRACES_FILE_ENV] = str(args.traces)
     try:
         try:
             with console.status("starting two embedded brokers…"):
@@ -233,6 +244,9 @@ def run(args: argparse.Namespace) -> int:
         if not client.live:
             time.sleep(2)
         ok = verify(console, sites, written, client, converged, failover)
+        if args.traces is not None and not args.keep_running:
+            sites.stop_services()  # each flushes its spans as it stops
+            show_trace(console, args.traces)
         if args.keep_running:
             console.print(f"running; try: sluice admin -c {sites.paths['a']} status   (Ctrl-C stops everything)")
             while True:
@@ -247,6 +261,22 @@ def run(args: argparse.Namespace) -> int:
         sites.stop()
         if not interrupted and not args.keep_running:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def show_trace(console: Console, path: Path) -> None:
+    """One trace id that goes from a put on a through the sender and receiver to the apply on b
+    and a listener call."""
+    spans = telemetry.read_spans(path)
+    traces = telemetry.wan_traces(spans, "a", "b")
+    console.print(f"traces: {len(spans):,} spans in {path}; {len(traces):,} traces go from a put on a to its "
+                  "apply on b and a listener")
+    if not traces:
+        return
+    trace_id = traces[0]
+    console.print(f"  trace id [bold]{trace_id.removeprefix('0x')}[/]:")
+    for span in sorted((s for s in spans if s["context"]["trace_id"] == trace_id), key=lambda s: s["start_time"]):
+        service = (span.get("resource") or {}).get("attributes", {}).get("service.name", "?")
+        console.print(f"    {span['start_time']}  {span['name']:<24} site {telemetry.span_site(span)}  ({service})")
 
 
 def reconnect(cfg_b: Any, sites: TwoSites) -> Any:

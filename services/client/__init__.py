@@ -4,6 +4,7 @@ replay up to the marker: ``messages``)."""
 
 from .interest import ALL_KEYS, ResultPolicy
 from .region import RegionClient, RegionError
-from .subscriber import ClientCache, ClientRegion
+from .subscriber import ClientCache, ClientRegion, RegistrationRefused
 
-__all__ = ["ALL_KEYS", "ClientCache", "ClientRegion", "RegionClient", "RegionError", "ResultPolicy"]
+__all__ = ["ALL_KEYS", "ClientCache", "ClientRegion", "RegionClient", "RegionError", "RegistrationRefused",
+           "ResultPolicy"]

@@ -134,14 +134,19 @@ class RegionClient:
         eid = event_id or self.next_event_id()
         return self._request("POST", f"/regions/{region}/destroy_region", {"event_id": eid.to_record()}, bulk=True)
 
-    def apply_remote(self, region: str, events: list[EntryEvent], *, outcomes: str = "exceptions") -> dict[str, Any]:
+    def apply_remote(self, region: str, events: list[EntryEvent], *, outcomes: str = "exceptions",
+                     traces: list[str | None] | None = None) -> dict[str, Any]:
         """Apply events another site applied (what a gateway receiver does).
 
         Retried until acknowledged: each event keeps its EventID, so a repeat is
         answered ``duplicate``; events that lose the WAN conflict are counted in
-        ``conflicts`` and listed as ``conflict``.
+        ``conflicts`` and listed as ``conflict``.  ``traces``: each event's W3C
+        ``traceparent`` (or None), the parent of its apply on this site.
         """
-        body = {"events": [encode_remote(e) for e in events]}
+        body: dict[str, Any] = {"events": [encode_remote(e) for e in events]}
+        if traces is not None:
+            assert len(traces) == len(events), "one trace context (or None) per event"
+            body["traceparents"] = traces
         return self._request("POST", f"/regions/{region}/apply_remote?outcomes={outcomes}", body, bulk=True)
 
     def get(self, region: str, key: str, default: Any = None) -> Any:

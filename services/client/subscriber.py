@@ -65,7 +65,7 @@ from .cache import EventTracker, RegionCache
 from .interest import ALL_KEYS, Delivery, Registration, RegionInterest, ResultPolicy
 from .messages import ClientEvent, MessageProcessor
 from .region import RegionClient, RegionError
-from ..subscriptions.registry import create_queue, read_latest, registry_partition
+from ..subscriptions.registry import AUTHORIZATION, configured_token, create_queue, read_latest, registry_partition
 
 log = logging.getLogger("sluice.client")
 
@@ -78,6 +78,18 @@ MISSING = frozenset({KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC
 IDLE_FETCH_WAIT_MS = 500
 #: Keys asked of the region service per get_all during a load.
 LOAD_CHUNK = 1000
+
+
+class RegistrationRefused(SluiceError):
+    """The subscription service refused the client's registration (``subscriptions.token``)."""
+
+    retriable = False
+
+    def __init__(self, client_id: str, reason: str) -> None:
+        self.client_id = client_id
+        self.reason = reason
+        super().__init__(f"client {client_id}: {reason}; give the site's subscriptions token "
+                         f"(ClientCache(..., subscription_token=...) or subscriptions.token in the site file)")
 
 
 class ClientRegion:
@@ -276,6 +288,7 @@ class ClientCache:
         subscription_redundancy: int = 0,
         region_urls: Iterable[str] | None = None,
         token: str | None = None,
+        subscription_token: str | None = None,
         registration_timeout_s: float = 30.0,
         request_retry_s: float = 10.0,
     ) -> None:
@@ -297,6 +310,10 @@ class ClientCache:
         self.region_urls = urls
         self._token = token or (self.cfg.region_service.token.get_secret_value()
                                 if self.cfg.region_service.token else None)
+        # Sent with every registry record when the subscription service requires one.
+        self._subscription_token = subscription_token or configured_token(self.cfg)
+        #: Why the subscription service refused this client's registration, once it did.
+        self.refused: str | None = None
         self._registration_timeout_s = registration_timeout_s
         self._request_retry_s = request_retry_s
         names = self.cfg.topics
@@ -431,7 +448,11 @@ class ClientCache:
         self._record["version"] += 1
         self._record["changed_at"] = int(time.time() * 1000)
         value = self._codec.encode("ClientRegistration", self._record)
-        self._producer.produce(self._registry_topic, value, self.client_id.encode(), partition=self._partition)
+        headers = None
+        if self._subscription_token is not None:
+            headers = [(AUTHORIZATION, f"Bearer {self._subscription_token}".encode())]
+        self._producer.produce(self._registry_topic, value, self.client_id.encode(), partition=self._partition,
+                               headers=headers)
         self._producer.flush(30)
 
     # --- interest ---------------------------------------------------------------------------
@@ -484,6 +505,8 @@ class ClientCache:
         deadline = time.monotonic() + self._registration_timeout_s
         with self._answered:
             while self._answered_version < version:
+                if self.refused is not None:
+                    raise RegistrationRefused(self.client_id, self.refused)
                 left = deadline - time.monotonic()
                 if left <= 0 or self.closed:
                     raise NoServersAvailable(
@@ -603,6 +626,11 @@ class ClientCache:
                     self._answered_version = max(self._answered_version, message["version"])
                     if self._loading_from is not None and message["version"] >= self._loading_from:
                         self._processor.applying = True
+                    self._answered.notify_all()
+            elif kind == "REFUSED":
+                if message["session"] == self._session:
+                    self.refused = message["reason"]
+                    log.error("client %s: %s", self.client_id, message["reason"])
                     self._answered.notify_all()
             elif kind == "MARKER":
                 if message["session"] == self._session and not self._processor.live:

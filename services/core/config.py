@@ -755,6 +755,25 @@ class SubscriptionsConfig(_Model):
     registry_partitions: int = Field(
         8, ge=1, le=1024, description="partitions of the client registry: the units subscription instances share "
         "as primaries")
+    token: SecretStr | None = Field(
+        None, description="when set, a client registration (its record on the registry topic) is taken only with "
+        "the record header `authorization: Bearer <token>`, and refused with a message to the client otherwise; "
+        "the site's clients send it")
+    token_file: str | None = Field(
+        None, description="a file holding token (relative to the site file), read when the site file is loaded")
+    token_env: str | None = Field(
+        None, pattern=ENV_NAME_PATTERN, description="the name of an environment variable holding token, read when "
+        "the site file is loaded")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_token(cls, data: Any, info: ValidationInfo) -> Any:
+        return _resolve_secret(data, "token", info)
+
+    @field_validator("token_file")
+    @classmethod
+    def _check_token_file(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return None if value is None else _existing_file(value, info)
 
 
 class RegionServiceConfig(_Model):
@@ -970,6 +989,7 @@ class SiteConfig(_Model):
             add(f"{where}.sasl_password", connection, "sasl_password")
             add(f"{where}.ssl_key_password", connection, "ssl_key_password")
         add("region_service.token", self.region_service, "token")
+        add("subscriptions.token", self.subscriptions, "token")
         add("gateway_signing_key", self, "gateway_signing_key")
         if self.receiver is not None:
             for dsid in sorted(self.receiver.sender_keys):
@@ -1144,6 +1164,9 @@ def _all_rule_problems(data: Mapping[str, Any]) -> list[Problem]:
     region_service = data.get("region_service")
     if isinstance(region_service, Mapping):
         problems += under("region_service", _secret_source_problems(region_service, "token"))
+    subscriptions = data.get("subscriptions")
+    if isinstance(subscriptions, Mapping):
+        problems += under("subscriptions", _secret_source_problems(subscriptions, "token"))
     receiver = data.get("receiver")
     if isinstance(receiver, Mapping):
         problems += under("receiver", _sender_key_problems(receiver))
@@ -1628,6 +1651,10 @@ def _without_loaded_secrets(data: dict[str, Any]) -> dict[str, Any]:
     if isinstance(region_service, dict) and (region_service.get("token_file") is not None
                                              or region_service.get("token_env") is not None):
         data["region_service"] = {k: v for k, v in region_service.items() if k != "token"}
+    subscriptions = data.get("subscriptions")
+    if isinstance(subscriptions, dict) and (subscriptions.get("token_file") is not None
+                                            or subscriptions.get("token_env") is not None):
+        data["subscriptions"] = {k: v for k, v in subscriptions.items() if k != "token"}
     receiver = data.get("receiver")
     if isinstance(receiver, dict) and isinstance(receiver.get("sender_keys"), dict):
         loaded = set(receiver.get("sender_keys_file") or {}) | set(receiver.get("sender_keys_env") or {})

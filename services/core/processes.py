@@ -6,6 +6,11 @@ its stderr in a log file, and SIGTERMs it should the parent die, even by
 SIGKILL (``die_with_parent``).  The service announces itself with one line on
 stdout (``region service ID on URL …``, ``dispatcher MEMBER of queue …``);
 the constructor waits for that line, so a returned process is up.
+
+Many services share one machine here, so each child serves /healthz, /readyz
+and /metrics on a free port of 127.0.0.1 (``SLUICE_METRICS_PORT=0``) unless
+the caller's ``env`` says otherwise or the environment turns it off; the
+service prints ``metrics on URL`` before its banner, read into ``metrics_url``.
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ class ServiceProcess:
         self.log_path = log_path
         self._log = open(log_path, "ab")
         pythonpath = [*extra_path, *filter(None, [os.environ.get("PYTHONPATH")])]
-        child_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **_service_env(), **(env or {})}
         if pythonpath:
             child_env["PYTHONPATH"] = os.pathsep.join(pythonpath)
         self.started_wall = time.time()
@@ -79,6 +84,8 @@ class ServiceProcess:
             raise
         #: The service's banner line, once :meth:`wait_started` has read it.
         self.announcement = ""
+        #: Where its /healthz, /readyz and /metrics answer ("" when it serves none).
+        self.metrics_url = ""
         #: Seconds from spawn to the banner.
         self.ready_s: float | None = None
         if wait:
@@ -108,16 +115,28 @@ class ServiceProcess:
         return self.proc.pid
 
     def _read_banner(self, timeout_s: float) -> str:
+        """The banner line; a ``metrics on URL`` line before it sets ``metrics_url``.
+
+        The pipe is read with ``os.read`` and split here: two lines that arrive in one
+        read must not leave the second in a buffer that ``select`` cannot see."""
         assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        pending = b""
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
-            if ready:
-                line = self.proc.stdout.readline().decode()
-                if not line:
-                    break
-                if line.startswith(self.banner):
+            while b"\n" in pending:
+                raw, pending = pending.split(b"\n", 1)
+                line = raw.decode(errors="replace")
+                if line.startswith("metrics on "):
+                    self.metrics_url = line.split()[2]
+                elif line.startswith(self.banner):
                     return line.strip()
+            ready, _, _ = select.select([fd], [], [], 0.1)
+            if ready:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break
+                pending += chunk
             elif self.proc.poll() is not None:
                 break
         raise RuntimeError(f"{self.banner.strip() or 'service'} did not start (exit {self.proc.poll()}); "
@@ -161,6 +180,21 @@ class ServiceProcess:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def _service_env() -> dict[str, str]:
+    """Any free port on 127.0.0.1 for a child's health and metrics server, unless turned off;
+    text logs, which the harnesses read (failover times)."""
+    env = {"SLUICE_LOG_FORMAT": "text"}
+    if os.environ.get("SLUICE_METRICS_PORT", "").strip().lower() in ("off", "none", "-1"):
+        return env
+    return {**env, "SLUICE_METRICS_PORT": "0", "SLUICE_METRICS_HOST": "127.0.0.1"}
+
+
+def probe(url: str, timeout_s: float = 2.0) -> tuple[int, dict[str, Any]]:
+    """GET a health endpoint: (status, JSON body)."""
+    response = httpx.get(url, timeout=timeout_s)
+    return response.status_code, dict(response.json())
 
 
 class RegionProcess(ServiceProcess):

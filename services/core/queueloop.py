@@ -48,12 +48,14 @@ import queue
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential
 from tenacity.stop import stop_base
 
+from . import telemetry
 from .asyncevent import AsyncEvent
 from .batching import Batch, BatchPolicy, PartitionBatcher
 from .codec import get_codec
@@ -85,6 +87,17 @@ class DesiredState(str, enum.Enum):
     STOPPED = "STOPPED"
 
 
+@dataclass(frozen=True, slots=True)
+class TracedEvent(AsyncEvent):
+    """An ``AsyncEvent`` read while tracing: with the W3C ``traceparent`` its queue record carried."""
+
+    traceparent: bytes | None = None
+
+
+def event_traceparent(event: AsyncEvent) -> bytes | None:
+    return event.traceparent if isinstance(event, TracedEvent) else None
+
+
 class Refused(Exception):
     """``deliver`` did not deliver the batch (a listener returned False, no ack came)."""
 
@@ -104,6 +117,7 @@ class QueuePartition:
     last_accepted_at: int = 0  # epoch ms of the last delivered batch (a sender: its last ack)
     alerting_since: float = 0.0  # monotonic time of the last ALERT logged; 0 when none is due
     dispatched_yet: bool = False  # a batch of events has gone out since this member took the partition
+    head: int = -1  # the first offset not yet removed, once known (a removal, or the first record read)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +170,15 @@ class QueuePrimary:
         self._control: Consumer | None = None
         self._paused_for_memory = False
         self.stats = {"batches": 0, "events": 0, "redeliveries": 0, "dead_lettered": 0, "conflated": 0,
-                      "filtered": 0}
+                      "filtered": 0, "takeovers": 0, "alerts": 0}
+        #: The group has given this member its assignment (possibly none) and it was not lost since.
+        self.assigned = False
+        # partition -> (queue size, oldest waiting event's age in s), replaced whole by the loop's status pass.
+        self._gauges: dict[int, tuple[int, float]] = {}
+        self._batch_duration = telemetry.histogram(telemetry.BATCH_DURATION)
+        #: Spans are exported: events keep their records' trace context (``TracedEvent``).
+        self._tracing = telemetry.tracing()
+        self._instrument()
 
     # --- what a kind of queue adds ----------------------------------------------------
 
@@ -206,6 +228,59 @@ class QueuePrimary:
     def alert_threshold_ms(self) -> int:
         """Alert when the oldest event waiting in a partition is older than this (0: never)."""
         return 0
+
+    def batch_counts(self) -> tuple[int, int, int]:
+        """Batches sent (offered), acknowledged (accepted) and sent again, for the metrics."""
+        return (self.stats["batches"] + self.stats["redeliveries"], self.stats["batches"],
+                self.stats["redeliveries"])
+
+    def dead_lettered_count(self) -> int:
+        """Records this member wrote to the dead-letter topic, for the metrics."""
+        return self.stats["dead_lettered"]
+
+    # --- health and metrics --------------------------------------------------------
+
+    def readiness(self) -> dict[str, str]:
+        """What is not ready (empty when ready), for /readyz: the group's assignment."""
+        if not self.assigned:
+            return {"kafka": f"no assignment from consumer group {self.group_id} yet (joining, or lost)"}
+        return {}
+
+    def attributes(self, partition: int | None = None) -> dict[str, Any]:
+        attributes: dict[str, Any] = {**telemetry.base_attributes(self.cfg.site), "sluice.queue.id": self.queue_id,
+                                      "sluice.queue.kind": self.kind, "messaging.destination.name": self.topic,
+                                      "messaging.consumer.group.name": self.group_id}
+        if partition is not None:
+            attributes["messaging.destination.partition.id"] = str(partition)
+        return attributes
+
+    def _instrument(self) -> None:
+        telemetry.observe(telemetry.QUEUE_SIZE, self._read_queue_sizes, gauge=True)
+        telemetry.observe(telemetry.QUEUE_OLDEST_AGE, self._read_oldest_ages, gauge=True)
+        for i, name in enumerate((telemetry.BATCHES_SENT, telemetry.BATCHES_ACKNOWLEDGED, telemetry.BATCHES_RESENT)):
+            telemetry.observe(name, self._reader(lambda primary, i=i: primary.batch_counts()[i]))
+        for name, stat in ((telemetry.EVENTS_DELIVERED, "events"), (telemetry.FAILOVERS, "takeovers")):
+            telemetry.observe(name, self._reader(lambda primary, stat=stat: primary.stats.get(stat, 0)))
+        telemetry.observe(telemetry.DEAD_LETTERED, self._reader(lambda primary: primary.dead_lettered_count()))
+        telemetry.observe(telemetry.ALERTS, self._read_alerts)
+
+    def _reader(self, value: Callable[["QueuePrimary"], int]) -> Callable[[], telemetry.Reading]:
+        """A metric reader holding this service weakly: a service gone stops being read."""
+        ref = weakref.ref(self)
+
+        def read() -> telemetry.Reading:
+            primary = ref()
+            return [] if primary is None else [(value(primary), primary.attributes())]
+        return read
+
+    def _read_queue_sizes(self) -> telemetry.Reading:
+        return [(size, self.attributes(p)) for p, (size, _) in self._gauges.items()]
+
+    def _read_oldest_ages(self) -> telemetry.Reading:
+        return [(age, self.attributes(p)) for p, (_, age) in self._gauges.items()]
+
+    def _read_alerts(self) -> telemetry.Reading:
+        return [(self.stats["alerts"], {**self.attributes(), "sluice.alert.name": "alert_threshold"})]
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -330,6 +405,8 @@ class QueuePrimary:
         part = self._partitions.get(msg.partition())
         if part is None:
             return  # revoked meanwhile
+        if part.head < 0:
+            part.head = msg.offset()
         try:
             record = self._codec.decode_as("QueuedEvent", msg.value())
             event = EntryEvent.from_record(record["event"])
@@ -343,7 +420,12 @@ class QueuePrimary:
             part.batcher.skip(msg.offset(), now_ms)
             return
         duplicate = event.possible_duplicate or msg.offset() < part.duplicate_below
-        part.batcher.add(AsyncEvent(event, self.queue_id, msg.partition(), msg.offset(), duplicate), now_ms)
+        if self._tracing:
+            traced = TracedEvent(event, self.queue_id, msg.partition(), msg.offset(), duplicate,
+                                 telemetry.header(msg.headers(), telemetry.TRACEPARENT))
+            part.batcher.add(traced, now_ms)
+        else:
+            part.batcher.add(AsyncEvent(event, self.queue_id, msg.partition(), msg.offset(), duplicate), now_ms)
 
     def _dead_letter(self, msg: Message, exc: BaseException) -> None:
         record = {
@@ -415,6 +497,7 @@ class QueuePrimary:
         attempts = 0
         accepted = 0
         first = group[0]
+        began = time.monotonic()
         try:
             for attempt in Retrying(
                 retry=retry_if_exception_type(Exception),
@@ -437,6 +520,8 @@ class QueuePrimary:
         except Exception as exc:  # top of a worker: never lose the batch, report it
             log.exception("offering batch %d of partition %d failed: %s", first.batch_id, part.tp.partition, exc)
         finally:
+            if accepted > 0:
+                self._batch_duration.record(time.monotonic() - began, self.attributes())
             self._inbox.put(("done", _OfferDone(part.tp.partition, group, max(0, accepted), attempts,
                                                 int(time.time() * 1000))))
 
@@ -508,6 +593,7 @@ class QueuePrimary:
         if part is None:
             return
         part.last_removed_offset = commit - 1
+        part.head = commit
         assert self._consumer is not None
         try:
             self._consumer.commit(offsets=[TopicPartition(self.topic, partition, commit)], asynchronous=True)
@@ -522,6 +608,8 @@ class QueuePrimary:
         dispatched_before = self._partitions_dispatched_before()
         for tp in partitions:
             high = self._end_offset(consumer, tp.partition)
+            if dispatched_before is None or tp.partition in dispatched_before:
+                self.stats["takeovers"] += 1  # another primary (or this one before a restart) had it
             # What a previous primary may have offered (everything up to the
             # end as it is now) comes again flagged possibleDuplicate; a
             # partition nobody ever dispatched has nothing to flag.
@@ -531,6 +619,7 @@ class QueuePrimary:
                 duplicate_below=high if dispatched_before is None or tp.partition in dispatched_before else 0,
             )
         log.info("queue %s: primary for partitions %s", self.queue_id, sorted(tp.partition for tp in partitions))
+        self.assigned = True
         self._publish_status()
 
     def _end_offset(self, consumer: Consumer, partition: int) -> int:
@@ -594,6 +683,7 @@ class QueuePrimary:
                 log.warning("committing on revoke: %s", exc)
         for part in revoked:
             self._partitions.pop(part.tp.partition, None)
+        self._gauges = {p: g for p, g in self._gauges.items() if p in self._partitions}
         self.partitions_released([p.tp.partition for p in revoked])
         log.info("queue %s: revoked partitions %s", self.queue_id, sorted(p.tp.partition for p in revoked))
 
@@ -603,6 +693,8 @@ class QueuePrimary:
             if part is not None:
                 part.revoked = True
         self.partitions_released([tp.partition for tp in partitions])
+        self.assigned = False
+        self._gauges = {p: g for p, g in self._gauges.items() if p in self._partitions}
         log.warning("queue %s: lost partitions %s", self.queue_id, sorted(tp.partition for tp in partitions))
 
     # --- memory bound and status -----------------------------------------------------------
@@ -627,9 +719,11 @@ class QueuePrimary:
         state = self.desired.value.lower()
         now_ms = int(time.time() * 1000)
         threshold = self.alert_threshold_ms()
+        gauges: dict[int, tuple[int, float]] = {}
         for part in self._partitions.values():
             b = part.batcher
             self._check_alert(part, now_ms, threshold)
+            gauges[part.tp.partition] = self._gauge_values(part, now_ms)
             record = {
                 "kind": self.kind,
                 "queue_id": self.queue_id,
@@ -649,7 +743,24 @@ class QueuePrimary:
             }
             key = f"{self.kind}/{self.queue_id}/{part.tp.partition}".encode()
             self._producer.produce(self.status_topic, self._codec.encode("QueueStatus", record), key)
+        self._gauges = gauges
         self._producer.poll(0)
+
+    def _gauge_values(self, part: QueuePartition, now_ms: int) -> tuple[int, float]:
+        """(queue size, oldest waiting event's age in s) of a partition: the size is the
+        end offset the consumer last fetched minus the queue head, which counts
+        what is still in Kafka and not read yet."""
+        oldest = part.batcher.oldest()
+        age_s = max(0, now_ms - oldest.event.event_time) / 1000 if oldest is not None else 0.0
+        waiting = part.batcher.waiting + sum(len(b.events) for b in part.batcher.out)
+        consumer = self._consumer
+        if consumer is None or part.head < 0:
+            return waiting, age_s
+        try:
+            high = int(consumer.get_watermark_offsets(part.tp, cached=True)[1])
+        except (KafkaException, RuntimeError):
+            return waiting, age_s
+        return (max(waiting, high - part.head) if high >= 0 else waiting), age_s
 
 
     alert_repeat_s = 30.0
@@ -664,14 +775,20 @@ class QueuePrimary:
             now = time.monotonic()
             if part.alerting_since == 0.0 or now - part.alerting_since >= self.alert_repeat_s:
                 part.alerting_since = now
-                self.stats["alerts"] = self.stats.get("alerts", 0) + 1
+                self.stats["alerts"] += 1
+                waiting = part.batcher.waiting + sum(len(b.events) for b in part.batcher.out)
                 log.warning("ALERT %s %s[%d]: the oldest event waiting is %d ms old (alert_threshold_ms %d); "
-                            "%d events wait", self.kind, self.queue_id, part.tp.partition, age, threshold,
-                            part.batcher.waiting + sum(len(b.events) for b in part.batcher.out))
+                            "%d events wait", self.kind, self.queue_id, part.tp.partition, age, threshold, waiting,
+                            extra={"alert": "alert_threshold", "queue_kind": self.kind, "queue_id": self.queue_id,
+                                   "partition": part.tp.partition, "oldest_age_ms": age,
+                                   "alert_threshold_ms": threshold, "waiting": waiting})
         elif part.alerting_since:
             part.alerting_since = 0.0
             log.warning("alert over: %s %s[%d]: no waiting event is older than %d ms", self.kind, self.queue_id,
-                        part.tp.partition, threshold)
+                        part.tp.partition, threshold,
+                        extra={"alert": "alert_threshold", "alert_over": True, "queue_kind": self.kind,
+                               "queue_id": self.queue_id, "partition": part.tp.partition,
+                               "alert_threshold_ms": threshold})
 
 
 class _StopWhen(stop_base):

@@ -1,29 +1,68 @@
-"""What every service command shares: the site-file options, logging, the site file itself."""
+"""What every service command shares: the site-file options, logging, the site file itself,
+telemetry, and the health and metrics server (core/health.py)."""
 
 from __future__ import annotations
 
 import argparse
 import faulthandler
-import logging
+import os
 import signal
 import sys
 from typing import Any, Callable
 
+from . import telemetry
 from .config import SiteConfig, load_config
 from .errors import ConfigError, InvalidRequest, SluiceError
+from .health import HealthServer
 
 
 def add_site_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-c", "--config", required=True, help="site configuration file (YAML or TOML)")
     parser.add_argument("--bootstrap", help="override kafka.bootstrap_servers")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    telemetry.add_options(parser)
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    # One line per HTTP request between services (receiver → region service) drowns what matters.
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+def setup_logging(level: str, fmt: str = "text") -> None:
+    telemetry.setup_logging(level, fmt)
+
+
+def telemetry_options(command: str, args: argparse.Namespace) -> tuple[str, int | None] | None:
+    """The log format and the health port from the flags and environment; None (after
+    saying why on stderr) when either is malformed."""
+    try:
+        return telemetry.log_format(args.log_format), telemetry.metrics_port(args.metrics_port)
+    except ValueError as exc:
+        print(f"sluice {command}: {exc}", file=sys.stderr)
+        return None
+
+
+def install_telemetry(command: str, cfg: SiteConfig) -> None:
+    """The process's meter and tracer providers, before the service is built (it
+    asks whether spans are exported as it is built)."""
+    telemetry.install(command, site=cfg.site, dsid=cfg.dsid)
+
+
+def serve_health(command: str, service: Any, cfg: SiteConfig, port: int | None) -> HealthServer | None:
+    """Serve /healthz, /readyz and /metrics on ``port`` (None: no server).  The chosen
+    port is logged and printed on stdout as ``metrics on URL``, before the service's
+    banner (ServiceProcess reads it).  Raises OSError when the port cannot be bound."""
+    installed = telemetry.install(command, site=cfg.site, dsid=cfg.dsid)
+    if port is None:
+        return None
+    host = os.environ.get(telemetry.METRICS_HOST_ENV) or "0.0.0.0"
+    server = HealthServer(service, port, host, registry=installed.registry).start()
+    print(f"metrics on {server.url}", flush=True)
+    return server
+
+
+def stop_telemetry(server: HealthServer | None) -> None:
+    """At exit: stop the health server, flush the spans and metrics not yet exported."""
+    if server is not None:
+        server.stop()
+    installed = telemetry.installed()
+    if installed is not None:
+        installed.shutdown()
 
 
 def load_site(args: argparse.Namespace) -> SiteConfig:
@@ -38,15 +77,39 @@ def run_loop_service(command: str, args: argparse.Namespace, build: Callable[[Si
                      banner: Callable[[Any, SiteConfig], str]) -> int:
     """Start a loop service (``start()``, ``run()``, ``stop()``), announce it with one line on
     stdout, and run it until SIGTERM or Ctrl-C.  Exit status: 0 stopped, 1 crashed or could not
-    start, 2 bad configuration."""
-    setup_logging(args.log_level)
+    start, 2 bad configuration.
+
+    /healthz, /readyz and /metrics are served (``serve_health``) from before
+    ``start()``, so probes see a starting service as alive and not ready."""
+    options = telemetry_options(command, args)
+    if options is None:
+        return 2
+    fmt, port = options
+    setup_logging(args.log_level, fmt)
     try:
         cfg = load_site(args)
+        install_telemetry(command, cfg)
         service = build(cfg)
-        service.start()
     except (ConfigError, InvalidRequest) as exc:
         print(f"sluice {command}: {exc}", file=sys.stderr)
         return 2
+    except SluiceError as exc:
+        print(f"sluice {command}: cannot start: {exc}", file=sys.stderr)
+        return 1
+    try:
+        health = serve_health(command, service, cfg, port)
+    except OSError as exc:
+        print(f"sluice {command}: cannot serve /metrics on port {port}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _run_started(command, service, cfg, banner)
+    finally:
+        stop_telemetry(health)
+
+
+def _run_started(command: str, service: Any, cfg: SiteConfig, banner: Callable[[Any, SiteConfig], str]) -> int:
+    try:
+        service.start()
     except SluiceError as exc:
         print(f"sluice {command}: cannot start: {exc}", file=sys.stderr)
         return 1

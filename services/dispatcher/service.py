@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from typing import Any, Callable
 
+from opentelemetry.trace import SpanKind, StatusCode
+
+from ..core import telemetry
 from ..core.asyncevent import AsyncEvent, load_listener_class
 from ..core.batching import Batch
 from ..core.config import SiteConfig
 from ..core.errors import SluiceError
-from ..core.queueloop import DesiredState, QueuePartition, QueuePrimary, ServiceState
+from ..core.queueloop import DesiredState, QueuePartition, QueuePrimary, ServiceState, event_traceparent
 
 log = logging.getLogger("sluice.dispatcher")
 
@@ -50,6 +54,7 @@ class DispatcherService(QueuePrimary):
         self._listeners: list[Any] = []
         self._listeners_lock = threading.Lock()
         self._local = threading.local()
+        self._listener_duration = telemetry.histogram(telemetry.LISTENER_DURATION)
 
     def prepare(self) -> None:
         probe = self._listener_factory()
@@ -61,7 +66,32 @@ class DispatcherService(QueuePrimary):
             close()
 
     def deliver(self, part: QueuePartition, batch: Batch[AsyncEvent]) -> bool:
-        return bool(self._listener().process_events(batch.events))
+        listener = self._listener()
+        spans = self._listener_spans(part, batch) if self._tracing else []
+        began = time.monotonic()
+        try:
+            accepted = bool(listener.process_events(batch.events))
+        except Exception as exc:
+            for span in spans:
+                span.record_exception(exc)
+                span.set_status(StatusCode.ERROR, str(exc))
+            raise
+        finally:
+            self._listener_duration.record(time.monotonic() - began, self.attributes())
+            for span in spans:
+                span.end()
+        for span in spans:
+            span.set_attribute("sluice.batch.accepted", accepted)
+        return accepted
+
+    def _listener_spans(self, part: QueuePartition, batch: Batch[AsyncEvent]) -> list[Any]:
+        """A ``listener.process_events`` span in each trace the batch's events belong to."""
+        attributes = {**self.attributes(part.tp.partition), "messaging.operation.name": "process",
+                      "messaging.batch.message_count": len(batch.events), "sluice.batch.id": batch.batch_id,
+                      "sluice.listener": type(self._listener()).__name__}
+        traces = dict.fromkeys(tp for tp in map(event_traceparent, batch.events) if tp is not None)
+        return [telemetry.start_span("listener.process_events", parent=tp, kind=SpanKind.CONSUMER,
+                                     attributes=attributes) for tp in traces]
 
     def on_stopped(self) -> None:
         self._close_listeners()

@@ -41,12 +41,16 @@ import queue
 import threading
 import time
 import uuid
+import weakref
 from collections import defaultdict
-from typing import Any
+from typing import Any, Callable
 
 from tenacity import Retrying, retry_if_exception_type, wait_exponential
 
 from ..client.region import RegionClient, RegionError
+from opentelemetry.trace import SpanKind
+
+from ..core import telemetry
 from ..core.codec import get_codec
 from ..core.config import SiteConfig
 from ..region.directory import live_urls, read_instances
@@ -172,6 +176,45 @@ class ReceiverService:
         self.stats = {"batches": 0, "duplicate_batches": 0, "rejected_batches": 0, "bad_signatures": 0,
                       "events_applied": 0, "events_duplicate": 0, "conflicts": 0, "exceptions": 0,
                       "dead_lettered": 0}
+        #: The group has given this member its assignment (possibly none) and it was not lost since.
+        self.assigned = False
+        self._instrument()
+        #: Spans are exported: a span per received event that came with a trace context.
+        self._tracing = telemetry.tracing()
+
+    # --- health and metrics ------------------------------------------------------
+
+    def readiness(self) -> dict[str, str]:
+        """What is not ready (empty when ready), for /readyz: the group's assignment, with
+        the batch tracking rebuilt from this site's acks."""
+        if not self.assigned:
+            return {"kafka": f"no assignment from consumer group {self.group_id} yet (joining, or lost)"}
+        return {}
+
+    def _instrument(self) -> None:
+        telemetry.observe(telemetry.EVENTS_APPLIED, self._read_stats("events_applied"))
+        telemetry.observe(telemetry.DUPLICATES_DISCARDED, self._read_duplicates)
+        telemetry.observe(telemetry.CONFLICTS_RESOLVED, self._read_stats("conflicts"))
+        telemetry.observe(telemetry.DEAD_LETTERED, self._read_stats("dead_lettered"))
+        telemetry.observe(telemetry.BATCHES_REJECTED, self._read_stats("rejected_batches", "bad_signatures"))
+        telemetry.observe(telemetry.BATCHES_ACKNOWLEDGED, self._read_stats("batches", "duplicate_batches"))
+
+    def _attributes(self, **more: Any) -> dict[str, Any]:
+        return {**telemetry.base_attributes(self.cfg.site), "sluice.component": "receiver",
+                "messaging.destination.name": self.inbound, "messaging.consumer.group.name": self.group_id, **more}
+
+    def _read_stats(self, *names: str) -> Callable[[], telemetry.Reading]:
+        """A metric reader (the sum of ``names``) holding this service weakly."""
+        ref = weakref.ref(self)
+
+        def read() -> telemetry.Reading:
+            receiver = ref()
+            return [] if receiver is None else [(sum(receiver.stats[n] for n in names), receiver._attributes())]
+        return read
+
+    def _read_duplicates(self) -> telemetry.Reading:
+        return [(self.stats["events_duplicate"], self._attributes(**{"sluice.duplicate.of": "event"})),
+                (self.stats["duplicate_batches"], self._attributes(**{"sluice.duplicate.of": "batch"}))]
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -193,7 +236,7 @@ class ReceiverService:
         consumer = self._consumer
         assert consumer is not None
         consumer.subscribe([self.inbound], on_assign=self._on_assign, on_revoke=self._on_revoke,
-                           on_lost=self._on_revoke)
+                           on_lost=self._on_lost)
         next_status = time.monotonic()
         try:
             while not self._stopping.is_set():
@@ -259,6 +302,10 @@ class ReceiverService:
                 lane.close()
         self._commit_done(consumer, asynchronous=False)
 
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self.assigned = False
+        self._on_revoke(consumer, partitions)
+
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         consumer.assign(partitions)
         # librdkafka keeps a partition's pause across a rebalance: one paused
@@ -285,6 +332,7 @@ class ReceiverService:
             self._lanes[tp.partition] = _Lane(tp.partition, self)
         log.info("receiver %s: inbound partitions %s, %d sender partitions tracked", self.member_id,
                  sorted(tp.partition for tp in partitions), len(self._last_batch))
+        self.assigned = True
 
     def _read_acks(self, partitions: list[TopicPartition]) -> None:
         reader = make_consumer(self.cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 10})
@@ -341,11 +389,39 @@ class ReceiverService:
             self._commit(msg)
             return
         events = [EntryEvent.from_record(e) for e in batch["events"]]
-        exceptions, last_applied = self._apply(events, stop)
+        traces, spans = self._receive_spans(msg, batch, len(events))
+        try:
+            exceptions, last_applied = self._apply(events, stop, traces)
+        finally:
+            for span in spans:
+                span.end()
         self._ack(msg, key, batch, last_applied=last_applied, exceptions=exceptions, duplicate=False, stop=stop)
         self._last_batch[key] = batch["batch_id"]
         self._count("batches")
         self._commit(msg)
+
+    def _receive_spans(self, msg: Message, batch: dict[str, Any], count: int) -> tuple[list[str | None], list[Any]]:
+        """Each event's trace context from the batch's header (None for one without),
+        and, with tracing on, a ``gateway.receive`` span for each, whose context
+        then goes with its event to the region service."""
+        raw = telemetry.header(msg.headers(), telemetry.BATCH_TRACEPARENTS)
+        if raw is None:
+            return [None] * count, []
+        lines = raw.decode("ascii", "replace").split("\n")
+        traces: list[str | None] = [(lines[i] or None) if i < len(lines) else None for i in range(count)]
+        if not self._tracing:
+            return traces, []  # passed on as they came
+        attributes = {**self._attributes(), "messaging.operation.name": "process",
+                      "messaging.destination.partition.id": str(msg.partition()),
+                      "sluice.batch.id": batch["batch_id"], "sluice.source.dsid": batch["source_dsid"]}
+        spans = []
+        for i, parent in enumerate(traces):
+            if parent is not None:
+                span = telemetry.start_span("gateway.receive", parent=parent, kind=SpanKind.CONSUMER,
+                                            attributes=attributes)
+                spans.append(span)
+                traces[i] = telemetry.traceparent_of(span)
+        return traces, spans
 
     def _rejection(self, batch: dict[str, Any]) -> tuple[str, str] | None:
         """(error class, reason) when the batch must not be applied here."""
@@ -376,8 +452,10 @@ class ReceiverService:
             return "EntryTooLarge", f"value of {len(event.value)} bytes > value_max_bytes {region.value_max_bytes}"
         return None
 
-    def _apply(self, events: list[EntryEvent], stop: threading.Event) -> tuple[list[dict[str, Any]], int]:
-        """Apply what can be applied; (per-event exceptions, index of the last applied event)."""
+    def _apply(self, events: list[EntryEvent], stop: threading.Event,
+               traces: list[str | None]) -> tuple[list[dict[str, Any]], int]:
+        """Apply what can be applied; (per-event exceptions, index of the last applied event).
+        ``traces``: each event's trace context, passed on to the region service."""
         exceptions: list[dict[str, Any]] = []
         by_region: dict[str, list[tuple[int, EntryEvent]]] = defaultdict(list)
         for i, event in enumerate(events):
@@ -389,7 +467,9 @@ class ReceiverService:
             by_region[event.region].append((i, event))
         applied: set[int] = set()
         for region, items in by_region.items():
-            answer = self._apply_region(region, [e for _, e in items], stop)
+            contexts = [traces[i] for i, _ in items]
+            answer = self._apply_region(region, [e for _, e in items], stop,
+                                        contexts if any(contexts) else None)
             for (i, event), outcome in zip(items, answer["outcomes"]):
                 status = outcome["status"]
                 if status == "error":
@@ -406,7 +486,8 @@ class ReceiverService:
             log.warning("event %d refused: %s: %s", e["index"], e["exception_class"], e["message"])
         return sorted(exceptions, key=lambda e: e["index"]), max(applied, default=-1)
 
-    def _apply_region(self, region: str, events: list[EntryEvent], stop: threading.Event) -> dict[str, Any]:
+    def _apply_region(self, region: str, events: list[EntryEvent], stop: threading.Event,
+                      traces: list[str | None] | None = None) -> dict[str, Any]:
         """Retried here until the region service answers: nothing is acknowledged before that.
 
         ``RegionClient`` retries transient failures for its own ``retry_for_s``
@@ -427,7 +508,7 @@ class ReceiverService:
             with attempt:
                 if stop.is_set():
                     raise _Stopping
-                answer = self._region_client().apply_remote(region, events, outcomes="all")
+                answer = self._region_client().apply_remote(region, events, outcomes="all", traces=traces)
                 return answer
         raise AssertionError("unreachable")  # pragma: no cover
 

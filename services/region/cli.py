@@ -5,13 +5,23 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import signal
+import socket
 import sys
 import threading
 from typing import Any
 
 import uvicorn
 
-from ..core.servicecli import add_site_options, load_site, setup_logging
+from ..core.config import SiteConfig
+from ..core.servicecli import (
+    add_site_options,
+    install_telemetry,
+    load_site,
+    serve_health,
+    setup_logging,
+    stop_telemetry,
+    telemetry_options,
+)
 from ..core.errors import ConfigError, SluiceError
 from .http import create_app
 from .service import RegionService, ServiceState
@@ -45,20 +55,38 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level)
+    options = telemetry_options("region", args)
+    if options is None:
+        return 2
+    fmt, metrics_port = options
+    setup_logging(args.log_level, fmt)
     try:
         cfg = load_site(args)
     except ConfigError as exc:
         print(f"sluice region: {exc}", file=sys.stderr)
         return 2
+    install_telemetry("region", cfg)
     service = RegionService(cfg, host=args.host, port=args.port)
     try:
         sock = service.bind()
     except OSError as exc:
         print(f"sluice region: cannot listen on {service.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
+    try:
+        health = serve_health("region", service, cfg, metrics_port)
+    except OSError as exc:
+        print(f"sluice region: cannot serve /metrics on port {metrics_port}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _serve(service, sock, cfg)
+    finally:
+        stop_telemetry(health)
+
+
+def _serve(service: RegionService, sock: socket.socket, cfg: SiteConfig) -> int:
+    # log_config=None: uvicorn's loggers go through the root handler, in text or JSON as the others.
     server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning", access_log=False,
-                                           lifespan="off", timeout_graceful_shutdown=5))
+                                           lifespan="off", timeout_graceful_shutdown=5, log_config=None))
 
     def on_signal(signum: int, _frame: Any) -> None:
         server.should_exit = True

@@ -109,6 +109,9 @@ class Operation:
     #: put_all / remove_all for a region whose gateway senders group
     #: transaction events: the id its events carry (see ``submit``).
     transaction: str | None = None
+    #: Kafka headers for the event's changelog and queue records (its W3C
+    #: ``traceparent``); None when tracing is off.
+    trace: list[tuple[str, bytes]] | None = None
 
 
 @dataclass(slots=True)
@@ -313,6 +316,7 @@ class RegionEngine:
         pending.add(1)  # held until every op is produced, so it cannot fire early
         now_ms = int(time.time() * 1000)
         grouped: list[tuple[OpResult, OwnedBucket, str]] = []
+        group_trace: list[tuple[str, bytes]] | None = None
         with self._lock:
             for op, result in zip(ops, results):
                 bucket = op.bucket if op.bucket >= 0 else self.bucket_of(op.region, op.key)
@@ -375,19 +379,21 @@ class RegionEngine:
                 ob.inflight[event_id] = pending
                 self.stats["applied"] += 1
                 if op.transaction is None:
-                    self._writer.write(outcome, pending, ob.progress)
+                    self._writer.write(outcome, pending, ob.progress, op.trace)
                 else:
                     grouped.append((result, ob, op.transaction))
+                    group_trace = op.trace  # one put_all / remove_all request: one trace
             if grouped:
-                self._write_grouped(grouped, pending)
+                self._write_grouped(grouped, pending, group_trace)
         pending.arm()
         pending.done()
 
-    def _write_grouped(self, grouped: list[tuple[OpResult, OwnedBucket, str]], pending: Pending) -> None:
+    def _write_grouped(self, grouped: list[tuple[OpResult, OwnedBucket, str]], pending: Pending,
+                       trace: list[tuple[str, bytes]] | None = None) -> None:
         """The events of one put_all / remove_all, marked with its transaction
         id, the last of each bucket flagged: contiguous in each changelog and
         queue partition (written under the lock), so a sender can keep them in
-        one batch.  Called with the lock held."""
+        one batch.  Called with the lock held.  ``trace``: the request's trace headers."""
         last_of_bucket = {(r.event.region, r.event.bucket): i for i, (r, _, _) in enumerate(grouped)
                           if r.event is not None}
         for i, (result, ob, tx) in enumerate(grouped):
@@ -395,7 +401,7 @@ class RegionEngine:
             assert event is not None
             event = replace(event, transaction=(tx, last_of_bucket[(event.region, event.bucket)] == i))
             result.event = event
-            self._writer.write(event, pending, ob.progress)
+            self._writer.write(event, pending, ob.progress, trace)
 
     def read(self, region: str, bucket: int) -> BucketState:
         """The state of a READY bucket (callers read under ``read_lock``)."""

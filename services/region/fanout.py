@@ -221,8 +221,10 @@ class FanoutWriter:
                 del self._unreported[where]
                 self._reported.notify_all()
 
-    def write(self, event: EntryEvent, pending: Pending, progress: BucketProgress) -> None:
-        """Step 1: the changelog record.  Called in bucket order by the owner."""
+    def write(self, event: EntryEvent, pending: Pending, progress: BucketProgress,
+              headers: list[tuple[str, bytes]] | None = None) -> None:
+        """Step 1: the changelog record.  Called in bucket order by the owner.
+        ``headers`` (the event's trace context) go on the changelog and queue records."""
         key_bytes = event.key.encode("utf-8")
         value = self._entry_fp + entry_event_body(event)
         targets = [t for t in self._targets.get(event.region, ()) if t.accepts(event.operation)]
@@ -239,12 +241,13 @@ class FanoutWriter:
                 self._on_bucket_failure(event.region, event.bucket, failure)
                 return
             pending.done()
-            self._fan_out(event, key_bytes, value, msg.offset(), targets, pending, progress)
+            self._fan_out(event, key_bytes, value, msg.offset(), targets, pending, progress, headers)
 
         with self._reported:
             self._unreported[where] += 1
         try:
-            self._produce(self._changelog_topics[event.region], key_bytes, value, event.bucket, on_changelog)
+            self._produce(self._changelog_topics[event.region], key_bytes, value, event.bucket, on_changelog,
+                          headers)
         except BaseException:
             self._changelog_reported(where)
             raise
@@ -267,6 +270,7 @@ class FanoutWriter:
         targets: list[QueueTarget],
         pending: Pending,
         progress: BucketProgress,
+        headers: list[tuple[str, bytes]] | None = None,
     ) -> None:
         """Step 2: the queue records of one durable changelog record."""
         slot = progress.opened(offset, len(targets))
@@ -299,12 +303,16 @@ class FanoutWriter:
                 own_tail = tail if queued is event else (
                     _varint(event.bucket) + _varint(offset) + _varint(now_ms) + entry_event_body(queued))
                 value = self._queued_fp + self._queue_id_bytes[target.id] + own_tail
-            self._produce(target.topic, key_bytes, value, partition, on_queue)
+            self._produce(target.topic, key_bytes, value, partition, on_queue, headers)
 
-    def _produce(self, topic: str, key: bytes, value: bytes, partition: int, cb: Any) -> None:
+    def _produce(self, topic: str, key: bytes, value: bytes, partition: int, cb: Any,
+                 headers: list[tuple[str, bytes]] | None = None) -> None:
         while True:
             try:
-                self._producer.produce(topic, value, key, partition=partition, on_delivery=cb)
+                if headers is None:
+                    self._producer.produce(topic, value, key, partition=partition, on_delivery=cb)
+                else:
+                    self._producer.produce(topic, value, key, partition=partition, on_delivery=cb, headers=headers)
                 return
             except BufferError:
                 # Back-pressure: the local queue is full.  Serve delivery

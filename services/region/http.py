@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..core.errors import InvalidRequest, SluiceError
+from ..core.telemetry import TRACEPARENT
 from ..core.events import EventID, goes_to_gateway
 from .engine import Operation
 from ..core.remotewire import decode_remote
@@ -70,6 +71,8 @@ class RemoteBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     events: list[str] = Field(min_length=1, max_length=10_000)
+    #: Each event's W3C trace context (or null), when the sending site traced it.
+    traceparents: list[str | None] | None = None
 
 
 class ClearBody(BaseModel):
@@ -126,6 +129,10 @@ def _bulk(outcomes: list[Outcome], detail: str = "exceptions") -> JSONResponse:
     return ORJSONResponse(body, status_code=status)
 
 
+#: Requests FastAPI's telemetry leaves out: the probes and the status polls.
+UNTRACED_PATHS = frozenset({"/healthz", "/readyz", "/stats", "/buckets"})
+
+
 def create_app(service: RegionService) -> FastAPI:
     names = [r.name for r in service.cfg.regions]
     # Every route's {region}: documented with this site's regions as examples;
@@ -137,6 +144,9 @@ def create_app(service: RegionService) -> FastAPI:
         description=__doc__,
         openapi_tags=[{"name": "entries"}, {"name": "bulk"}, {"name": "gateway"}, {"name": "operations"},
                       {"name": "internal"}],
+        # FastAPI's own OpenTelemetry spans and HTTP metrics, through this process's providers
+        # (core/telemetry.py): one server span a request, none for the probes.
+        telemetry={"operation_spans": False, "exclude": lambda scope: scope.get("path") in UNTRACED_PATHS},
     )
 
     @app.middleware("http")
@@ -338,7 +348,9 @@ def create_app(service: RegionService) -> FastAPI:
                 raise InvalidRequest(f"events[{i}].origin_dsid", event.origin_dsid,
                                      f"an event of this site (dsid {service.cfg.dsid}) cannot come back to it")
             service.check_key(region, event.key, f"events[{i}].key")
-            ops.append(Operation(Op.REMOTE, region, event.key, remote=event))
+            traceparent = body.traceparents[i] if body.traceparents and i < len(body.traceparents) else None
+            ops.append(Operation(Op.REMOTE, region, event.key, remote=event,
+                                 trace=[(TRACEPARENT, traceparent.encode())] if traceparent else None))
         return _bulk(await service.execute(ops, forwarded(request)), outcomes)
 
     # --- operations ------------------------------------------------------------------

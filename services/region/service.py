@@ -28,13 +28,15 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 import orjson
+from opentelemetry.trace import SpanKind
 
-from ..core import jsonvalue
+from ..core import jsonvalue, telemetry
 from ..core.codec import get_codec
 from ..core.remotewire import decode_remote, encode_remote
 from ..core.config import SiteConfig
@@ -233,7 +235,26 @@ class RegionService:
         self._directory_thread = threading.Thread(target=self._directory_loop, name="region-directory", daemon=True)
         self._directory_thread.start()
         self.state = ServiceState.RUNNING
+        self._instrument()
         log.info("region service %s listening on %s", self.instance_id, self.url)
+
+    def _instrument(self) -> None:
+        for name, stat in ((telemetry.EVENTS_APPLIED, "applied"), (telemetry.DUPLICATES_DISCARDED, "duplicates"),
+                           (telemetry.CONFLICTS_RESOLVED, "conflicts_lost")):
+            telemetry.observe(name, self._read_engine(stat))
+
+    def _read_engine(self, stat: str) -> Callable[[], telemetry.Reading]:
+        """A metric reader of the engine's counter ``stat``, holding this service weakly."""
+        ref = weakref.ref(self)
+
+        def read() -> telemetry.Reading:
+            service = ref()
+            if service is None or service.engine is None:
+                return []
+            return [(service.engine.stats.get(stat, 0),
+                     {**telemetry.base_attributes(service.cfg.site), "sluice.component": "region",
+                      "messaging.consumer.group.name": service.group_id})]
+        return read
 
     def _check_topics(self) -> None:
         """Refuse to start without the topics (and partition counts) the site implies."""
@@ -300,6 +321,18 @@ class RegionService:
             return False
         return all(status == "ready" for buckets in self.engine.owned_buckets().values() for _, status in buckets)
 
+    def readiness(self) -> dict[str, str]:
+        """What keeps this instance from serving (empty when ready), for /readyz."""
+        if self.engine is None:
+            return {"engine": "not started"}
+        if not self.engine.assigned_once.is_set():
+            return {"kafka": f"no buckets assigned yet by consumer group {self.group_id}"}
+        loading = [f"{region}[{bucket}]" for region, buckets in self.engine.owned_buckets().items()
+                   for bucket, status in buckets if status != "ready"]
+        if loading:
+            return {"buckets": f"{len(loading)} bucket(s) still loading: {', '.join(loading[:10])}"}
+        return {}
+
     # --- request handling -----------------------------------------------------
 
     def region_config(self, region: str) -> Any:
@@ -345,7 +378,47 @@ class RegionService:
         return self._http
 
     async def execute(self, ops: list[Operation], forwarded: bool) -> list[Outcome]:
-        """Apply ``ops`` wherever their buckets are owned; one outcome per op, in order."""
+        """Apply ``ops`` wherever their buckets are owned; one outcome per op, in order.
+
+        With tracing on, the request is a span (``region.put`` ...) and each event
+        another site applied is a span ``region.apply_remote``, child of the
+        trace it came with; each op carries its span's ``traceparent``, which the
+        engine writes as a header of its changelog and queue records."""
+        if forwarded or not telemetry.tracing():
+            return await self._execute(ops, forwarded)
+        spans = self._start_spans(ops)
+        try:
+            outcomes = await self._execute(ops, forwarded)
+        finally:
+            for span in spans:
+                span.end()
+        return outcomes
+
+    def _start_spans(self, ops: list[Operation]) -> list[Any]:
+        attributes = {"sluice.site": self.cfg.site, "sluice.region": ops[0].region if ops else "",
+                      "sluice.instance": self.instance_id}
+        spans = []
+        local: Any = None
+        for op in ops:
+            # An event another site applied, with the trace it came in: a span in that trace.
+            parent = telemetry.header(op.trace, telemetry.TRACEPARENT) if op.op is Op.REMOTE else None
+            if parent is not None:
+                span = telemetry.start_span("region.apply_remote", parent=parent, kind=SpanKind.SERVER,
+                                            attributes={**attributes, "sluice.key": op.key})
+                spans.append(span)
+            else:
+                if local is None:
+                    name = "region.apply_remote" if op.op is Op.REMOTE else f"region.{op.op.value}"
+                    # Inside FastAPI's server span of the request.
+                    local = telemetry.start_span(name, kind=SpanKind.INTERNAL,
+                                                 attributes={**attributes, "sluice.operations": len(ops)})
+                    spans.append(local)
+                span = local
+            traceparent = telemetry.traceparent_of(span)
+            op.trace = None if traceparent is None else [(telemetry.TRACEPARENT, traceparent.encode())]
+        return spans
+
+    async def _execute(self, ops: list[Operation], forwarded: bool) -> list[Outcome]:
         outcomes: list[Outcome | None] = [None] * len(ops)
         todo = list(range(len(ops)))
         deadline = time.monotonic() + self.request_timeout_s
@@ -583,6 +656,7 @@ def _op_to_json(op: Operation) -> dict[str, Any]:
         "remote": None if op.remote is None else encode_remote(op.remote),
         "transaction": op.transaction,
         "bucket": op.bucket,
+        "traceparent": (telemetry.header(op.trace, telemetry.TRACEPARENT) or b"").decode() or None,
     }
 
 
@@ -600,6 +674,7 @@ def op_from_json(d: dict[str, Any]) -> Operation:
         remote=None if remote is None else decode_remote(remote),
         transaction=d.get("transaction"),
         bucket=int(d.get("bucket", -1)),
+        trace=[(telemetry.TRACEPARENT, d["traceparent"].encode())] if d.get("traceparent") else None,
     )
 
 

@@ -41,6 +41,9 @@ import time
 import uuid
 from typing import Any
 
+from opentelemetry.trace import SpanKind, StatusCode
+
+from ..core import telemetry
 from ..core.asyncevent import AsyncEvent
 from ..core.batching import Batch
 from ..core.config import SiteConfig
@@ -59,7 +62,7 @@ from ..core.kafka import (
 )
 from ..core.gatewayfilters import SenderFilters
 from ..core.signing import sign
-from ..core.queueloop import DesiredState, QueuePartition, QueuePrimary, ServiceState
+from ..core.queueloop import DesiredState, QueuePartition, QueuePrimary, ServiceState, event_traceparent
 from ..core.topics import TopicNames
 
 log = logging.getLogger("sluice.sender")
@@ -348,15 +351,21 @@ class GatewaySenderService(QueuePrimary):
         if self._signing_key is not None:
             record["signature"] = sign(self._codec, self._signing_key, record)
         inbound_partition = self._inbound_partition(partition)
+        spans, headers = self._send_spans(part, batch, events) if self._tracing else ([], None)
         entry = _InFlight()
         with self._acked:
             self._in_flight[(partition, batch.batch_id)] = entry
         errors: list[Any] = []
         # Built from typed events: encoded without the validation pass.
         self._remote_producer.produce(self.remote_inbound, self._codec.encode("GatewayBatch", record, validate=False),
-                                      key.encode(), partition=inbound_partition,
+                                      key.encode(), partition=inbound_partition, headers=headers,
                                       on_delivery=lambda err, _m: errors.append(err))
-        if self._remote_producer.flush(self.cfg.kafka.delivery_timeout_ms / 1000) or errors != [None]:
+        unwritten = self._remote_producer.flush(self.cfg.kafka.delivery_timeout_ms / 1000) or errors != [None]
+        for span in spans:
+            if unwritten:
+                span.set_status(StatusCode.ERROR, f"not written: {errors}")
+            span.end()
+        if unwritten:
             log.warning("sender %s[%d]: batch %d not written to dsid %d (%s)", self.queue_id, partition,
                         batch.batch_id, self.remote_dsid, errors)
             with self._acked:
@@ -370,6 +379,28 @@ class GatewaySenderService(QueuePrimary):
         if resend:
             self.stats["resends"] += 1
         return True
+
+    def _send_spans(self, part: QueuePartition, batch: Batch[AsyncEvent],
+                    events: list[AsyncEvent]) -> tuple[list[Any], list[tuple[str, bytes]] | None]:
+        """A ``gateway.send`` span per event that came with a trace context, and the
+        batch record's header carrying each event's context to the receiver (one
+        line per event, empty for an event without)."""
+        attributes = {**self.attributes(part.tp.partition), "messaging.operation.name": "send",
+                      "sluice.batch.id": batch.batch_id, "sluice.remote.destination": self.remote_inbound}
+        spans: list[Any] = []
+        lines: list[str] = []
+        for e in events:
+            parent = event_traceparent(e)
+            if parent is None:
+                lines.append("")
+                continue
+            span = telemetry.start_span("gateway.send", parent=parent, kind=SpanKind.PRODUCER,
+                                        attributes={**attributes, "sluice.key": e.key})
+            spans.append(span)
+            lines.append(telemetry.traceparent_of(span) or "")
+        if not spans:
+            return [], None
+        return spans, [(telemetry.BATCH_TRACEPARENTS, "\n".join(lines).encode())]
 
     def _await_ack(self, part: QueuePartition, batch: Batch[AsyncEvent], entry: _InFlight) -> bool:
         """Wait for the batch's ack, up to socket_read_timeout_ms after it was written."""
@@ -413,6 +444,17 @@ class GatewaySenderService(QueuePrimary):
 
     def alert_threshold_ms(self) -> int:
         return self.sender.alert_threshold_ms
+
+    # --- metrics -------------------------------------------------------------------------
+
+    def batch_counts(self) -> tuple[int, int, int]:
+        return self.stats["batches_sent"], self.stats["acks"], self.stats["resends"]
+
+    def dead_lettered_count(self) -> int:
+        return self.stats["dead_lettered"] + self.stats["event_exceptions"]
+
+    def attributes(self, partition: int | None = None) -> dict[str, Any]:
+        return {**super().attributes(partition), "sluice.remote.dsid": self.remote_dsid}
 
     def _dead_letter_exceptions(self, sent: list[AsyncEvent], ack: dict[str, Any]) -> None:
         """Failed events, with their exceptions, go to the dead-letter topic before the batch is removed."""

@@ -3,11 +3,35 @@ queue topic, and the interest a registry record holds."""
 
 from __future__ import annotations
 
+import hmac
 from typing import Any
 
 from ..client.interest import Registration, RegionInterest
 from ..core.config import SiteConfig
 from ..core.kafka import KafkaError, KafkaException, NewTopic, make_consumer, partition_for_key, read_to_end, translate
+
+
+#: The registry record header that carries a client's token: ``Bearer <token>``.
+AUTHORIZATION = "authorization"
+
+
+def configured_token(cfg: SiteConfig) -> str | None:
+    """``subscriptions.token`` of the site file, or None when registrations need none."""
+    token = cfg.subscriptions.token
+    return None if token is None else token.get_secret_value()
+
+
+def header_value(headers: list[tuple[str, bytes]] | None, name: str) -> bytes | None:
+    for key, value in headers or ():
+        if key == name:
+            return value
+    return None
+
+
+def authorized(headers: list[tuple[str, bytes]] | None, token: str) -> bool:
+    """The record carries ``authorization: Bearer <token>`` (compared in constant time)."""
+    given = header_value(headers, AUTHORIZATION)
+    return given is not None and hmac.compare_digest(given, f"Bearer {token}".encode())
 
 
 def registry_partition(client_id: str, partitions: int) -> int:
@@ -64,4 +88,5 @@ def read_latest(cfg: SiteConfig, topic: str, partition: int, key: str) -> bytes 
     return found
 
 
-__all__ = ["create_queue", "interest_of", "last_heard", "read_latest", "registry_partition"]
+__all__ = ["AUTHORIZATION", "authorized", "configured_token", "create_queue", "header_value", "interest_of",
+           "last_heard", "read_latest", "registry_partition"]

@@ -43,10 +43,12 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..client.interest import Delivery, RegionInterest
+from ..core import telemetry
 from ..core.codec import get_codec
 from ..core.config import SiteConfig
 from ..core.errors import CodecError, SluiceError
@@ -63,7 +65,16 @@ from ..core.kafka import (
     translate,
 )
 from ..core.lifecycle import ServiceState
-from .registry import create_queue, interest_of, last_heard, registry_partition
+from .registry import (
+    AUTHORIZATION,
+    authorized,
+    configured_token,
+    create_queue,
+    header_value,
+    interest_of,
+    last_heard,
+    registry_partition,
+)
 
 log = logging.getLogger("sluice.subscriptions")
 
@@ -110,8 +121,10 @@ class _Client:
 class SubscriptionService:
     """One subscription-service instance of a site."""
 
-    def __init__(self, cfg: SiteConfig, *, member_id: str | None = None) -> None:
+    def __init__(self, cfg: SiteConfig, *, member_id: str | None = None, token: str | None = None) -> None:
         self.cfg = cfg
+        #: When set, a registration is taken only with ``authorization: Bearer <token>`` (a record header).
+        self.token = token if token is not None else configured_token(cfg)
         self.sub = cfg.subscriptions
         self.member_id = member_id or f"{cfg.site}-subscriptions-{uuid.uuid4().hex[:8]}"
         names = cfg.topics
@@ -140,12 +153,48 @@ class SubscriptionService:
         self._missing_queues: set[str] = set()
         self._trimmed: dict[str, int] = {}
         self.stats = {"filled": 0, "registered": 0, "markers": 0, "unregistered": 0, "timed_out": 0,
-                      "undecodable": 0, "refills": 0, "takeovers": 0}
+                      "undecodable": 0, "refills": 0, "takeovers": 0, "refused": 0}
+        self._refusals_answered: set[tuple[str, str, int]] = set()  # (client, session, version)
         self._group: Consumer | None = None
         self._tables: Consumer | None = None
         self._changelog: Consumer | None = None
         self._producer: Any = None
         self._admin: Any = None
+        #: The group has given this member its assignment (possibly none) and it was not lost since.
+        self.assigned = False
+        self._instrument()
+
+    # --- health and metrics ----------------------------------------------------------------
+
+    def readiness(self) -> dict[str, str]:
+        """What is not ready (empty when ready), for /readyz: the group's assignment, and
+        the changelog positions of the clients taken over."""
+        if not self.assigned:
+            return {"kafka": f"no assignment from consumer group {self.group_id} yet (joining, or lost)"}
+        if self._reposition:
+            return {"clients": "positioning the changelogs for the clients taken over"}
+        return {}
+
+    def _instrument(self) -> None:
+        telemetry.observe(telemetry.CLIENTS, self._read(lambda service: len(service._clients)), gauge=True)
+        telemetry.observe(telemetry.EVENTS_DELIVERED, self._read(lambda service: service.stats["filled"]))
+        telemetry.observe(telemetry.FAILOVERS, self._read(lambda service: service.stats["takeovers"]))
+        telemetry.observe(telemetry.REGISTRATIONS_REFUSED, self._read(lambda service: service.stats["refused"]))
+        telemetry.observe(telemetry.ALERTS, self._read(lambda service: service.stats["timed_out"],
+                                                       **{"sluice.alert.name": "durable_client_timeout"}))
+
+    def _read(self, value: Callable[["SubscriptionService"], int], **more: Any) -> Callable[[], telemetry.Reading]:
+        """A metric reader holding this service weakly: a service gone stops being read."""
+        ref = weakref.ref(self)
+
+        def read() -> telemetry.Reading:
+            service = ref()
+            if service is None:
+                return []
+            return [(value(service), {**telemetry.base_attributes(service.cfg.site),
+                                      "sluice.component": "subscriptions",
+                                      "messaging.consumer.group.name": service.group_id, **more})]
+        return read
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -178,7 +227,7 @@ class SubscriptionService:
         group = self._group
         assert group is not None
         group.subscribe([self.registry_topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
-                        on_lost=self._on_revoke)
+                        on_lost=self._on_lost)
         next_sync = next_rules = time.monotonic()
         try:
             while not self._stopping.is_set():
@@ -227,6 +276,7 @@ class SubscriptionService:
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         consumer.assign(partitions)
         consumer.pause(partitions)  # membership only: the tables consumer reads the registry
+        self.assigned = True
         gained = {tp.partition for tp in partitions} - self.owned
         if not gained:
             return
@@ -247,6 +297,10 @@ class SubscriptionService:
         self._dirty = True  # the new clients are tended (queues, registrations) before anything is filled
         log.info("subscriptions %s: primary for registry partitions %s (%d clients)", self.member_id,
                  sorted(self.owned), len(self._clients))
+
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self.assigned = False
+        self._on_revoke(consumer, partitions)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         lost = {tp.partition for tp in partitions} & self.owned
@@ -347,7 +401,8 @@ class SubscriptionService:
                 msgs = self._tables.consume(1000, 0.05 if ends else 0)
                 for msg in msgs:
                     if msg.error() is None:
-                        self._table_record(msg.topic(), msg.partition(), msg.key(), msg.value())
+                        self._table_record(msg.topic(), msg.partition(), msg.key(), msg.value(),
+                                           msg.headers() if self.token is not None else None)
                 if ends:
                     for tp in self._tables.position([TopicPartition(t, p) for t, p in ends]):
                         if tp.offset >= ends[(tp.topic, tp.partition)]:
@@ -360,7 +415,8 @@ class SubscriptionService:
             if not ends and len(msgs) < 1000:
                 return
 
-    def _table_record(self, topic: str, partition: int, key: bytes | None, value: bytes | None) -> None:
+    def _table_record(self, topic: str, partition: int, key: bytes | None, value: bytes | None,
+                      headers: list[tuple[str, bytes]] | None = None) -> None:
         name = (key or b"").decode("utf-8", "replace")
         try:
             if topic == self.registry_topic:
@@ -369,6 +425,9 @@ class SubscriptionService:
                     self._clients.pop(name, None)
                     return
                 record = self._codec.decode_as("ClientRegistration", value)
+                if self.token is not None and not authorized(headers, self.token):
+                    self._refuse(partition, name, record, headers)
+                    return
                 self.registry[name] = record
                 if partition in self.owned:
                     self._dirty = True
@@ -389,6 +448,40 @@ class SubscriptionService:
         except CodecError as exc:
             self.stats["undecodable"] += 1
             log.error("subscriptions: %s[%d] key %r cannot be read and is skipped: %s", topic, partition, name, exc)
+
+    def _refuse(self, partition: int, name: str, record: dict[str, Any],
+                headers: list[tuple[str, bytes]] | None) -> None:
+        """A registration without the right token changes nothing; the primary of its partition
+        counts it, logs it and tells the client, on the client's own queue when it exists."""
+        if partition not in self.owned:
+            return
+        answer = (name, record["session"], record["version"])
+        if answer in self._refusals_answered:
+            return
+        self._refusals_answered.add(answer)
+        self.stats["refused"] += 1
+        given = header_value(headers, AUTHORIZATION)
+        reason = ("the subscription service requires a token and the registration carried none" if given is None
+                  else "the registration's token is not the subscription service's token")
+        log.warning("client %s: registration refused: %s", name, reason,
+                    extra={"refused": "registration", "client_id": name, "session": record["session"]})
+        topic = record["queue_topic"]
+        if not topic.startswith(self.cfg.topics.client_queue(name, "")) or not self._topic_exists(topic):
+            return  # never written to a topic the client does not own
+        assert self._producer is not None
+        self._producer.produce(topic, self._encode({"kind": "REFUSED", "session": record["session"],
+                                                    "version": record["version"],
+                                                    "reason": f"registration refused: {reason}"}),
+                               None, partition=0)
+        self._producer.poll(0)
+
+    def _topic_exists(self, topic: str) -> bool:
+        assert self._admin is not None
+        try:
+            found = self._admin.list_topics(topic, timeout=5).topics.get(topic)
+        except KafkaException:
+            return False
+        return found is not None and found.error is None
 
     # --- clients -------------------------------------------------------------------------------
 
@@ -425,7 +518,10 @@ class SubscriptionService:
                     log.warning("ALERT durable client %s timed out: away %.1f s, more than its "
                                 "durable-client-timeout of %d s; its queue (%s messages) is deleted and it is "
                                 "unregistered", client.id, away_s, record["durable_timeout_s"],
-                                "?" if size is None else size)
+                                "?" if size is None else size,
+                                extra={"alert": "durable_client_timeout", "client_id": client.id,
+                                       "away_s": round(away_s, 1), "durable_client_timeout_s":
+                                       record["durable_timeout_s"], "queue_size": size})
                     self._unregister(client, "durable-client-timeout")
                     continue
             if record["connected"] and client.answered != (record["session"], record["version"]):
@@ -547,6 +643,7 @@ class SubscriptionService:
         message.setdefault("event", None)
         message.setdefault("receive_values", True)
         message.setdefault("possible_duplicate", False)
+        message.setdefault("reason", "")
         message["filled_at"] = int(time.time() * 1000)
         return self._codec.encode("ClientMessage", message, validate=False)
 

@@ -299,13 +299,17 @@ class TwoSites:
         return [f"{s.label} (exit {s.proc.proc.poll()})" for s in self.services
                 if s.proc is not None and not s.ended_on_purpose and s.proc.proc.poll() is not None]
 
-    def stop(self) -> None:
+    def stop_services(self) -> None:
+        """SIGTERM every service process, side by side, and wait for them (idempotent)."""
         procs = list(self.processes())
         threads = [threading.Thread(target=p.stop, args=(15,)) for p in reversed(procs)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+
+    def stop(self) -> None:
+        self.stop_services()
         for broker in self.brokers.values():
             broker.stop()
 

@@ -97,9 +97,9 @@ def record_strategies(millis: st.SearchStrategy[int] = longs) -> dict[str, st.Se
              "keep_alive": st.booleans(), "ready": st.booleans(), "changed_at": millis}
         ),
         "ClientMessage": st.fixed_dictionaries(
-            {"kind": st.sampled_from(["EVENT", "REGISTERED", "MARKER", "UNKNOWN"]), "session": texts,
+            {"kind": st.sampled_from(["EVENT", "REGISTERED", "MARKER", "UNKNOWN", "REFUSED"]), "session": texts,
              "version": longs, "event": st.none() | entry_event, "receive_values": st.booleans(),
-             "possible_duplicate": st.booleans(), "filled_at": millis}
+             "possible_duplicate": st.booleans(), "filled_at": millis, "reason": texts}
         ),
         "ClientAck": st.fixed_dictionaries(
             {"client_id": texts, "session": texts, "queue_topic": texts, "next_offset": longs, "received": longs,
@@ -310,7 +310,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
                                          "durable": True, "receive_values": True}],
                            "connected": True, "keep_alive": False, "ready": True, "changed_at": 1_700_000_000_008},
     "ClientMessage": {"kind": "EVENT", "session": "", "version": 0, "event": ENTRY_EVENT, "receive_values": True,
-                      "possible_duplicate": True, "filled_at": 1_700_000_000_009},
+                      "possible_duplicate": True, "filled_at": 1_700_000_000_009, "reason": ""},
     "ClientAck": {"client_id": "c-1", "session": "s1", "queue_topic": "subscription.c-1.ab", "next_offset": 12,
                   "received": 12, "repeats": 1, "at": 1_700_000_000_010},
     "FillCheckpoint": {"registry_partition": 3, "member": "b-subscriptions-1", "updated_at": 1_700_000_000_011,

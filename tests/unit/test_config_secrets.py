@@ -1,7 +1,7 @@
 """Secrets come from the site file, a file or an environment variable, and are shown nowhere.
 
 Every secret of a site file (the Kafka passwords, also a sender's remote
-ones, the region service's token, the gateway signing key, the receiver's
+ones, the region and subscription services' tokens, the gateway signing key, the receiver's
 sender keys) is set through each of its three sources; each time the value
 must reach the code that uses it, and must be absent from `sluice config
 check`'s output, from ``repr`` of the configuration and from every
@@ -65,6 +65,11 @@ def region_service_section(data: dict[str, Any], folder: Path) -> dict[str, Any]
     return data["region_service"]
 
 
+def subscriptions_section(data: dict[str, Any], folder: Path) -> dict[str, Any]:
+    data["subscriptions"] = {}
+    return data["subscriptions"]
+
+
 def site_section(data: dict[str, Any], folder: Path) -> dict[str, Any]:
     return data
 
@@ -78,6 +83,8 @@ SECRETS: list[tuple[str, Callable[[dict[str, Any], Path], dict[str, Any]], str, 
      lambda c: c.gateway_senders[0].remote.client_settings()["sasl.password"]),  # type: ignore[union-attr]
     ("region_service.token", region_service_section, "token",
      lambda c: c.region_service.token.get_secret_value()),  # type: ignore[union-attr]
+    ("subscriptions.token", subscriptions_section, "token",
+     lambda c: c.subscriptions.token.get_secret_value()),  # type: ignore[union-attr]
     ("gateway_signing_key", site_section, "gateway_signing_key",
      lambda c: c.gateway_signing_key.get_secret_value()),  # type: ignore[union-attr]
 ]
