@@ -139,6 +139,16 @@ def run_job(command: str, args: argparse.Namespace, body: Callable[[argparse.Nam
         return EXIT_FAILED
 
 
+def standalone_main(prog: str, description: str, example: str,
+                    add_arguments: Callable[[argparse.ArgumentParser], None],
+                    run: Callable[[argparse.Namespace], int], argv: list[str] | None) -> int:
+    """A job run as its own script (``spark-submit pipelines/lake.py …``): its parser, then ``run``."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=example,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
 def _is_spark_error(exc: BaseException) -> bool:
     try:
         from pyspark.errors import PySparkException

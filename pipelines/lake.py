@@ -70,6 +70,7 @@ from sluice.pipelines.jobcli import (
     load_site,
     require_topics,
     run_job,
+    standalone_main,
 )
 from sluice.pipelines.records import decode
 from sluice.pipelines.session import packages_hint, parse_conf, read_topics, spark_session
@@ -446,20 +447,13 @@ def run(args: argparse.Namespace) -> int:
     return run_job("lake", args, _run)
 
 
-def build_parser(prog: str = "lake.py") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, epilog=EXAMPLE,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return parser
-
-
 DESCRIPTION = ("Keep a site's event lake: Structured Streaming from the region changelogs and the dead-letter "
                "topics into Parquet partitioned by region and date, exactly once through a checkpoint.")
 
 
 def main(argv: list[str] | None = None) -> int:
     """``spark-submit pipelines/lake.py …`` (or ``python -m sluice.pipelines.lake``)."""
-    return run(build_parser().parse_args(argv))
+    return standalone_main("lake.py", DESCRIPTION, EXAMPLE, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

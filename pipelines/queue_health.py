@@ -59,6 +59,7 @@ from sluice.pipelines.jobcli import (
     load_site,
     require_topics,
     run_job,
+    standalone_main,
 )
 from sluice.pipelines.records import decode
 from sluice.pipelines.session import parse_conf, read_topics, spark_session
@@ -379,16 +380,9 @@ def run(args: argparse.Namespace) -> int:
     return run_job("queue-health", args, _run)
 
 
-def build_parser(prog: str = "queue_health.py") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, epilog=EXAMPLE,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
     """``spark-submit pipelines/queue_health.py …`` (or ``python -m sluice.pipelines.queue_health``)."""
-    return run(build_parser().parse_args(argv))
+    return standalone_main("queue_health.py", DESCRIPTION, EXAMPLE, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

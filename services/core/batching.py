@@ -173,6 +173,11 @@ class PartitionBatcher(Generic[T]):
         """Events assembled but not yet handed out."""
         return self._assembling.waiting
 
+    @property
+    def unaccepted(self) -> int:
+        """Events not yet accepted: those waiting, and those in the batches out."""
+        return self._assembling.waiting + sum(len(b.events) for b in self.out)
+
     def oldest(self) -> T | None:
         """The oldest event not yet accepted: in the batches out, else the first one waiting."""
         for batch in self.out:

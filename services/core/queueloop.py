@@ -48,7 +48,6 @@ import queue
 import threading
 import time
 import uuid
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -265,13 +264,7 @@ class QueuePrimary:
         telemetry.observe(telemetry.ALERTS, self._read_alerts)
 
     def _reader(self, value: Callable[["QueuePrimary"], int]) -> Callable[[], telemetry.Reading]:
-        """A metric reader holding this service weakly: a service gone stops being read."""
-        ref = weakref.ref(self)
-
-        def read() -> telemetry.Reading:
-            primary = ref()
-            return [] if primary is None else [(value(primary), primary.attributes())]
-        return read
+        return telemetry.reader(self, value, lambda primary: primary.attributes())
 
     def _read_queue_sizes(self) -> telemetry.Reading:
         return [(size, self.attributes(p)) for p, (size, _) in self._gauges.items()]
@@ -738,7 +731,7 @@ class QueuePrimary:
                 "last_removed_offset": part.last_removed_offset,
                 "in_flight": len(b.out) if part.in_flight else 0,
                 "last_accepted_at": part.last_accepted_at,
-                "waiting": b.waiting + sum(len(x.events) for x in b.out),
+                "waiting": b.unaccepted,
                 "updated_at": now_ms,
             }
             key = f"{self.kind}/{self.queue_id}/{part.tp.partition}".encode()
@@ -752,7 +745,7 @@ class QueuePrimary:
         what is still in Kafka and not read yet."""
         oldest = part.batcher.oldest()
         age_s = max(0, now_ms - oldest.event.event_time) / 1000 if oldest is not None else 0.0
-        waiting = part.batcher.waiting + sum(len(b.events) for b in part.batcher.out)
+        waiting = part.batcher.unaccepted
         consumer = self._consumer
         if consumer is None or part.head < 0:
             return waiting, age_s
@@ -776,7 +769,7 @@ class QueuePrimary:
             if part.alerting_since == 0.0 or now - part.alerting_since >= self.alert_repeat_s:
                 part.alerting_since = now
                 self.stats["alerts"] += 1
-                waiting = part.batcher.waiting + sum(len(b.events) for b in part.batcher.out)
+                waiting = part.batcher.unaccepted
                 log.warning("ALERT %s %s[%d]: the oldest event waiting is %d ms old (alert_threshold_ms %d); "
                             "%d events wait", self.kind, self.queue_id, part.tp.partition, age, threshold, waiting,
                             extra={"alert": "alert_threshold", "queue_kind": self.kind, "queue_id": self.queue_id,

@@ -145,6 +145,19 @@ _observed: dict[str, list[Callable[[], Callable[[], Reading] | None]]] = {}
 _observed_lock = threading.Lock()
 
 
+def reader(owner: Any, value: Callable[[Any], float | None],
+           attributes: Callable[[Any], Mapping[str, Any]]) -> Callable[[], Reading]:
+    """A reader for :func:`observe` of ``value(owner)`` with ``attributes(owner)``, holding
+    ``owner`` weakly: a service gone, or a ``value`` of None, reports nothing."""
+    ref = weakref.ref(owner)
+
+    def read() -> Reading:
+        live = ref()
+        found = None if live is None else value(live)
+        return [] if found is None else [(found, attributes(live))]
+    return read
+
+
 def observe(name: str, read: Callable[[], Reading], *, gauge: bool = False) -> None:
     """Report ``name`` (an observable counter, or a gauge) from ``read()``, which
     returns (value, attributes) pairs at each collection: it reads what the

@@ -41,7 +41,6 @@ import queue
 import threading
 import time
 import uuid
-import weakref
 from collections import defaultdict
 from typing import Any, Callable
 
@@ -204,13 +203,9 @@ class ReceiverService:
                 "messaging.destination.name": self.inbound, "messaging.consumer.group.name": self.group_id, **more}
 
     def _read_stats(self, *names: str) -> Callable[[], telemetry.Reading]:
-        """A metric reader (the sum of ``names``) holding this service weakly."""
-        ref = weakref.ref(self)
-
-        def read() -> telemetry.Reading:
-            receiver = ref()
-            return [] if receiver is None else [(sum(receiver.stats[n] for n in names), receiver._attributes())]
-        return read
+        """A metric reader of the sum of the counters ``names``."""
+        return telemetry.reader(self, lambda receiver: sum(receiver.stats[n] for n in names),
+                                lambda receiver: receiver._attributes())
 
     def _read_duplicates(self) -> telemetry.Reading:
         return [(self.stats["events_duplicate"], self._attributes(**{"sluice.duplicate.of": "event"})),

@@ -28,7 +28,6 @@ import socket
 import threading
 import time
 import uuid
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -244,17 +243,11 @@ class RegionService:
             telemetry.observe(name, self._read_engine(stat))
 
     def _read_engine(self, stat: str) -> Callable[[], telemetry.Reading]:
-        """A metric reader of the engine's counter ``stat``, holding this service weakly."""
-        ref = weakref.ref(self)
-
-        def read() -> telemetry.Reading:
-            service = ref()
-            if service is None or service.engine is None:
-                return []
-            return [(service.engine.stats.get(stat, 0),
-                     {**telemetry.base_attributes(service.cfg.site), "sluice.component": "region",
-                      "messaging.consumer.group.name": service.group_id})]
-        return read
+        """A metric reader of the engine's counter ``stat`` (nothing before the engine exists)."""
+        return telemetry.reader(
+            self, lambda service: None if service.engine is None else service.engine.stats.get(stat, 0),
+            lambda service: {**telemetry.base_attributes(service.cfg.site), "sluice.component": "region",
+                             "messaging.consumer.group.name": service.group_id})
 
     def _check_topics(self) -> None:
         """Refuse to start without the topics (and partition counts) the site implies."""

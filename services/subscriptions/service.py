@@ -43,7 +43,6 @@ import logging
 import threading
 import time
 import uuid
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -184,17 +183,9 @@ class SubscriptionService:
                                                        **{"sluice.alert.name": "durable_client_timeout"}))
 
     def _read(self, value: Callable[["SubscriptionService"], int], **more: Any) -> Callable[[], telemetry.Reading]:
-        """A metric reader holding this service weakly: a service gone stops being read."""
-        ref = weakref.ref(self)
-
-        def read() -> telemetry.Reading:
-            service = ref()
-            if service is None:
-                return []
-            return [(value(service), {**telemetry.base_attributes(service.cfg.site),
-                                      "sluice.component": "subscriptions",
-                                      "messaging.consumer.group.name": service.group_id, **more})]
-        return read
+        return telemetry.reader(self, value, lambda service: {
+            **telemetry.base_attributes(service.cfg.site), "sluice.component": "subscriptions",
+            "messaging.consumer.group.name": service.group_id, **more})
 
     # --- lifecycle -------------------------------------------------------------------------
 
