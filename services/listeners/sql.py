@@ -37,13 +37,17 @@ entry versions continue across a destroy and re-create only because both
 sides remember them.
 
 The version rule (``is_newer``), for event ``e`` against the stored ``s``:
-
-* same dsid: ``e.entry_version > s.entry_version`` (one site stamps
-  consecutive entry versions for a key);
-* different dsids: ``(e.timestamp, e.dsid) > (s.timestamp, s.dsid)``, i.e. the
-  later timestamp wins and equal timestamps go to the higher dsid, as Geode
-  resolves WAN conflicts (GEODE-FACTS "Conflicts").  A pluggable WAN
-  conflict resolver is not consulted here.
+``(e.timestamp, e.dsid, e.entry_version) > (s.timestamp, s.dsid,
+s.entry_version)``.  That is the order of a key's history at the site whose
+queue feeds the table: its region never moves a key's timestamp back, a
+remote event applies over another site's version only with a later
+timestamp or, on a tie, a higher dsid (Geode's WAN rule, GEODE-FACTS
+"Conflicts"), and a local write over another site's version stamps past it
+(``region/state.py``).  Entry versions alone do not order the history: an
+event from the other site brings that site's entry version, which may be
+lower, and the next local write counts on from it (67, then the other
+site's 61 and 62, then 63).  A pluggable WAN conflict resolver that keeps
+an event with an earlier timestamp is outside this rule.
 
 An equal version is not newer, which is what makes a replay a no-op.
 
@@ -353,16 +357,14 @@ def parse_settings(settings: Mapping[str, Any]) -> SqlSettings:
 
 def is_newer(event: VersionTag, stored: VersionTag) -> bool:
     """True when ``event`` replaces ``stored`` (the rule in the module docstring)."""
-    if event.dsid == stored.dsid:
-        return event.entry_version > stored.entry_version
-    return (event.timestamp, event.dsid) > (stored.timestamp, stored.dsid)
+    return (event.timestamp, event.dsid, event.entry_version) > (stored.timestamp, stored.dsid, stored.entry_version)
 
 
 def _newer_sql(stored: str, incoming: str) -> str:
-    """``is_newer`` in SQL, comparing the row ``incoming`` with ``stored``."""
-    d, t, v = (f'"{VERSION_DSID}"', f'"{VERSION_TIMESTAMP}"', f'"{ENTRY_VERSION}"')
-    return (f"({stored}.{d} = {incoming}.{d} AND {stored}.{v} < {incoming}.{v}) OR "
-            f"({stored}.{d} <> {incoming}.{d} AND ({stored}.{t}, {stored}.{d}) < ({incoming}.{t}, {incoming}.{d}))")
+    """``is_newer`` in SQL, comparing the row ``incoming`` with ``stored`` (a row-value comparison)."""
+    columns = (f'"{VERSION_TIMESTAMP}"', f'"{VERSION_DSID}"', f'"{ENTRY_VERSION}"')
+    return (f"({', '.join(f'{stored}.{c}' for c in columns)}) < "
+            f"({', '.join(f'{incoming}.{c}' for c in columns)})")
 
 
 # --- rows ------------------------------------------------------------------------

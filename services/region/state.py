@@ -140,14 +140,7 @@ class BucketState:
             raise AssertionError(op)
 
         previous = self.entries.get(key)  # includes a tombstone's version
-        if previous is None:
-            version = VersionTag(self.dsid, now_ms, 1, self.member_id)
-        else:
-            # Timestamps never go backwards for a key, even when a new owner's
-            # clock is behind the previous owner's.
-            version = VersionTag(
-                self.dsid, max(now_ms, previous.version.timestamp), previous.version.entry_version + 1, self.member_id
-            )
+        version = self._next_version(previous, now_ms)
         event = EntryEvent(
             region=self.region,
             key=key,
@@ -163,6 +156,25 @@ class BucketState:
         self.replay(event)
         return event
 
+    def _next_version(self, previous: Entry | None, now_ms: int) -> VersionTag:
+        """The version of this site's next write of a key last written at ``previous``.
+
+        Timestamps never go backwards for a key, even when a new owner's clock
+        is behind the previous owner's.  And a write supersedes, everywhere,
+        the version it overwrote: over another site's version with the same
+        timestamp and a higher dsid, which would win the conflict at that site,
+        the write takes the next millisecond.  So a key's versions at a site
+        grow in (timestamp, dsid, entry version) order, which is what
+        downstream copies (the SQL write-behind) rely on.
+        """
+        if previous is None:
+            return VersionTag(self.dsid, now_ms, 1, self.member_id)
+        last = previous.version
+        timestamp = max(now_ms, last.timestamp)
+        if timestamp == last.timestamp and last.dsid > self.dsid:
+            timestamp += 1
+        return VersionTag(self.dsid, timestamp, last.entry_version + 1, self.member_id)
+
     def prepare_clear(self, event_id: EventID, now_ms: int,
                       operation: Operation = Operation.REGION_CLEAR) -> list[EntryEvent] | Duplicate:
         """Region clear (or destroy), for this bucket: a REGION_CLEAR (REGION_DESTROY) event per live
@@ -172,9 +184,7 @@ class BucketState:
             return Duplicate(event_id)
         events = []
         for key in list(self.keys()):
-            previous = self.entries[key]
-            version = VersionTag(self.dsid, max(now_ms, previous.version.timestamp),
-                                 previous.version.entry_version + 1, self.member_id)
+            version = self._next_version(self.entries[key], now_ms)
             event = EntryEvent(region=self.region, key=key, operation=operation, value=None,
                                event_id=event_id, version=version, origin_dsid=self.dsid, bucket=self.bucket,
                                event_time=now_ms)

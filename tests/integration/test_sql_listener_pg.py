@@ -123,7 +123,8 @@ def test_a_destroy_is_not_undone_by_a_replayed_older_create(
 def test_the_version_rule_across_dsids(
     postgres: PostgresServer, listener: Callable[..., SqlWriteBehindListener], table_name: str
 ) -> None:
-    """Another dsid's event wins by later timestamp, or by higher dsid on equal timestamps; not by entry version."""
+    """Another dsid's event wins by later timestamp, or by higher dsid on equal timestamps; not by entry version,
+    which another site's events can set back."""
     sql = listener()
     assert sql.process_events([event("k", Op.CREATE, "site 1", 5, dsid=1, timestamp=100)])
     assert sql.process_events([event("k", Op.UPDATE, "site 2, earlier", 9, dsid=2, timestamp=99)])
@@ -132,6 +133,11 @@ def test_the_version_rule_across_dsids(
     assert live(postgres, table_name) == {"k": "site 2, same time"}
     assert sql.process_events([event("k", Op.UPDATE, "site 1, same time", 6, dsid=1, timestamp=100)])
     assert live(postgres, table_name) == {"k": "site 2, same time"}
+    # Site 1's later write counts on from site 2's entry version, below site 1's earlier one, and still replaces it.
+    assert sql.process_events([event("j", Op.CREATE, "site 1, first", 67, dsid=1, timestamp=100)])
+    assert sql.process_events([event("j", Op.UPDATE, "site 2", 61, dsid=2, timestamp=110),
+                               event("j", Op.UPDATE, "site 1, later", 62, dsid=1, timestamp=120)])
+    assert live(postgres, table_name) == {"k": "site 2, same time", "j": "site 1, later"}
 
 
 def test_typed_columns_and_region_column_in_a_schema(

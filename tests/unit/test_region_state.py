@@ -584,6 +584,21 @@ def test_wan_conflicts_go_to_the_later_timestamp_then_the_higher_dsid(local_ts, 
     assert state.get("k").value == (b"remote" if wins else b"local")
 
 
+@pytest.mark.parametrize(("own_dsid", "other_dsid", "stamped"), [
+    (1, 2, 501),  # the other site's version would beat a write stamped 500 there: the write takes 501
+    (2, 1, 500),  # a write stamped 500 beats a lower dsid's 500 as it is
+])
+def test_a_write_over_another_sites_version_of_the_same_millisecond_supersedes_it(own_dsid, other_dsid, stamped):
+    """The write's version wins against the one it overwrote at the other site too, so the sites agree on it."""
+    from sluice.region.conflicts import remote_wins
+
+    state = BucketState("orders", 0, own_dsid, "local")
+    state.prepare_remote(_remote("k", Operation.UPDATE, b"theirs", dsid=other_dsid, ts=500, version=3, seq=0))
+    event = state.prepare(Op.PUT, "k", b"ours", EventID("c", 1, 0), now_ms=500)
+    assert event.version == VersionTag(own_dsid, stamped, 4, "local")
+    assert remote_wins(VersionTag(other_dsid, 500, 3, f"m{other_dsid}"), event.version)
+
+
 def test_the_conflict_winner_is_the_same_whatever_the_arrival_order():
     """Two sites' concurrent writes, applied in either order, leave the same value and version."""
     a = _remote("k", Operation.UPDATE, b"from-2", dsid=2, ts=500, version=3, seq=0)

@@ -224,9 +224,12 @@ def test_events_of_one_key_collapse_to_the_newest(listener: Callable[..., SqlWri
 @pytest.mark.parametrize(
     ("stored_tag", "incoming_tag", "newer"),
     [
-        ((1, 100, 5), (1, 50, 6), True),    # same dsid: entry version decides, not the clock
-        ((1, 100, 5), (1, 200, 5), False),  # same dsid, same entry version: a replay
-        ((1, 100, 5), (1, 200, 4), False),
+        ((1, 100, 5), (1, 100, 5), False),  # the same version: a replay
+        ((1, 100, 5), (1, 100, 6), True),   # same dsid and timestamp: the newer entry version
+        ((1, 100, 5), (1, 100, 4), False),
+        ((1, 100, 67), (1, 200, 63), True),  # a later write of the same site, after the other site's
+        ((1, 100, 5), (1, 200, 5), True),    # events reset the entry version to their own count
+        ((1, 200, 63), (1, 100, 67), False),
         ((1, 100, 5), (2, 150, 1), True),   # other dsid: the later timestamp wins
         ((1, 100, 5), (2, 50, 9), False),
         ((1, 100, 5), (2, 100, 1), True),   # equal timestamps: the higher dsid wins
@@ -235,13 +238,30 @@ def test_events_of_one_key_collapse_to_the_newest(listener: Callable[..., SqlWri
 )
 def test_the_version_rule(listener: Callable[..., SqlWriteBehindListener], db: Path, stored_tag: tuple[int, int, int],
                           incoming_tag: tuple[int, int, int], newer: bool) -> None:
-    """The database applies exactly what ``is_newer`` calls newer: entry version per dsid, else (timestamp, dsid)."""
+    """The database applies exactly what ``is_newer`` calls newer: (timestamp, dsid, entry version) order."""
     assert is_newer(VersionTag(*incoming_tag), VersionTag(*stored_tag)) is newer
     sql = listener()
     (d1, t1, v1), (d2, t2, v2) = stored_tag, incoming_tag
     assert sql.process_events([event("k", Op.CREATE, "stored", v1, dsid=d1, timestamp=t1)])
     assert sql.process_events([event("k", Op.UPDATE, "incoming", v2, dsid=d2, timestamp=t2)])
     assert live(db) == {"k": "incoming" if newer else "stored"}
+
+
+def test_a_write_after_the_other_sites_events_replaces_the_row_whatever_the_batches(
+        listener: Callable[..., SqlWriteBehindListener], db: Path) -> None:
+    """A key's history at site 1, as its queue delivers it: site 1 writes entry versions 65 to 67, site 2's later
+    writes (entry versions 61 and 62, counted on from what site 2 had) win there, then site 1 writes again and
+    counts on from them: 63.  However the dispatcher cuts that into batches, and after any replay, the row ends at
+    the last write."""
+    history = [event("k", Op.UPDATE, {"n": n}, v, dsid=d, timestamp=t)
+               for n, (d, t, v) in enumerate([(1, 100, 65), (1, 110, 66), (1, 120, 67), (2, 130, 61), (2, 140, 62),
+                                              (1, 150, 63)])]
+    for cut in range(1, len(history)):
+        sql = listener(table=f"orders_{cut}")
+        assert sql.process_events(history[:cut])
+        assert sql.process_events(history[cut:])
+        assert sql.process_events(replayed(history[:cut]))
+        assert live(db, f"orders_{cut}") == {"k": {"n": 5}}, cut
 
 
 # --- layout -------------------------------------------------------------------------------
