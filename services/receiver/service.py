@@ -298,8 +298,30 @@ class ReceiverService:
         self._commit_done(consumer, asynchronous=False)
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """The session expired (a broker paused or unreachable): stop the lanes, commit nothing.
+
+        A member that lost its partitions cannot commit their offsets, and a
+        synchronous commit here waits on a coordinator that may not be back
+        for a long time, with the whole receiver stopped inside consume().  The
+        batches done but not committed are read again by the next owner, which
+        answers them as duplicates from the acks it reads first."""
         self.assigned = False
-        self._on_revoke(consumer, partitions)
+        lost = {tp.partition for tp in partitions}
+        for partition in lost:
+            lane = self._lanes.pop(partition, None)
+            if lane is not None:
+                lane.close()
+        kept = []
+        while True:
+            try:
+                tp = self._done.get_nowait()
+            except queue.Empty:
+                break
+            if tp.partition not in lost:
+                kept.append(tp)
+        for tp in kept:
+            self._done.put(tp)
+        log.warning("receiver %s: lost inbound partitions %s (session expired)", self.member_id, sorted(lost))
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         consumer.assign(partitions)
