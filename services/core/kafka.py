@@ -257,7 +257,11 @@ def read_to_end(consumer: Consumer, topic: str, partition: int = 0, deadline_s: 
 
     ``consumer`` is assigned the partition for the read and unassigned after.
     Used for the small compacted topics (removals, status) and a partition's
-    acks, which services read whole when they take something over.
+    acks, which services read whole when they take something over.  A read
+    that does not reach the end within ``deadline_s`` (a broker paused or
+    restarting) raises a retriable ``KafkaException`` (``_TIMED_OUT``) rather
+    than end short: what a service rebuilds from such a topic (its epochs, the
+    batches it acknowledged) must be whole.
     """
     tp = TopicPartition(topic, partition)
     low, high = consumer.get_watermark_offsets(tp, timeout=10)
@@ -266,7 +270,11 @@ def read_to_end(consumer: Consumer, topic: str, partition: int = 0, deadline_s: 
     consumer.assign([TopicPartition(topic, partition, low)])
     try:
         last, end = low - 1, time.monotonic() + deadline_s
-        while last < high - 1 and time.monotonic() < end:
+        while last < high - 1:
+            if time.monotonic() >= end:
+                raise KafkaException(KafkaError(
+                    KafkaError._TIMED_OUT, f"read of {topic}[{partition}] reached offset {last + 1} of {high} "
+                                           f"in {deadline_s:g} s", retriable=True))
             # consume() waits its whole timeout for a partial batch: keep it short.
             for msg in consumer.consume(1000, 0.05):
                 if msg.error() is None:
