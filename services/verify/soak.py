@@ -145,7 +145,11 @@ class Harness:
         return [s for s in live if held(kind, s.logs[-1], now)] or live
 
     def kill(self, fault: str, kind: str, name: str | None) -> None:
-        victim = self.rng.choice(self._primaries(kind, name))
+        candidates = self._primaries(kind, name)
+        if not candidates:  # every one of them crashed: the run report lists them
+            self.note(fault, f"nothing to kill: no {kind} process{f' of {name}' if name else ''} is alive")
+            return
+        victim = self.rng.choice(candidates)
         log = victim.logs[-1]
         parts = sorted(held(kind, log, time.time()))
         at = self.sites.kill(victim)
