@@ -9,7 +9,8 @@ What it keeps, all in Kafka so any instance can take over:
 * one **queue** topic per client, filled with the region events that match
   its interest (values or invalidates), never with its own writes;
 * the **fill** checkpoints (compacted, keyed by registry partition): how far
-  the changelogs have been filled into the queues of that partition's clients.
+  the changelogs have been filled into the queues of that partition's clients,
+  and where each queue's events start.
 
 Who feeds a client: the registry's partitions are shared by the instances
 through a consumer group, and the member a partition is assigned to is the
@@ -24,7 +25,10 @@ A primary's loop, one thread:
 1. read what changed in the registry, acks and checkpoints;
 2. for each of its clients: create the queue; answer a new registration
    version with a REGISTERED message (its interest applies to everything
-   filled after it, so the client loads its cache after seeing it); place
+   filled after it, so the client loads its cache after seeing it); a new
+   queue's first answer comes after a checkpoint that records where the
+   queue's events start, so that no primary, this one or a successor behind
+   it, ever fills the queue with an event older than its registration; place
    the marker once the client called ``ready_for_events``; note
    disconnects (a close, or no ping for ``maximum-time-between-pings``);
    unregister a non-durable client that left, and a durable one away
@@ -141,11 +145,15 @@ class SubscriptionService:
         self.registry: dict[str, dict[str, Any]] = {}
         self.acks: dict[str, dict[str, Any]] = {}
         self.checkpoints: dict[int, dict[tuple[str, int], int]] = {}
+        #: Per registry partition, the queues answered and the changelog offsets each takes events from
+        #: (None: the checkpoint predates them).
+        self.starts: dict[int, dict[str, dict[tuple[str, int], int]] | None] = {}
         # What this instance is primary for.
         self.owned: set[int] = set()
         self._clients: dict[str, _Client] = {}
         self._positions: dict[int, dict[tuple[str, int], int]] = {}  # next changelog offset, per owned partition
         self._duplicates_below: dict[int, dict[tuple[str, int], int]] = {}  # refilled after a takeover
+        self._starts: dict[int, dict[str, dict[tuple[str, int], int]]] = {}  # queue starts, per owned partition
         self._reposition = False
         self._dirty = False
         self._delivery_failed: str | None = None
@@ -277,13 +285,18 @@ class SubscriptionService:
             start = {tp: self.checkpoints.get(r, {}).get(tp, end) for tp, end in ends.items()}
             self._positions[r] = start
             self._duplicates_below[r] = dict(ends)
+            self._starts[r] = {queue: dict(at) for queue, at in (self.starts.get(r) or {}).items()}
             if r in self.checkpoints:
                 self.stats["takeovers"] += 1
         self.owned |= gained
         for client_id, record in self.registry.items():
-            if registry_partition(client_id, self.partitions) in gained:
-                self._clients[client_id] = _Client(record, interest_of(record),
-                                                   partition=registry_partition(client_id, self.partitions))
+            r = registry_partition(client_id, self.partitions)
+            if r in gained:
+                self._clients[client_id] = _Client(record, interest_of(record), partition=r)
+                if r in self.starts and self.starts[r] is None:
+                    # Answered by a release that did not record queue starts: the queue takes what
+                    # is filled from the checkpoint on.
+                    self._starts[r].setdefault(record["queue_topic"], {})
         self._reposition = True
         self._dirty = True  # the new clients are tended (queues, registrations) before anything is filled
         log.info("subscriptions %s: primary for registry partitions %s (%d clients)", self.member_id,
@@ -305,6 +318,7 @@ class SubscriptionService:
         for r in lost:
             self._positions.pop(r, None)
             self._duplicates_below.pop(r, None)
+            self._starts.pop(r, None)
         self._clients = {c: v for c, v in self._clients.items()
                          if registry_partition(c, self.partitions) in self.owned}
         self._reposition = True
@@ -350,7 +364,7 @@ class SubscriptionService:
     def _catch_up(self) -> None:
         """Fill up to the changelogs' ends as they are now, before a registration is answered: the
         client wrote it after every operation it has seen, and those are filled under its old
-        interest, not sent after the answer (the initial load has them)."""
+        interest (none, for a new queue), not sent after the answer (the initial load has them)."""
         assert self._changelog is not None
         ends = {tp: end for tp, end in self._changelog_ends().items() if end > 0}
         deadline = time.monotonic() + CATCH_UP_S
@@ -434,8 +448,10 @@ class SubscriptionService:
                     self.acks[name] = self._codec.decode_as("ClientAck", value)
             elif value is not None:
                 record = self._codec.decode_as("FillCheckpoint", value)
-                self.checkpoints[record["registry_partition"]] = {
-                    (p["topic"], p["partition"]): p["offset"] for p in record["positions"]}
+                r = record["registry_partition"]
+                self.checkpoints[r] = _positions_of(record["positions"])
+                self.starts[r] = (None if record["queues"] is None else
+                                  {q["queue_topic"]: _positions_of(q["positions"]) for q in record["queues"]})
         except CodecError as exc:
             self.stats["undecodable"] += 1
             log.error("subscriptions: %s[%d] key %r cannot be read and is skipped: %s", topic, partition, name, exc)
@@ -516,6 +532,8 @@ class SubscriptionService:
                     self._unregister(client, "durable-client-timeout")
                     continue
             if record["connected"] and client.answered != (record["session"], record["version"]):
+                if record["queue_topic"] not in self._starts[client.partition] and not self._start_queue(client):
+                    continue  # answered once the queue's start is checkpointed
                 if client.away_since_ms is None:
                     client.interest = interest_of(record)
                 self._send(client, {"kind": "REGISTERED", "session": record["session"],
@@ -526,6 +544,16 @@ class SubscriptionService:
                 self._send(client, {"kind": "MARKER", "session": record["session"]})
                 client.marked = record["session"]
                 self.stats["markers"] += 1
+
+    def _start_queue(self, client: _Client) -> bool:
+        """Before a queue's first registration is answered: its events start where the fill is now
+        (caught up with the registration), and a checkpoint says so before the answer is written."""
+        r = client.partition
+        self._starts[r][client.record["queue_topic"]] = dict(self._positions[r])
+        if self._sync(only={r}) and self._written():
+            return True
+        del self._starts[r][client.record["queue_topic"]]
+        return False
 
     def _away(self, client: _Client, since_ms: int) -> None:
         if client.away_since_ms is None:
@@ -601,6 +629,9 @@ class SubscriptionService:
             r = client.partition
             if r not in takers:
                 continue
+            start = self._starts[r].get(client.record["queue_topic"])
+            if start is None or offset < start.get(tp, 0):
+                continue  # older than the queue's first registration: the client's initial load has it
             if event.event_id.member_id == client.record["member_id"]:
                 continue  # a client's own update is never sent back to it
             interest = client.interest.get(event.region)
@@ -665,11 +696,12 @@ class SubscriptionService:
 
     # --- checkpoints and removal -----------------------------------------------------------------
 
-    def _sync(self, only: set[int] | None = None) -> None:
-        """Checkpoint what the queues durably hold; delete what clients acknowledged."""
+    def _sync(self, only: set[int] | None = None) -> bool:
+        """Checkpoint what the queues durably hold; delete what clients acknowledged.  False when no
+        checkpoint was written (stopping with writes pending, or a write failed)."""
         assert self._producer is not None
         if not self._written():
-            return
+            return False
         failed, self._delivery_failed = self._delivery_failed, None
         if self._missing_queues:
             for topic in sorted(self._missing_queues):
@@ -689,17 +721,22 @@ class SubscriptionService:
                     positions[tp] = min(positions[tp], self.checkpoints.get(r, {}).get(tp, positions[tp]))
                 self._duplicates_below[r] = self._changelog_ends()
             self._reposition = True
-            return
+            return False
         now_ms = int(time.time() * 1000)
         for r in partitions:
+            queues = {c.record["queue_topic"] for c in self._clients.values() if c.partition == r}
+            starts = self._starts[r] = {q: at for q, at in self._starts[r].items() if q in queues}
             record = {"registry_partition": r, "member": self.member_id, "updated_at": now_ms,
-                      "positions": [{"topic": t, "partition": p, "offset": o}
-                                    for (t, p), o in sorted(self._positions[r].items())]}
+                      "positions": _position_records(self._positions[r]),
+                      "queues": [{"queue_topic": q, "positions": _position_records(at)}
+                                 for q, at in sorted(starts.items())]}
             self._producer.produce(self.fill_topic, self._codec.encode("FillCheckpoint", record),
                                    str(r).encode(), partition=r)
             self.checkpoints[r] = dict(self._positions[r])
+            self.starts[r] = {q: dict(at) for q, at in starts.items()}
         if self._written():
             self._trim()
+        return True
 
     def _written(self) -> bool:
         """Wait until the broker has everything produced; when stopping, for 10 s at most."""
@@ -739,6 +776,14 @@ class SubscriptionService:
     def describe(self) -> dict[str, Any]:
         return {"member": self.member_id, "owned": sorted(self.owned), "clients": sorted(self._clients),
                 **self.stats}
+
+
+def _positions_of(records: list[dict[str, Any]]) -> dict[tuple[str, int], int]:
+    return {(p["topic"], p["partition"]): p["offset"] for p in records}
+
+
+def _position_records(positions: dict[tuple[str, int], int]) -> list[dict[str, Any]]:
+    return [{"topic": t, "partition": p, "offset": o} for (t, p), o in sorted(positions.items())]
 
 
 __all__ = ["FORWARDED", "SubscriptionService"]

@@ -429,6 +429,67 @@ def test_kill_9_of_the_primary_subscription_instance_loses_nothing(site: Any, si
             cache.close()
 
 
+def _old_fill_checkpoints(cfg: SiteConfig, bootstrap: str) -> None:
+    """Fill checkpoints at the changelogs' starts for every registry partition: the last ones a
+    previous primary wrote before the region's writes, as one taken while it was behind can be."""
+    from confluent_kafka import Producer
+
+    codec = get_codec()
+    positions = [{"topic": cfg.topics.region_changelog(r.name), "partition": p, "offset": 0}
+                 for r in cfg.regions for p in range(r.buckets)]
+    producer = Producer({"bootstrap.servers": bootstrap})
+    for r in range(cfg.subscriptions.registry_partitions):
+        record = {"registry_partition": r, "member": "b-subscriptions-gone", "updated_at": int(time.time() * 1000),
+                  "positions": positions, "queues": []}
+        producer.produce(cfg.topics.subscription_fill(), codec.encode("FillCheckpoint", record), str(r).encode(),
+                         partition=r)
+    assert producer.flush(30) == 0
+
+
+def test_a_new_client_hears_of_nothing_written_before_its_registration_from_a_primary_behind(
+        site: Any, site_a: Any, tmp_path: Path) -> None:
+    """Events older than a client's registration are in its initial load, never in its queue, even
+    when its primary's fill is behind the registration (it starts from an old checkpoint)."""
+    from sluice.subscriptions.registry import read_latest, registry_partition
+
+    cfg, path, region = site
+    keys = [f"p-{i:02d}" for i in range(20)]
+    with RegionClient(region.url) as writer:
+        writer.put_all("orders", {k: 0 for k in keys})
+        _old_fill_checkpoints(cfg, site_a.bootstrap)
+        cache = ClientCache(cfg, "late-1", region_urls=[region.url], registration_timeout_s=60)
+        try:
+            orders = cache.region("orders")
+            rec = Recorder()
+            orders.add_listener(rec)
+            answered: list[Any] = []
+            registering = threading.Thread(target=lambda: answered.append(orders.register_interest(keys)))
+            registering.start()
+            partition = registry_partition("late-1", cfg.subscriptions.registry_partitions)
+
+            def recorded() -> bool:
+                raw = read_latest(cfg, cfg.topics.subscription_registry(), partition, "late-1")
+                return raw is not None and bool(get_codec().decode_as("ClientRegistration", raw)["interest"])
+
+            wait_for(recorded, 20, "the registration in the registry")
+            with SubscriptionsProcess(path, tmp_path / "subs.log"):
+                registering.join(60)
+                assert answered == [len(keys)], f"the registration was answered and loaded: {answered}"
+                assert all(orders.get_local(k) == 0 for k in keys)
+                cache.ready_for_events()
+                wait_for(lambda: cache.live, 20, "the marker")
+                writer.put("orders", keys[0], 1)
+                wait_for(lambda: orders.get_local(keys[0]) == 1, 20, f"{keys[0]} = 1")
+                time.sleep(0.5)
+                with rec.lock:
+                    heard = [(e.key, e.new_value, e.replayed) for e in rec.events]
+                assert heard == [(keys[0], 1, False)], (
+                    f"only the write after the registration reaches the listener, not the {len(keys)} "
+                    f"before it: {heard[:5]}{' …' if len(heard) > 5 else ''} ({len(heard)} events)")
+        finally:
+            cache.close()
+
+
 class Refuser:
     """A cache writer that refuses destroys of keys starting with 'keep-'."""
 

@@ -108,7 +108,11 @@ def record_strategies(millis: st.SearchStrategy[int] = longs) -> dict[str, st.Se
         "FillCheckpoint": st.fixed_dictionaries(
             {"registry_partition": ints, "member": texts, "updated_at": millis,
              "positions": st.lists(st.fixed_dictionaries({"topic": texts, "partition": ints, "offset": longs}),
-                                   max_size=4)}
+                                   max_size=4),
+             "queues": st.none() | st.lists(st.fixed_dictionaries({
+                 "queue_topic": texts,
+                 "positions": st.lists(st.fixed_dictionaries({"topic": texts, "partition": ints, "offset": longs}),
+                                       max_size=2)}), max_size=2)}
         ),
         "RegionInstance": st.fixed_dictionaries(
             {"instance": texts, "url": texts, "state": st.sampled_from(["running", "stopped"]),
@@ -314,7 +318,9 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "ClientAck": {"client_id": "c-1", "session": "s1", "queue_topic": "subscription.c-1.ab", "next_offset": 12,
                   "received": 12, "repeats": 1, "at": 1_700_000_000_010},
     "FillCheckpoint": {"registry_partition": 3, "member": "b-subscriptions-1", "updated_at": 1_700_000_000_011,
-                       "positions": [{"topic": "region.orders.changelog", "partition": 0, "offset": 99}]},
+                       "positions": [{"topic": "region.orders.changelog", "partition": 0, "offset": 99}],
+                       "queues": [{"queue_topic": "subscription.c-1.ab",
+                                   "positions": [{"topic": "region.orders.changelog", "partition": 0, "offset": 97}]}]},
     "RegionInstance": {"instance": "a-1f2e3d4c5b6a", "url": "http://10.0.0.7:7070", "state": "running",
                        "buckets": [{"region": "orders", "bucket": 3, "since": 1_700_000_000_012}],
                        "updated_at": 1_700_000_000_013},
@@ -642,7 +648,8 @@ def test_encoding_under_an_unknown_schema_name_is_refused() -> None:
 
 def _with_defaults_of_new_fields(name: str, record: Any) -> Any:
     """The sample as an older writer could have written it: fields added since at their defaults."""
-    added = {"EntryEvent": {"transaction": None}, "QueueStatus": {"last_accepted_at": 0, "waiting": 0}}
+    added = {"EntryEvent": {"transaction": None}, "QueueStatus": {"last_accepted_at": 0, "waiting": 0},
+             "FillCheckpoint": {"queues": None}}
     out = {**record, **added.get(name, {})}
     if name == "QueuedEvent":
         out["event"] = _with_defaults_of_new_fields("EntryEvent", record["event"])
