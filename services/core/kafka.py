@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 from confluent_kafka import (  # re-exported for the services
     OFFSET_BEGINNING,
@@ -58,6 +58,7 @@ __all__ = [
     "produce_durably",
     "read_to_end",
     "translate",
+    "until_answered",
 ]
 
 
@@ -286,6 +287,30 @@ def read_to_end(consumer: Consumer, topic: str, partition: int = 0, deadline_s: 
 
 class Interrupted(Exception):
     """``produce_durably`` gave up because the caller is stopping."""
+
+
+T = TypeVar("T")
+
+#: until_answered: the pause before asking the broker again.
+ASK_AGAIN_AFTER_S = 1.0
+
+
+def until_answered(ask: Callable[[], T], what: str, *, stopping: threading.Event) -> T:
+    """``ask()``, asked again while the broker does not answer (a retriable ``KafkaException``:
+    paused, restarting, 'Unknown partition' while its metadata comes back).  For reads a service
+    cannot go on without, in a rebalance callback above all, where an exception would leave the
+    callback and end the service.  A non-retriable failure raises its ``SluiceError``; ``stopping``
+    set raises ``Interrupted``."""
+    while True:
+        try:
+            return ask()
+        except KafkaException as exc:
+            error = translate(exc, what)
+            if not error.retriable:
+                raise error from exc
+            log.warning("%s; asking again", error)
+            if stopping.wait(ASK_AGAIN_AFTER_S):
+                raise Interrupted(what) from exc
 
 
 #: produce_durably: one flush's wait, when to warn that the broker is not

@@ -76,6 +76,7 @@ from .kafka import (
     produce_durably,
     read_to_end,
     translate,
+    until_answered,
 )
 
 log = logging.getLogger("sluice.queue")
@@ -616,18 +617,11 @@ class QueuePrimary:
         self._publish_status()
 
     def _end_offset(self, consumer: Consumer, partition: int) -> int:
-        """The partition's end offset, asked again while the broker does not answer
-        (an exception here would leave the rebalance callback and end the service)."""
-        while True:
-            try:
-                return int(consumer.get_watermark_offsets(TopicPartition(self.topic, partition), timeout=10)[1])
-            except KafkaException as exc:
-                error = translate(exc, f"reading the end of {self.topic}[{partition}]")
-                if not error.retriable:
-                    raise error from exc
-                log.warning("queue %s: %s; asking again", self.queue_id, error)
-                if self._stopping.wait(1.0):
-                    raise Interrupted(f"assignment of {self.topic}[{partition}]") from exc
+        """The partition's end offset (asked again while the broker does not answer)."""
+        tp = TopicPartition(self.topic, partition)
+        return int(until_answered(lambda: consumer.get_watermark_offsets(tp, timeout=10),
+                                  f"queue {self.queue_id}: reading the end of {self.topic}[{partition}]",
+                                  stopping=self._stopping)[1])
 
     def _partitions_dispatched_before(self) -> set[int] | None:
         """Partitions some primary has reported on (every primary reports as it

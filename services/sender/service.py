@@ -51,7 +51,6 @@ from ..core.errors import CodecError, ConfigError, SluiceError
 from ..core.events import EntryEvent, goes_to_gateway
 from ..core.kafka import (
     OFFSET_END,
-    Interrupted,
     KafkaException,
     TopicPartition,
     consume_available,
@@ -60,7 +59,7 @@ from ..core.kafka import (
     partition_for_key,
     produce_durably,
     read_to_end,
-    translate,
+    until_answered,
 )
 from ..core.gatewayfilters import SenderFilters
 from ..core.signing import sign
@@ -250,18 +249,10 @@ class GatewaySenderService(QueuePrimary):
         return self._removals.get(partition)
 
     def _read_removals(self) -> dict[int, dict[str, Any]]:
-        """The removals topic, read again while its broker does not answer: a new epoch must be above every
-        one opened before, and an exception here would leave the rebalance callback and end the service."""
-        while True:
-            try:
-                return self._read_removals_once()
-            except KafkaException as exc:
-                error = translate(exc, f"reading {self.removals_topic}")
-                if not error.retriable:
-                    raise error from exc
-                log.warning("sender %s: %s; reading it again", self.queue_id, error)
-                if self._stopping.wait(1.0):
-                    raise Interrupted(f"reading {self.removals_topic}") from exc
+        """The removals topic, read whole (again while its broker does not answer): a new epoch must be
+        above every one opened before."""
+        return until_answered(self._read_removals_once, f"sender {self.queue_id}: reading {self.removals_topic}",
+                              stopping=self._stopping)
 
     def _read_removals_once(self) -> dict[int, dict[str, Any]]:
         reader = make_consumer(self.cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 10})
