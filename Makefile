@@ -53,7 +53,7 @@ demo: jars
 	$(PY) -m sluice.cli demo
 
 test: jars
-	$(PY) -m pytest tests -q -ra $(PYTEST_ARGS)
+	$(PY) -m pytest tests -q -ra --durations=15 $(PYTEST_ARGS)
 
 bench: jars
 	$(PY) -m bench $(if $(ONLY),--only $(ONLY))
