@@ -285,7 +285,7 @@ class SubscriptionService:
             start = {tp: self.checkpoints.get(r, {}).get(tp, end) for tp, end in ends.items()}
             self._positions[r] = start
             self._duplicates_below[r] = dict(ends)
-            self._starts[r] = {queue: dict(at) for queue, at in (self.starts.get(r) or {}).items()}
+            self._starts[r] = dict(self.starts.get(r) or {})
             if r in self.checkpoints:
                 self.stats["takeovers"] += 1
         self.owned |= gained
@@ -550,7 +550,7 @@ class SubscriptionService:
         (caught up with the registration), and a checkpoint says so before the answer is written."""
         r = client.partition
         self._starts[r][client.record["queue_topic"]] = dict(self._positions[r])
-        if self._sync(only={r}) and self._written():
+        if self._sync(only={r}):
             return True
         del self._starts[r][client.record["queue_topic"]]
         return False
@@ -697,8 +697,8 @@ class SubscriptionService:
     # --- checkpoints and removal -----------------------------------------------------------------
 
     def _sync(self, only: set[int] | None = None) -> bool:
-        """Checkpoint what the queues durably hold; delete what clients acknowledged.  False when no
-        checkpoint was written (stopping with writes pending, or a write failed)."""
+        """Checkpoint what the queues durably hold; delete what clients acknowledged.  True once the
+        broker has the checkpoints (False: stopping with writes pending, or a queue write failed)."""
         assert self._producer is not None
         if not self._written():
             return False
@@ -733,9 +733,10 @@ class SubscriptionService:
             self._producer.produce(self.fill_topic, self._codec.encode("FillCheckpoint", record),
                                    str(r).encode(), partition=r)
             self.checkpoints[r] = dict(self._positions[r])
-            self.starts[r] = {q: dict(at) for q, at in starts.items()}
-        if self._written():
-            self._trim()
+            self.starts[r] = dict(starts)
+        if not self._written():
+            return False
+        self._trim()
         return True
 
     def _written(self) -> bool:
