@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import copy
 import difflib
+import hmac
+import ipaddress
 import os
 import re
 import tomllib
@@ -51,6 +53,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from . import sitekeys
 from .errors import ConfigError, InvalidRequest, UnknownRegion
 from .topics import TopicNames
 
@@ -99,12 +102,15 @@ _PATTERN_REASONS = {
 #: Fields whose values are never shown, not even in an error.  Each may
 #: instead be given as ``<field>_file`` (a file holding it) or ``<field>_env``
 #: (the name of an environment variable holding it): see "Secrets" below.
-_SECRET_FIELDS = frozenset({"sasl_password", "ssl_key_password", "token", "gateway_signing_key", "sender_keys"})
+_SECRET_FIELDS = frozenset({"sasl_password", "ssl_key_password", "token", "member_token", "gateway_private_key",
+                            # Removed settings, still never shown when a file gives them.
+                            "gateway_signing_key", "sender_keys"})
 _HIDDEN = "**********"
 
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 # "pkg.mod:Class" (attribute path after the colon) or "pkg.mod.Class".
 _IMPORT_PATH = re.compile(rf"^{_IDENT}(\.{_IDENT})*(:{_IDENT}(\.{_IDENT})*|\.{_IDENT})$")
+_MEMBER_HOST = re.compile(r"^([0-9A-Fa-f:.]+/\d{1,3}|[0-9A-Fa-f:.]+|[A-Za-z0-9*]([A-Za-z0-9*_.-]*[A-Za-z0-9*])?)$")
 _HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?)$")
 
 
@@ -151,13 +157,13 @@ def check_import_path(value: str) -> str:
 #
 # Giving two is an error.  The Kafka passwords are read from their source each
 # time a client is made (KafkaConnection.client_settings), so a rotated
-# mounted secret reaches the next client; region_service.token,
-# gateway_signing_key and receiver.sender_keys are read once, when the file
-# is loaded (a service reads them when it starts).  Either way a source that
-# cannot be read is a ConfigError naming the field and the file or variable,
-# and the value is never shown: SecretStr masks it in reprs and _shown in
-# errors.  receiver.sender_keys, a map of dsid → key, has the maps
-# sender_keys_file and sender_keys_env beside it, each dsid in one of them.
+# mounted secret reaches the next client; the services' tokens and
+# gateway_private_key are read once, when the file is loaded (a service reads
+# them when it starts).  Either way a source that cannot be read is a
+# ConfigError naming the field and the file or variable, and the value is
+# never shown: SecretStr masks it in reprs and _shown in errors.  The other
+# sites' public keys are not secret: gateway_public_keys (dsid → key) has the
+# map gateway_public_keys_file (dsid → file) beside it, each dsid in one of them.
 
 
 def _existing_file(value: str, info: ValidationInfo) -> str:
@@ -242,62 +248,73 @@ def _resolve_secret(data: Any, name: str, info: ValidationInfo) -> Any:
     return data
 
 
-def _resolve_sender_keys(data: Any, info: ValidationInfo) -> Any:
-    """The receiver's ``data`` with sender_keys completed from sender_keys_file and sender_keys_env."""
+_PUBLIC_KEY_MAPS = ("gateway_public_keys", "gateway_public_keys_file")
+
+
+def _resolve_public_keys(data: Any, info: ValidationInfo) -> Any:
+    """The site's ``data`` with gateway_public_keys completed from gateway_public_keys_file."""
     if not isinstance(data, Mapping):
         return data
-    data = {name: _by_dsid(value) if name in _SENDER_KEY_MAPS else value for name, value in data.items()}
-    keys, files, variables = (data.get(name) for name in _SENDER_KEY_MAPS)
-    if not all(value is None or isinstance(value, Mapping) for value in (keys, files, variables)):
+    data = {name: _by_dsid(value) if name in _PUBLIC_KEY_MAPS else value for name, value in data.items()}
+    keys, files = (data.get(name) for name in _PUBLIC_KEY_MAPS)
+    if not all(value is None or isinstance(value, Mapping) for value in (keys, files)) or not files:
         return data  # the fields' own checks report a map that is not one
-    if files is None and variables is None:
-        return data
-    _raise_rules(_sender_key_problems(data))
+    _raise_rules(_public_key_problems(data))
     merged = dict(keys or {})
     problems: list[Problem] = []
-    # A dsid that is not a number, or a source that is not text, is left for
-    # the field's own check to report.
-    for dsid, path in (files or {}).items():
+    # A dsid that is not a number, or a path that is not text, is left for the field's own check to report.
+    for dsid, path in files.items():
         if isinstance(dsid, int) and isinstance(path, str):
             try:
-                merged[dsid] = _read_secret(_existing_file(path, info), f"sender_keys_file[{dsid}]")
+                merged[dsid] = _read_secret(_existing_file(path, info), f"gateway_public_keys_file[{dsid}]")
             except PydanticCustomError as exc:  # _existing_file: no such file
-                problems.append((f"sender_keys_file[{dsid}]", path, str(exc)))
-            except ConfigError as exc:
-                problems.extend(exc.problems)
-    for dsid, variable in (variables or {}).items():
-        if isinstance(dsid, int) and isinstance(variable, str) and re.match(ENV_NAME_PATTERN, variable):
-            try:
-                merged[dsid] = _read_env(variable, f"sender_keys_env[{dsid}]")
+                problems.append((f"gateway_public_keys_file[{dsid}]", path, str(exc)))
             except ConfigError as exc:
                 problems.extend(exc.problems)
     _raise_rules(problems)
-    return {**data, "sender_keys": merged}
+    return {**data, "gateway_public_keys": merged}
 
 
-_SENDER_KEY_MAPS = ("sender_keys", "sender_keys_file", "sender_keys_env")
-
-
-def _sender_key_problems(section: Mapping[str, Any]) -> list[Problem]:
-    """Each dsid's key in one of the receiver's three key maps, and the variables named set."""
-    maps = [(name, section.get(name)) for name in _SENDER_KEY_MAPS]
+def _public_key_problems(section: Mapping[str, Any]) -> list[Problem]:
+    """Each dsid's public key given once, in gateway_public_keys or gateway_public_keys_file."""
+    maps = [(name, section.get(name)) for name in _PUBLIC_KEY_MAPS]
     if any(value is not None and not isinstance(value, Mapping) for _, value in maps):
         return []  # the field's own check reports a map that is not one
     given_in: dict[Any, str] = {}
     problems: list[Problem] = []
     for name, sources in maps:
         for dsid, source in (sources or {}).items():
-            where = f"{name}[{dsid}]"
             if _dsid_key(dsid) in given_in:
-                problems.append((where, _shown(name, source), f"dsid {dsid} already has its key in "
+                problems.append((f"{name}[{dsid}]", source, f"dsid {dsid} already has its key in "
                                  f"{given_in[_dsid_key(dsid)]}; give each dsid's key once"))
                 continue
             given_in[_dsid_key(dsid)] = name
-            if name == "sender_keys_env" and isinstance(source, str) and re.match(ENV_NAME_PATTERN, source):
-                try:
-                    _read_env(source, where)
-                except ConfigError as exc:
-                    problems.extend(exc.problems)
+    return problems
+
+
+#: Settings a site file may no longer give, each with what replaced it.
+_REMOVED = {
+    "gateway_signing_key": "gateway batches are signed with the site's Ed25519 key: set gateway_private_key "
+                           "(`sluice keys generate`) and give the other sites its public key in their "
+                           "gateway_public_keys",
+    "receiver.sender_keys": "the receiver verifies batches with the sending sites' Ed25519 public keys: "
+                            "give them in gateway_public_keys (dsid -> key) at the top of the site file",
+}
+
+
+def _removed_problems(data: Mapping[str, Any]) -> list[Problem]:
+    """A problem for each removed setting the raw file data still gives."""
+    problems: list[Problem] = []
+    for name in ("gateway_signing_key", "gateway_signing_key_file", "gateway_signing_key_env"):
+        if name in data:
+            problems.append((name, _shown("gateway_signing_key", data[name]),
+                             f"was removed: {_REMOVED['gateway_signing_key']}"))
+    receiver = data.get("receiver")
+    if isinstance(receiver, Mapping):
+        for name in ("sender_keys", "sender_keys_file", "sender_keys_env"):
+            if name in receiver:
+                problems.append((f"receiver.{name}", _shown("sender_keys", receiver[name]),
+                                 f"was removed: {_REMOVED['receiver.sender_keys']}"))
     return problems
 
 
@@ -687,43 +704,23 @@ class ReceiverConfig(_Model):
     manual_start: bool = Field(
         False, description="accepted as in Geode, not used: a receiver starts when its service starts",
         json_schema_extra={"geode": "manual-start"})
-    sender_keys: dict[Annotated[int, Field(ge=1, le=255)], SecretStr] = Field(
-        default_factory=dict, strict=False,
-        description="dsid -> that site's gateway_signing_key; when set, every accepted dsid needs one and "
-        "batches without a valid signature are rejected")
-    sender_keys_file: dict[Annotated[int, Field(ge=1, le=255)], str] = Field(
-        default_factory=dict, strict=False,
-        description="dsid -> a file holding that site's key, read when the site file is loaded; each dsid's key "
-        "in one of sender_keys, sender_keys_file, sender_keys_env")
-    sender_keys_env: dict[Annotated[int, Field(ge=1, le=255)], Annotated[str, Field(pattern=ENV_NAME_PATTERN)]] = Field(
-        default_factory=dict, strict=False,
-        description="dsid -> the name of an environment variable holding that site's key, read when the site "
-        "file is loaded")
+    batch_max_age_ms: int = Field(
+        86_400_000, ge=1000, description="a batch sent longer ago than this (its created_at; every send, resends "
+        "included, stamps it anew) is rejected and dead-lettered, and so is one stamped later than now + "
+        "region_service.max_clock_skew_ms: a signed batch recorded from the wire cannot be replayed once the acks "
+        "that mark it a duplicate have expired. Keep it below the gateway acks topic's retention")
+    apply_events_max: int = Field(
+        1000, ge=1, le=10_000, description="the most events the receiver hands the region service in one call; a "
+        "larger batch (a sender's batch_size, or a grouped transaction) is applied in several calls, in order, "
+        "never refused for its size")
 
     @model_validator(mode="before")
     @classmethod
-    def _read_keys(cls, data: Any, info: ValidationInfo) -> Any:
-        return _resolve_sender_keys(data, info)
-
-    @field_validator("sender_keys_file")
-    @classmethod
-    def _check_key_files(cls, value: dict[int, str], info: ValidationInfo) -> dict[int, str]:
-        return {dsid: _existing_file(path, info) for dsid, path in value.items()}
-
-    @model_validator(mode="after")
-    def _check_keys(self) -> ReceiverConfig:
-        if self.sender_keys:
-            missing = sorted(set(self.accepted_dsids) - set(self.sender_keys))
-            if missing:
-                raise _invalid(f"sender_keys has no key for accepted dsid(s) {missing}: with keys set, "
-                               "every accepted site's batches must be verifiable")
-            extra = sorted(set(self.sender_keys) - set(self.accepted_dsids))
-            if extra:
-                raise _invalid(f"sender_keys names dsid(s) {extra} that are not in accepted_dsids")
-            short = sorted(d for d, k in self.sender_keys.items() if len(k.get_secret_value()) < 16)
-            if short:
-                raise _invalid(f"the key of dsid(s) {short} is shorter than 16 characters")
-        return self
+    def _refuse_removed(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            _raise_rules([(field.removeprefix("receiver."), value, reason)
+                          for field, value, reason in _removed_problems({"receiver": data})])
+        return data
 
 
 class SubscriptionsConfig(_Model):
@@ -794,6 +791,31 @@ class RegionServiceConfig(_Model):
     token_env: str | None = Field(
         None, pattern=ENV_NAME_PATTERN, description="the name of an environment variable holding token, read when "
         "the site file is loaded")
+    member_token: SecretStr | None = Field(
+        None, min_length=16, description="the credential region-service instances use between themselves "
+        "(forwarded operations and reads, /internal/*) and gateway receivers use to apply other sites' events "
+        "(apply_remote); it also signs each instance's record of the buckets it owns on the status topic, so "
+        "that no other writer of that topic can redirect requests. 16 characters or more, not the same as token; "
+        "required when token is set")
+    member_token_file: str | None = Field(
+        None, description="a file holding member_token (relative to the site file), read when the site file is "
+        "loaded")
+    member_token_env: str | None = Field(
+        None, pattern=ENV_NAME_PATTERN, description="the name of an environment variable holding member_token, "
+        "read when the site file is loaded")
+    member_hosts: tuple[str, ...] = _seq(
+        description="the hosts an instance's announced URL may name: IP networks (10.0.0.0/8) or host names, "
+        "`*` matching any characters (*.orders.svc.cluster.local); a claim naming another host is ignored, so "
+        "requests and the member token never go there. Empty: loopback and this instance's own host")
+    allow_unauthenticated: bool = Field(
+        False, description="let an instance bound to a host other than loopback start without token and "
+        "member_token (anyone who reaches the port can then read and write every region)")
+    max_clock_skew_ms: int = Field(
+        60_000, ge=0, description="an event from another site stamped later than now + this is refused (and "
+        "dead-lettered at its origin): a timestamp in the future would win every WAN conflict on its key")
+    request_body_max_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024, description="the largest request body accepted, checked before it is read "
+        "(413 beyond it)")
     load_timeout_s: float = Field(
         60, gt=0, description="how long a member may take to rebuild a bucket from its changelog before it gives up")
     request_timeout_s: float = Field(
@@ -805,12 +827,38 @@ class RegionServiceConfig(_Model):
     @model_validator(mode="before")
     @classmethod
     def _read_token(cls, data: Any, info: ValidationInfo) -> Any:
-        return _resolve_secret(data, "token", info)
+        return _resolve_secret(_resolve_secret(data, "token", info), "member_token", info)
 
-    @field_validator("token_file")
+    @field_validator("token_file", "member_token_file")
     @classmethod
     def _check_token_file(cls, value: str | None, info: ValidationInfo) -> str | None:
         return None if value is None else _existing_file(value, info)
+
+    @field_validator("member_hosts")
+    @classmethod
+    def _check_member_hosts(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for i, host in enumerate(value):
+            if not _MEMBER_HOST.match(host):
+                raise _invalid(f"member_hosts[{i}] {host!r} is neither an IP network (10.0.0.0/8, fd00::/8) nor a "
+                               "host name (letters, digits, '.', '-', '*')")
+            if "/" in host:
+                try:
+                    ipaddress.ip_network(host, strict=False)
+                except ValueError as exc:
+                    raise _invalid(f"member_hosts[{i}] {host!r}: {exc}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _check_tokens(self) -> RegionServiceConfig:
+        if self.token is not None and self.member_token is None:
+            _raise_rules([("member_token", None, "is required when token is set (or member_token_file, "
+                           "member_token_env): instances and receivers call one another with it, never with the "
+                           "clients' token")])
+        if (self.token is not None and self.member_token is not None
+                and hmac.compare_digest(self.token.get_secret_value(), self.member_token.get_secret_value())):
+            _raise_rules([("member_token", _HIDDEN, "must differ from token: a client holding token must not be "
+                           "able to forge other sites' events or another instance's requests")])
+        return self
 
     @field_validator("advertised_url")
     @classmethod
@@ -859,15 +907,25 @@ class SiteConfig(_Model):
     region_service: RegionServiceConfig = Field(
         default_factory=RegionServiceConfig, description="the region service's HTTP API",
         json_schema_extra={"geode": "cache-server"})
-    gateway_signing_key: SecretStr | None = Field(
-        None, min_length=16, description="secret key this site's gateway senders sign their batches with "
-        "(HMAC-SHA256), 16 characters or more; receivers of other sites hold it in receiver.sender_keys")
-    gateway_signing_key_file: str | None = Field(
-        None, description="a file holding gateway_signing_key (relative to the site file), read when the site file "
+    gateway_private_key: SecretStr | None = Field(
+        None, description="this site's Ed25519 private key (base64 of its 32-byte seed, or PEM): its gateway "
+        "senders sign every batch and its receiver every ack with it; the other sites hold its public key in "
+        "their gateway_public_keys (`sluice keys generate` makes a pair)")
+    gateway_private_key_file: str | None = Field(
+        None, description="a file holding gateway_private_key (relative to the site file), read when the site file "
         "is loaded")
-    gateway_signing_key_env: str | None = Field(
+    gateway_private_key_env: str | None = Field(
         None, pattern=ENV_NAME_PATTERN, description="the name of an environment variable holding "
-        "gateway_signing_key, read when the site file is loaded")
+        "gateway_private_key, read when the site file is loaded")
+    gateway_public_keys: dict[Annotated[int, Field(ge=1, le=255)], str] = Field(
+        default_factory=dict, strict=False,
+        description="dsid -> that site's Ed25519 public key (base64 of 32 bytes, or PEM). The receiver applies "
+        "only batches signed by their site's key (with any key given, every accepted dsid needs one); a gateway "
+        "sender takes only acks signed by its remote site's key, when that key is given")
+    gateway_public_keys_file: dict[Annotated[int, Field(ge=1, le=255)], str] = Field(
+        default_factory=dict, strict=False,
+        description="dsid -> a file holding that site's public key (relative to the site file), read when the "
+        "site file is loaded; each dsid's key in one of gateway_public_keys, gateway_public_keys_file")
     gateway_conflict_resolver: str | None = Field(
         None, description="import path of a WAN conflict resolver class with on_event(event, helper); "
         "unset: the later timestamp wins, ties go to the higher dsid",
@@ -875,13 +933,40 @@ class SiteConfig(_Model):
 
     @model_validator(mode="before")
     @classmethod
-    def _read_signing_key(cls, data: Any, info: ValidationInfo) -> Any:
-        return _resolve_secret(data, "gateway_signing_key", info)
+    def _read_keys(cls, data: Any, info: ValidationInfo) -> Any:
+        if isinstance(data, Mapping):
+            _raise_rules([p for p in _removed_problems(data) if not p[0].startswith("receiver.")])
+        return _resolve_public_keys(_resolve_secret(data, "gateway_private_key", info), info)
 
-    @field_validator("gateway_signing_key_file")
+    @field_validator("gateway_private_key_file")
     @classmethod
     def _check_key_file(cls, value: str | None, info: ValidationInfo) -> str | None:
         return None if value is None else _existing_file(value, info)
+
+    @field_validator("gateway_public_keys_file")
+    @classmethod
+    def _check_public_key_files(cls, value: dict[int, str], info: ValidationInfo) -> dict[int, str]:
+        return {dsid: _existing_file(path, info) for dsid, path in value.items()}
+
+    @field_validator("gateway_private_key")
+    @classmethod
+    def _check_private_key(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            try:
+                sitekeys.load_private_key(value.get_secret_value())
+            except sitekeys.KeyFormatError as exc:
+                raise _invalid(str(exc)) from None
+        return value
+
+    @field_validator("gateway_public_keys")
+    @classmethod
+    def _check_public_keys(cls, value: dict[int, str]) -> dict[int, str]:
+        for dsid, text in value.items():
+            try:
+                sitekeys.load_public_key(text)
+            except sitekeys.KeyFormatError as exc:
+                raise _invalid(f"the key of dsid {dsid}: {exc}") from None
+        return value
 
     @field_validator("gateway_conflict_resolver")
     @classmethod
@@ -989,17 +1074,9 @@ class SiteConfig(_Model):
             add(f"{where}.sasl_password", connection, "sasl_password")
             add(f"{where}.ssl_key_password", connection, "ssl_key_password")
         add("region_service.token", self.region_service, "token")
+        add("region_service.member_token", self.region_service, "member_token")
         add("subscriptions.token", self.subscriptions, "token")
-        add("gateway_signing_key", self, "gateway_signing_key")
-        if self.receiver is not None:
-            for dsid in sorted(self.receiver.sender_keys):
-                if dsid in self.receiver.sender_keys_env:
-                    source = f"environment variable {self.receiver.sender_keys_env[dsid]}"
-                elif dsid in self.receiver.sender_keys_file:
-                    source = f"file {self.receiver.sender_keys_file[dsid]}"
-                else:
-                    source = "the site file"
-                out.append((f"receiver.sender_keys[{dsid}]", source))
+        add("gateway_private_key", self, "gateway_private_key")
         return out
 
 
@@ -1160,16 +1237,16 @@ def _all_rule_problems(data: Mapping[str, Any]) -> list[Problem]:
     if isinstance(kafka, Mapping):
         problems += under("kafka", _connection_rules(kafka) + _timing_rules(kafka))
     # The sources of the secrets read at load time (see "secrets" above).
-    problems += _secret_source_problems(data, "gateway_signing_key")
+    problems += _removed_problems(data)
+    problems += _secret_source_problems(data, "gateway_private_key")
+    problems += _public_key_problems(data)
     region_service = data.get("region_service")
     if isinstance(region_service, Mapping):
-        problems += under("region_service", _secret_source_problems(region_service, "token"))
+        problems += under("region_service", _secret_source_problems(region_service, "token")
+                          + _secret_source_problems(region_service, "member_token"))
     subscriptions = data.get("subscriptions")
     if isinstance(subscriptions, Mapping):
         problems += under("subscriptions", _secret_source_problems(subscriptions, "token"))
-    receiver = data.get("receiver")
-    if isinstance(receiver, Mapping):
-        problems += under("receiver", _sender_key_problems(receiver))
     for i, sender in _entries(data, "gateway_senders"):
         problems += under(f"gateway_senders[{i}]", _sender_rules(sender))
         remote = sender.get("remote")
@@ -1186,6 +1263,35 @@ def _all_rule_problems(data: Mapping[str, Any]) -> list[Problem]:
 # --- rules across sections, on plain data --------------------------------------
 
 
+def _key_problems(data: Mapping[str, Any], dsid: int | None,
+                  senders: list[tuple[int, Mapping[str, Any]]]) -> list[Problem]:
+    """Signing is all or nothing for a site: once it has a private key or any other site's public key, it
+    signs what it sends and verifies everything it takes, so every site it exchanges events with needs a key."""
+    keys = {_dsid_key(d) for name in _PUBLIC_KEY_MAPS if isinstance(data.get(name), Mapping) for d in data[name]}
+    private = any(data.get(f"gateway_private_key{s}") is not None for s in ("", "_file", "_env"))
+    if not keys and not private:
+        return []
+    problems: list[Problem] = []
+    if not private:
+        problems.append(("gateway_private_key", None, "is required with gateway_public_keys: a site that "
+                         "verifies others signs its own batches and acks (`sluice keys generate`)"))
+    if dsid is not None and dsid in keys:
+        problems.append((f"gateway_public_keys[{dsid}]", "...", "is this site's own dsid: list the other sites' "
+                         "public keys; this site's own comes from gateway_private_key"))
+    receiver = data.get("receiver")
+    accepted = receiver.get("accepted_dsids") if isinstance(receiver, Mapping) else None
+    missing = sorted({d for d in accepted if isinstance(d, int)} - keys) if isinstance(accepted, (list, tuple)) else []
+    if missing:
+        problems.append(("gateway_public_keys", sorted(keys), f"has no key for accepted dsid(s) {missing}: a "
+                         "signing site verifies every batch it applies (receiver.accepted_dsids)"))
+    for i, sender in senders:
+        remote = _as_int(sender.get("remote_dsid"))
+        if remote is not None and remote not in keys:
+            problems.append((f"gateway_senders[{i}].remote_dsid", remote, f"has no key in gateway_public_keys: "
+                             "a signing site verifies the acks of every site it sends to"))
+    return problems
+
+
 def _site_problems(data: Mapping[str, Any]) -> list[Problem]:
     """Problems that span sections.
 
@@ -1198,6 +1304,8 @@ def _site_problems(data: Mapping[str, Any]) -> list[Problem]:
     regions = _entries(data, "regions")
     senders = _entries(data, "gateway_senders")
     aeqs = _entries(data, "async_event_queues")
+
+    problems += _key_problems(data, dsid, senders)
 
     first_region: dict[str, int] = {}
     for i, region in regions:
@@ -1644,22 +1752,20 @@ def _short(value: Any) -> Any:
 
 def _without_loaded_secrets(data: dict[str, Any]) -> dict[str, Any]:
     """A SiteConfig dump without the secrets read from a file or variable, which validation reads again."""
-    data = dict(data)
-    if data.get("gateway_signing_key_file") is not None or data.get("gateway_signing_key_env") is not None:
-        data.pop("gateway_signing_key", None)
-    region_service = data.get("region_service")
-    if isinstance(region_service, dict) and (region_service.get("token_file") is not None
-                                             or region_service.get("token_env") is not None):
-        data["region_service"] = {k: v for k, v in region_service.items() if k != "token"}
-    subscriptions = data.get("subscriptions")
-    if isinstance(subscriptions, dict) and (subscriptions.get("token_file") is not None
-                                            or subscriptions.get("token_env") is not None):
-        data["subscriptions"] = {k: v for k, v in subscriptions.items() if k != "token"}
-    receiver = data.get("receiver")
-    if isinstance(receiver, dict) and isinstance(receiver.get("sender_keys"), dict):
-        loaded = set(receiver.get("sender_keys_file") or {}) | set(receiver.get("sender_keys_env") or {})
-        keys = {dsid: key for dsid, key in receiver["sender_keys"].items() if dsid not in loaded}
-        data["receiver"] = {**receiver, "sender_keys": keys}
+    def without_loaded(section: dict[str, Any], name: str) -> dict[str, Any]:
+        if section.get(f"{name}_file") is not None or section.get(f"{name}_env") is not None:
+            return {k: v for k, v in section.items() if k != name}
+        return section
+
+    data = without_loaded(dict(data), "gateway_private_key")
+    if isinstance(data.get("gateway_public_keys"), dict):
+        loaded = set(data.get("gateway_public_keys_file") or {})
+        data["gateway_public_keys"] = {dsid: key for dsid, key in data["gateway_public_keys"].items()
+                                       if dsid not in loaded}
+    for section, names in (("region_service", ("token", "member_token")), ("subscriptions", ("token",))):
+        if isinstance(data.get(section), dict):
+            for name in names:
+                data[section] = without_loaded(data[section], name)
     return data
 
 

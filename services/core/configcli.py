@@ -1,4 +1,4 @@
-"""``sluice config check``, ``sluice config reference`` and ``sluice topics apply``.
+"""``sluice config check``, ``sluice config reference``, ``sluice keys generate`` and ``sluice topics apply``.
 
 Thin commands over ``config.load_config`` and ``topics.apply_topics``: they
 parse arguments, call one function, and print its result as a table.
@@ -16,6 +16,7 @@ with it; 2 Kafka cannot be reached.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import sys
@@ -32,12 +33,14 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .config import _PATTERN_REASONS, SiteConfig, load_config
+from . import sitekeys
+from .config import _PATTERN_REASONS, SITE_PATTERN, SiteConfig, load_config
 from .errors import BrokerUnavailable, ConfigError, KafkaFatal
 from .kafka import make_admin
 from .topics import TopicReport, apply_topics
 
-__all__ = ["add_parsers", "config_reference", "main", "run_config_check", "run_config_reference", "run_topics_apply"]
+__all__ = ["add_parsers", "config_reference", "main", "run_config_check", "run_config_reference", "run_keys_generate",
+           "run_topics_apply"]
 
 EXIT_OK = 0
 EXIT_INVALID = 1
@@ -109,6 +112,22 @@ def add_parsers(subparsers: Any) -> None:
     )
     reference.add_argument("-o", "--output", metavar="FILE", help="write it to FILE instead of standard output")
     reference.set_defaults(func=run_config_reference)
+
+    keys = subparsers.add_parser("keys", help="make a site's gateway key pair",
+                                 description="Make a site's Ed25519 key pair for signing gateway batches and acks.")
+    keys_sub = keys.add_subparsers(dest="keys_command", metavar="COMMAND", required=True)
+    generate = keys_sub.add_parser(
+        "generate",
+        help="write a new key pair: SITE.key (private, mode 0600) and SITE.pub",
+        description="Write a new Ed25519 key pair: DIR/SITE.key, the private key (gateway_private_key_file of "
+        "this site's file, mode 0600), and DIR/SITE.pub, the public key (gateway_public_keys_file of every other "
+        "site's file). Refuses to overwrite an existing key.",
+        epilog=_KEYS_EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    generate.add_argument("--site", required=True, metavar="NAME", help="the site's name: names the two files")
+    generate.add_argument("--out-dir", default=".", metavar="DIR", help="where to write them (default: .)")
+    generate.set_defaults(func=run_keys_generate)
 
     topics = subparsers.add_parser("topics", help="manage a site's Kafka topics", description="Manage a site's topics.")
     topics_sub = topics.add_subparsers(dest="topics_command", metavar="COMMAND", required=True)
@@ -320,8 +339,8 @@ Geode's cache.xml attribute, or the Kafka client setting the key becomes).
 
 Every secret — `kafka.sasl_password`, `kafka.ssl_key_password` (and the same
 in a gateway sender's `remote`), `region_service.token`,
-`gateway_signing_key`, `receiver.sender_keys` — can be given in one of three
-ways, at most one at a time:
+`region_service.member_token`, `subscriptions.token`, `gateway_private_key` —
+can be given in one of three ways, at most one at a time:
 
 | form | example | notes |
 |---|---|---|
@@ -331,14 +350,16 @@ ways, at most one at a time:
 
 The Kafka passwords are read from their file or variable each time a Kafka
 client is made, so a rotated mounted secret reaches the next client; the
-token and the signing keys are read once, when the site file is loaded (a
-service loads it when it starts). `receiver.sender_keys`, a map of dsid →
-key, has two maps beside it, `sender_keys_file` (dsid → file) and
-`sender_keys_env` (dsid → variable name); each dsid's key is in one of the
-three. A file or variable that is missing or empty is an error naming the
-field and the file or variable, never the value: secrets appear in no
-output of `sluice`, no error message and no log (`**********` stands for
-them).
+tokens and the private key are read once, when the site file is loaded (a
+service loads it when it starts). A file or variable that is missing or
+empty is an error naming the field and the file or variable, never the
+value: secrets appear in no output of `sluice`, no error message and no log
+(`**********` stands for them).
+
+The other sites' public keys are not secret: `gateway_public_keys` maps a
+dsid to a key, and `gateway_public_keys_file` maps a dsid to a file holding
+one; each dsid's key is in one of the two. `sluice keys generate --site NAME`
+makes a site's key pair. docs/security.md says who holds which credential.
 
 ```yaml
 kafka:
@@ -346,10 +367,13 @@ kafka:
   sasl_mechanism: SCRAM-SHA-512
   sasl_username: sluice-site-a
   sasl_password_env: KAFKA_PASSWORD
+region_service:
+  token_env: REGION_TOKEN
+  member_token_env: REGION_MEMBER_TOKEN
 receiver:
   accepted_dsids: [2]
-  sender_keys_env: {2: SITE_B_SIGNING_KEY}
-gateway_signing_key_file: /etc/sluice/keys/signing-key
+gateway_private_key_file: /etc/sluice/keys/site-a.key
+gateway_public_keys_file: {2: /etc/sluice/keys/site-b.pub}
 ```
 """
 
@@ -496,6 +520,38 @@ def _foreign_name(field: FieldInfo) -> str:
     if "kafka" in extra:
         names.append(f"Kafka `{extra['kafka']}`")
     return ", ".join(names)
+
+
+_KEYS_EXAMPLE = """\
+example:
+  sluice keys generate --site site-a --out-dir keys/
+  # keys/site-a.key  ->  site-a's file:  gateway_private_key_file: keys/site-a.key
+  # keys/site-a.pub  ->  site-b's file:  gateway_public_keys_file: {1: keys/site-a.pub}
+"""
+
+
+def run_keys_generate(args: argparse.Namespace) -> int:
+    """``sluice keys generate --site NAME [--out-dir DIR]``: 0, or 1 when a key file is already there."""
+    if not re.match(SITE_PATTERN, args.site):
+        _console(stderr=True).print(f"--site {args.site!r}: {_PATTERN_REASONS[SITE_PATTERN]}")
+        return EXIT_INVALID
+    folder = Path(args.out_dir)
+    private_path, public_path = folder / f"{args.site}.key", folder / f"{args.site}.pub"
+    for path in (private_path, public_path):
+        if path.exists():
+            _console(stderr=True).print(f"{path}: already exists; a key is never overwritten (remove it first)")
+            return EXIT_INVALID
+    folder.mkdir(parents=True, exist_ok=True)
+    private, public = sitekeys.generate()
+    # Created 0600 from the start: the private key is never readable by others, not even for a moment.
+    fd = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="ascii") as f:
+        f.write(private + "\n")
+    public_path.write_text(public + "\n", encoding="ascii")
+    print(f"private key: {private_path} (mode 0600; this site's gateway_private_key_file)")
+    print(f"public key:  {public_path} (the other sites' gateway_public_keys_file)")
+    print(f"public key:  {public}")
+    return EXIT_OK
 
 
 def run_config_reference(args: argparse.Namespace) -> int:

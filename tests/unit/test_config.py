@@ -11,6 +11,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from sluice.core import sitekeys
 from sluice.core.config import (
     AsyncEventQueueConfig,
     AttachedQueue,
@@ -424,7 +425,7 @@ def test_secrets_are_never_shown() -> None:
     data["kafka"].update(
         security_protocol="SASL_PLAINTEXT", sasl_mechanism="PLAIN", sasl_username="u", sasl_password="hunter2"
     )
-    data["region_service"] = {"token": "s3cret"}
+    data["region_service"] = {"token": "s3cret", "member_token": "member-s3cret-0123456789"}
     cfg = parse_config(data)
     assert "hunter2" not in repr(cfg) and "s3cret" not in repr(cfg)
     assert cfg.kafka.client_settings()["sasl.password"] == "hunter2"
@@ -654,21 +655,26 @@ def test_site_config_validates_when_built_directly() -> None:
         SiteConfig.model_validate(set_path(minimal(), "gateway_senders[1].remote_dsid", 1))
 
 
-def test_receiver_sender_keys_must_cover_every_accepted_dsid_and_stay_hidden() -> None:
-    """With sender_keys set, every accepted dsid needs a key of 16+ characters; errors never show a key."""
-    base = "site: b\ndsid: 2\nkafka: {bootstrap_servers: 'x:1'}\nregions: [{name: orders}]\n"
-    ok = parse_config(yaml.safe_load(base + "receiver: {accepted_dsids: [1, 3], sender_keys: {1: 'k1-0123456789abcdef', "
-                                          "3: 'k3-0123456789abcdef'}}\n"))
-    assert ok.receiver is not None and ok.receiver.sender_keys[1].get_secret_value() == "k1-0123456789abcdef"
-    for receiver, needle in (
-        ("{accepted_dsids: [1, 3], sender_keys: {1: 'k1-0123456789abcdef'}}", "no key for accepted dsid(s) [3]"),
-        ("{accepted_dsids: [1], sender_keys: {1: 'k1-0123456789abcdef', 4: 'k4-0123456789abcdef'}}",
-         "dsid(s) [4] that are not in accepted_dsids"),
-        ("{accepted_dsids: [1], sender_keys: {1: 'short'}}", "shorter than 16"),
+def test_a_signing_site_needs_every_peer_key_and_errors_never_show_its_private_key() -> None:
+    """A site with a private key verifies every site it exchanges events with: each accepted dsid and each
+    sender's remote dsid needs a public key; a malformed key is named, never shown."""
+    private, _ = sitekeys.generate()
+    _, public_1 = sitekeys.generate()
+    _, public_3 = sitekeys.generate()
+    base = f"site: b\ndsid: 2\nkafka: {{bootstrap_servers: 'x:1'}}\nregions: [{{name: orders}}]\n" \
+           f"gateway_private_key: '{private}'\n"
+    ok = parse_config(yaml.safe_load(base + f"receiver: {{accepted_dsids: [1, 3]}}\n"
+                                            f"gateway_public_keys: {{1: '{public_1}', 3: '{public_3}'}}\n"))
+    assert ok.gateway_public_keys[1] == public_1
+    for more, needle in (
+        (f"receiver: {{accepted_dsids: [1, 3]}}\ngateway_public_keys: {{1: '{public_1}'}}\n",
+         "no key for accepted dsid(s) [3]"),
+        (f"gateway_public_keys: {{2: '{public_1}'}}\n", "this site's own dsid"),
+        ("gateway_public_keys: {1: 'short'}\n", "not an Ed25519 public key"),
     ):
         with pytest.raises(ConfigError) as err:
-            parse_config(yaml.safe_load(base + f"receiver: {receiver}\n"))
-        assert needle in str(err.value) and "0123456789abcdef" not in str(err.value)
+            parse_config(yaml.safe_load(base + more))
+        assert needle in str(err.value) and private not in str(err.value)
     with pytest.raises(ConfigError) as err:
-        parse_config(yaml.safe_load(base + "gateway_signing_key: 'tiny'\n"))
-    assert "gateway_signing_key" in str(err.value) and "tiny" not in str(err.value)
+        parse_config(yaml.safe_load(base.replace(private, "tiny-private-key")))
+    assert "gateway_private_key" in str(err.value) and "tiny" not in str(err.value)

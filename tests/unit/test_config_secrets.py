@@ -1,8 +1,8 @@
 """Secrets come from the site file, a file or an environment variable, and are shown nowhere.
 
 Every secret of a site file (the Kafka passwords, also a sender's remote
-ones, the region and subscription services' tokens, the gateway signing key, the receiver's
-sender keys) is set through each of its three sources; each time the value
+ones, the region and subscription services' tokens, the region service's member token, the
+site's gateway private key) is set through each of its three sources; each time the value
 must reach the code that uses it, and must be absent from `sluice config
 check`'s output, from ``repr`` of the configuration and from every
 ConfigError.
@@ -10,6 +10,7 @@ ConfigError.
 
 from __future__ import annotations
 
+import base64
 import copy
 from pathlib import Path
 from typing import Any, Callable
@@ -17,11 +18,13 @@ from typing import Any, Callable
 import pytest
 import yaml
 
-from sluice.core import configcli
+from sluice.core import configcli, sitekeys
 from sluice.core.config import SiteConfig, load_config, parse_config
 from sluice.core.errors import ConfigError
 
-SECRET = "Xy-SECRET-9f8e7d6c5b4a"  # 16+ characters: also a valid signing key
+# 16+ characters, and the base64 of 32 bytes: also a valid Ed25519 private key.
+SECRET = base64.b64encode(b"Xy-SECRET-9f8e7d6c5b4a-0123456789"[:32]).decode()
+PEER_PUBLIC_KEY = sitekeys.generate()[1]
 VARIABLE = "SLUICE_TEST_SECRET"
 
 
@@ -61,6 +64,11 @@ def remote_section(data: dict[str, Any], folder: Path) -> dict[str, Any]:
 
 
 def region_service_section(data: dict[str, Any], folder: Path) -> dict[str, Any]:
+    data["region_service"] = {"member_token": "another-secret-member-token"}
+    return data["region_service"]
+
+
+def member_token_section(data: dict[str, Any], folder: Path) -> dict[str, Any]:
     data["region_service"] = {}
     return data["region_service"]
 
@@ -71,6 +79,7 @@ def subscriptions_section(data: dict[str, Any], folder: Path) -> dict[str, Any]:
 
 
 def site_section(data: dict[str, Any], folder: Path) -> dict[str, Any]:
+    data["gateway_public_keys"] = {2: PEER_PUBLIC_KEY}
     return data
 
 
@@ -83,10 +92,12 @@ SECRETS: list[tuple[str, Callable[[dict[str, Any], Path], dict[str, Any]], str, 
      lambda c: c.gateway_senders[0].remote.client_settings()["sasl.password"]),  # type: ignore[union-attr]
     ("region_service.token", region_service_section, "token",
      lambda c: c.region_service.token.get_secret_value()),  # type: ignore[union-attr]
+    ("region_service.member_token", member_token_section, "member_token",
+     lambda c: c.region_service.member_token.get_secret_value()),  # type: ignore[union-attr]
     ("subscriptions.token", subscriptions_section, "token",
      lambda c: c.subscriptions.token.get_secret_value()),  # type: ignore[union-attr]
-    ("gateway_signing_key", site_section, "gateway_signing_key",
-     lambda c: c.gateway_signing_key.get_secret_value()),  # type: ignore[union-attr]
+    ("gateway_private_key", site_section, "gateway_private_key",
+     lambda c: c.gateway_private_key.get_secret_value()),  # type: ignore[union-attr]
 ]
 SOURCES = ("value", "file", "env")
 
@@ -148,43 +159,47 @@ def test_each_secret_from_each_source_is_used_and_never_shown(
     assert status == 1 and SECRET not in out and "regions[0].buckets" in out
 
 
-@pytest.mark.parametrize("source", SOURCES)
-def test_receiver_sender_keys_from_each_source_are_used_and_never_shown(
-    source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+@pytest.mark.parametrize("source", ("value", "file"))
+def test_public_keys_from_the_site_file_or_a_file_are_used(
+    source: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """receiver.sender_keys, a map of dsid → key, takes sender_keys_file and sender_keys_env maps beside it."""
+    """gateway_public_keys, a map of dsid → public key, takes a gateway_public_keys_file map beside it."""
     data = base()
-    receiver: dict[str, Any] = {"accepted_dsids": [2]}
-    data["receiver"] = receiver
+    data["receiver"] = {"accepted_dsids": [2]}
+    data["gateway_private_key"] = SECRET
     if source == "value":
-        receiver["sender_keys"] = {2: SECRET}
-        shown_source = "the site file"
-    elif source == "file":
-        (tmp_path / "key-b").write_text(SECRET + "\n")
-        receiver["sender_keys_file"] = {2: "key-b"}
-        shown_source = f"file {tmp_path / 'key-b'}"
+        data["gateway_public_keys"] = {2: PEER_PUBLIC_KEY}
     else:
-        monkeypatch.setenv(VARIABLE, SECRET)
-        receiver["sender_keys_env"] = {2: VARIABLE}
-        shown_source = f"environment variable {VARIABLE}"
+        (tmp_path / "site-b.pub").write_text(PEER_PUBLIC_KEY + "\n")
+        data["gateway_public_keys_file"] = {2: "site-b.pub"}
     path = write(tmp_path, data)
 
     cfg = load_config(path)
-    assert cfg.receiver is not None and cfg.receiver.sender_keys[2].get_secret_value() == SECRET
-    assert SECRET not in repr(cfg)
+    assert cfg.gateway_public_keys[2] == PEER_PUBLIC_KEY
     moved = cfg.with_overrides({"kafka": {"bootstrap_servers": "10.9.9.9:9092"}})
-    assert moved.receiver is not None and moved.receiver.sender_keys[2].get_secret_value() == SECRET
+    assert moved.gateway_public_keys[2] == PEER_PUBLIC_KEY
     status, out = check_output(path, capsys)
-    assert status == 0 and SECRET not in out and f"secret receiver.sender_keys[2]: from {shown_source}" in out
+    assert status == 0 and SECRET not in out
 
-    # A receiver-wide error (a dsid without a key) reports the section without its keys.
-    receiver["accepted_dsids"] = [2, 3]
+    # A signing site verifies every site it takes batches from: a dsid without a key is named.
+    data["receiver"]["accepted_dsids"] = [2, 3]
     with pytest.raises(ConfigError) as caught:
         load_config(write(tmp_path, data))
     assert "no key for accepted dsid(s) [3]" in str(caught.value)
     assert SECRET not in str(caught.value) and SECRET not in repr(caught.value.problems)
-    status, out = check_output(tmp_path / "site.yaml", capsys)
-    assert status == 1 and SECRET not in out
+
+
+def test_removed_hmac_settings_name_their_replacement(tmp_path: Path) -> None:
+    """The HMAC settings of earlier releases are refused with what replaced them; their values stay hidden."""
+    data = base()
+    data["gateway_signing_key"] = SECRET
+    data["receiver"] = {"accepted_dsids": [2], "sender_keys_env": {2: VARIABLE}}
+    with pytest.raises(ConfigError) as caught:
+        parse_config(data)
+    problems = {field: reason for field, _, reason in caught.value.problems}
+    assert "gateway_private_key" in problems["gateway_signing_key"]
+    assert "gateway_public_keys" in problems["receiver.sender_keys_env"]
+    assert SECRET not in str(caught.value)
 
 
 def test_an_unset_or_empty_variable_names_the_field_and_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -193,9 +208,10 @@ def test_an_unset_or_empty_variable_names_the_field_and_the_variable(monkeypatch
     cases = [
         ("kafka", lambda d: d["kafka"].update(SASL, sasl_password_env=VARIABLE), "kafka.sasl_password_env"),
         ("token", lambda d: d.update(region_service={"token_env": VARIABLE}), "region_service.token_env"),
-        ("signing key", lambda d: d.update(gateway_signing_key_env=VARIABLE), "gateway_signing_key_env"),
-        ("sender keys", lambda d: d.update(receiver={"accepted_dsids": [2], "sender_keys_env": {2: VARIABLE}}),
-         "receiver.sender_keys_env[2]"),
+        ("member token", lambda d: d.update(region_service={"member_token_env": VARIABLE}),
+         "region_service.member_token_env"),
+        ("private key", lambda d: d.update(gateway_private_key_env=VARIABLE, gateway_public_keys={2: PEER_PUBLIC_KEY}),
+         "gateway_private_key_env"),
     ]
     for what, change, field in cases:
         data = base()
@@ -216,15 +232,17 @@ def test_one_source_per_secret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     (tmp_path / "secret.txt").write_text(SECRET)
     data = base()
     data["kafka"].update(SASL, sasl_password=SECRET, sasl_password_env=VARIABLE)
-    data["gateway_signing_key_file"] = "secret.txt"
-    data["gateway_signing_key_env"] = VARIABLE
-    data["receiver"] = {"accepted_dsids": [2], "sender_keys": {2: SECRET}, "sender_keys_env": {2: VARIABLE}}
+    data["gateway_private_key_file"] = "secret.txt"
+    data["gateway_private_key_env"] = VARIABLE
+    (tmp_path / "b.pub").write_text(PEER_PUBLIC_KEY)
+    data["gateway_public_keys"] = {2: PEER_PUBLIC_KEY}
+    data["gateway_public_keys_file"] = {2: "b.pub"}
     with pytest.raises(ConfigError) as caught:
         parse_config(data, base_dir=tmp_path)
     problems = {field: reason for field, _, reason in caught.value.problems}
     assert problems["kafka.sasl_password_env"] == "give sasl_password or sasl_password_env, not both"
-    assert problems["gateway_signing_key_env"] == "give gateway_signing_key_file or gateway_signing_key_env, not both"
-    assert problems["receiver.sender_keys_env[2]"].startswith("dsid 2 already has its key in sender_keys")
+    assert problems["gateway_private_key_env"] == "give gateway_private_key_file or gateway_private_key_env, not both"
+    assert problems["gateway_public_keys_file[2]"].startswith("dsid 2 already has its key in gateway_public_keys")
     assert SECRET not in str(caught.value)
 
     data = base()
@@ -250,17 +268,19 @@ def test_kafka_passwords_are_read_each_time_a_client_is_made(monkeypatch: pytest
                                       f"the environment variable {VARIABLE} is not set")]
 
 
-def test_a_short_signing_key_from_a_variable_is_refused_without_showing_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The signing key's rules hold whatever its source; the refusal does not show the key."""
-    monkeypatch.setenv(VARIABLE, "tiny-key")
+def test_a_malformed_private_key_from_a_variable_is_refused_without_showing_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The private key's rules hold whatever its source; the refusal does not show the key."""
+    monkeypatch.setenv(VARIABLE, "tiny-key-not-ed25519")
     data = copy.deepcopy(base())
-    data["gateway_signing_key_env"] = VARIABLE
+    data["gateway_private_key_env"] = VARIABLE
+    data["gateway_public_keys"] = {2: PEER_PUBLIC_KEY}
     with pytest.raises(ConfigError) as caught:
         parse_config(data)
-    assert "gateway_signing_key" in str(caught.value) and "tiny-key" not in str(caught.value)
+    assert "gateway_private_key" in str(caught.value) and "tiny-key" not in str(caught.value)
 
 
-def test_empty_secret_file_and_toml_sender_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_empty_secret_file_and_toml_public_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An empty secret file is named; TOML's string dsids ("2") work for the key maps too."""
     (tmp_path / "empty").write_text("\n")
     data = base()
@@ -269,10 +289,10 @@ def test_empty_secret_file_and_toml_sender_keys(tmp_path: Path, monkeypatch: pyt
         parse_config(data, base_dir=tmp_path)
     assert caught.value.problems == [("region_service.token_file", str(tmp_path / "empty"), "the file is empty")]
 
-    monkeypatch.setenv(VARIABLE, SECRET)
     (tmp_path / "site.toml").write_text(
-        'site = "site-a"\ndsid = 1\n[kafka]\nbootstrap_servers = "127.0.0.1:9092"\n[[regions]]\nname = "orders"\n'
-        f'[receiver]\naccepted_dsids = [2]\n[receiver.sender_keys_env]\n"2" = "{VARIABLE}"\n'
+        f'site = "site-a"\ndsid = 1\ngateway_private_key = "{SECRET}"\n'
+        '[kafka]\nbootstrap_servers = "127.0.0.1:9092"\n[[regions]]\nname = "orders"\n'
+        f'[receiver]\naccepted_dsids = [2]\n[gateway_public_keys]\n"2" = "{PEER_PUBLIC_KEY}"\n'
     )
     cfg = load_config(tmp_path / "site.toml")
-    assert cfg.receiver is not None and cfg.receiver.sender_keys[2].get_secret_value() == SECRET
+    assert cfg.gateway_public_keys[2] == PEER_PUBLIC_KEY
