@@ -17,13 +17,24 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from .errors import MalformedRecord
 from .events import EntryEvent, Operation
 
 _OPERATION_INDEX = {op: i for i, op in enumerate(Operation)}
 
 
+LONG_MIN, LONG_MAX = -(2**63), 2**63 - 1
+INT_MIN, INT_MAX = -(2**31), 2**31 - 1
+
+
 def varint(n: int) -> bytes:
-    """Avro's zig-zag varint of a long."""
+    """Avro's zig-zag varint of a long; ``MalformedRecord`` for a number no long holds.
+
+    Python's ints are unbounded and the zig-zag step silently wraps one
+    beyond 64 bits (2**70 would be read back as 64), so the range is checked
+    here, where every hand-written long is made."""
+    if not LONG_MIN <= n <= LONG_MAX:
+        raise MalformedRecord(f"{n} does not fit an Avro long ({LONG_MIN}..{LONG_MAX})")
     z = (n << 1) ^ (n >> 63)
     if z < 0x80:
         return bytes((z,))
@@ -33,6 +44,13 @@ def varint(n: int) -> bytes:
         z >>= 7
     out.append(z)
     return bytes(out)
+
+
+def varint32(n: int) -> bytes:
+    """Avro's varint of an int (32 bits): the same encoding as a long, within the int's range."""
+    if not INT_MIN <= n <= INT_MAX:
+        raise MalformedRecord(f"{n} does not fit an Avro int ({INT_MIN}..{INT_MAX})")
+    return varint(n)
 
 
 def string(s: str) -> bytes:
@@ -61,18 +79,18 @@ def entry_event_body(ev: EntryEvent) -> bytes:
         _cached_string(eid.member_id),
         varint(eid.thread_id),
         varint(eid.sequence_id),
-        varint(ver.dsid),
+        varint32(ver.dsid),
         varint(ver.timestamp),
         varint(ver.entry_version),
         _cached_string(ver.member_id),
-        varint(ev.origin_dsid),
+        varint32(ev.origin_dsid),
     ]
     visited = ev.visited_dsids
     if visited:
         parts.append(varint(len(visited)))
-        parts.extend(varint(d) for d in visited)
+        parts.extend(varint32(d) for d in visited)
     parts.append(b"\x00")
-    parts.append(varint(ev.bucket))
+    parts.append(varint32(ev.bucket))
     parts.append(varint(ev.event_time))
     tx = ev.transaction
     parts.append(b"\x00" if tx is None else b"\x02" + string(tx[0]) + (b"\x01" if tx[1] else b"\x00"))

@@ -196,7 +196,11 @@ class Codec:
 
     def encode(self, name: str, record: dict[str, Any], validate: bool = True) -> bytes:
         """Frame ``record``.  ``validate=False`` skips the type check, for hot
-        paths whose records are built from typed values (about half the cost)."""
+        paths whose records are built from typed values (about half the cost).
+        Without it, fastavro still refuses a long beyond 64 bits but writes an
+        int field beyond 32 bits as if it were a long, which other readers
+        reject: numbers from outside are range-checked where they enter
+        (``core/eventchecks.py``), so such records hold only checked values."""
         try:
             schema = self._writers[name]
         except KeyError:

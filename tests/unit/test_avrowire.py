@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sluice.core.avrowire import entry_event_body, varint
 from sluice.core.codec import HEADER_BYTES, get_codec
+from sluice.core.errors import MalformedRecord
 from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
 
 INT32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
@@ -48,3 +52,25 @@ def test_varint_round_trips_through_the_codec(n: int) -> None:
     assert varint(n) in body
     record = get_codec().decode_as("EntryEvent", get_codec().encode("EntryEvent", event.to_record()))
     assert record["event_id"]["sequence_id"] == n
+
+
+def test_numbers_beyond_their_avro_type_are_refused_not_wrapped() -> None:
+    """A long beyond 64 bits, or an int beyond 32, is refused by both writers: never written as another number
+    (2**70 would otherwise be read back as 64)."""
+    event = EntryEvent("orders", "k", Operation.UPDATE, b"1", EventID("m", 1, 2**70), VersionTag(1, 0, 1), 1, 0, 0)
+    with pytest.raises(MalformedRecord, match="does not fit an Avro long"):
+        entry_event_body(event)
+    with pytest.raises(MalformedRecord):
+        get_codec().encode("EntryEvent", event.to_record(), validate=False)
+    with pytest.raises(MalformedRecord):
+        get_codec().encode("EntryEvent", event.to_record())
+    wide_bucket = replace(event, event_id=EventID("m", 1, 5), bucket=2**40)
+    with pytest.raises(MalformedRecord, match="does not fit an Avro int"):
+        entry_event_body(wide_bucket)
+    with pytest.raises(MalformedRecord):
+        get_codec().encode("EntryEvent", wide_bucket.to_record())
+    for edge in (-(2**63), 2**63 - 1):
+        assert get_codec().decode_as("EntryEvent", get_codec().encode("EntryEvent", replace(
+            event, event_id=EventID("m", 1, edge)).to_record()))["event_id"]["sequence_id"] == edge
+    with pytest.raises(MalformedRecord):
+        varint(2**63)
