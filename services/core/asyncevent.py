@@ -4,7 +4,7 @@ Geode's ``AsyncEventListener.processEvents(List<AsyncEvent>)`` on Kafka::
 
     class MyListener(AsyncEventListener):
         def init(self, config: dict) -> None: ...          # once, before the first batch
-        def process_events(self, events: list[AsyncEvent]) -> bool:
+        def process_events(self, events: list[AsyncEvent]) -> bool | Accepted:
             ...                                            # True: the batch is removed
         def close(self) -> None: ...                       # once, on stop
 
@@ -12,6 +12,20 @@ Geode's ``AsyncEventListener.processEvents(List<AsyncEvent>)`` on Kafka::
 offered again (with backoff), and nothing after it is offered first.  A
 listener must therefore be idempotent: after a failover or restart, events
 after the last removal are offered again with ``possible_duplicate`` set.
+
+Dead letters (issue 17).  Offering a batch again only helps when the failure
+can go away (a database away, a lock, a deadlock).  An event the listener can
+never take (a value that does not fit the table, a constraint its data
+violates, bytes that do not decode) would refuse its batch for ever and wedge
+the queue.  When the host says it can keep such events (``init``'s config has
+``dead_letter_topic``, as the dispatcher's does), ``process_events`` may
+return ``Accepted(dead_letters=[DeadLetter(event, reason, error_class)])``:
+the rest of the batch is taken, and the dispatcher writes each dead letter to
+``dead_letter_topic`` and waits until the broker has it before the batch
+leaves the queue (a crash in between offers the batch again: the listener
+must reject the same events again, idempotently).  Without
+``dead_letter_topic`` (a listener called directly, or an older host) a
+listener must refuse the batch instead, so that nothing is dropped unseen.
 
 A listener is named in the site file by ``listener.type``: ``sql`` and
 ``kafka`` are the ones shipped with Sluice; ``python`` loads
@@ -106,13 +120,36 @@ class AsyncEvent:
                 f"@{self.queue_id}[{self.partition}]:{self.offset}{' possibleDuplicate' if self.possible_duplicate else ''})")
 
 
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """An event of the batch the listener can never take, and why: retrying cannot help."""
+
+    event: AsyncEvent
+    reason: str
+    #: What kind of failure, for whoever reads the dead-letter topic (e.g. the driver's exception class).
+    error_class: str = "Rejected"
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """What ``process_events`` may return instead of ``True`` when ``init``'s config has
+    ``dead_letter_topic``: the batch is taken except ``dead_letters``, which the
+    dispatcher writes durably to that topic before it removes the batch."""
+
+    dead_letters: tuple[DeadLetter, ...] = ()
+
+    def __post_init__(self) -> None:
+        # A list is the natural thing to hand over; keep the value immutable.
+        object.__setattr__(self, "dead_letters", tuple(self.dead_letters))
+
+
 @runtime_checkable
 class AsyncEventListener(Protocol):
     """The listener contract (a class need not inherit from this)."""
 
     def init(self, config: dict[str, Any]) -> None: ...
 
-    def process_events(self, events: list[AsyncEvent]) -> bool: ...
+    def process_events(self, events: list[AsyncEvent]) -> bool | Accepted: ...
 
     def close(self) -> None: ...
 

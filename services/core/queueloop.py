@@ -22,7 +22,9 @@ The story of a partition on its primary, step by step:
    and waits for their acks in order.  It answers how many batches, from the
    oldest, were delivered.  None: the very same batches are delivered again
    with exponential backoff (tenacity), forever, unless the queue is paused,
-   stopped or the partition revoked; nothing after them goes first.
+   stopped or the partition revoked; nothing after them goes first.  Events
+   a listener can never take go to the dead-letter topic during the offer
+   (``dead_letter_event``), durably, before the batch counts as delivered.
 4. Delivered, oldest first: each batch's removal record (queue head) is
    written to the queue's compacted removals topic, and once it is durable
    the group offset is committed.  A crash anywhere before that only means
@@ -442,6 +444,37 @@ class QueuePrimary:
         self.stats["dead_lettered"] += 1
         log.warning("queue %s[%d]@%d dead-lettered: %s", msg.topic(), msg.partition(), msg.offset(), exc)
 
+    def dead_letter_event(self, event: AsyncEvent, reason: str, error_class: str, service: str) -> None:
+        """Worker thread: write an event the listener can never take to the
+        dead-letter topic and return once the broker has it (issue 17), so the
+        batch is removed only after its dead letters are durable.  Stopping
+        raises ``Interrupted``: the batch stays, and is offered again."""
+        record = {
+            "source_topic": self.topic,
+            "source_partition": event.partition,
+            "source_offset": event.offset,
+            "key": event.key.encode(),
+            "value": event.raw_value,
+            "reason": reason,
+            "error_class": error_class,
+            "event": event.event.to_record(),
+            "service": service,
+            "failed_at": int(time.time() * 1000),
+        }
+        produce_durably(self._producer, self.dlq_topic, self._codec.encode("DeadLetter", record), event.key.encode(),
+                        what=f"dead letter of {self.topic}[{event.partition}]@{event.offset}",
+                        stopping=self._stopping)
+        # Counted by the loop thread, which owns the partition's counters.
+        self._inbox.put(("dead_lettered", event.partition))
+        log.warning("queue %s[%d]@%d (%s) dead-lettered by the listener: %s: %s", self.topic, event.partition,
+                    event.offset, event.event_id, error_class, reason)
+
+    def _count_dead_letter(self, partition: int) -> None:
+        self.stats["dead_lettered"] += 1
+        part = self._partitions.get(partition)
+        if part is not None:
+            part.dead_lettered += 1
+
     # --- dispatching ------------------------------------------------------------------
 
     def _poll_timeout_s(self) -> float:
@@ -534,6 +567,8 @@ class QueuePrimary:
                 self._offer_done(item)
             elif kind == "removed":
                 self._removed(*item)
+            elif kind == "dead_lettered":
+                self._count_dead_letter(item)
 
     def _offer_done(self, done: _OfferDone) -> None:
         part = self._partitions.get(done.partition)
@@ -658,6 +693,8 @@ class QueuePrimary:
                 self._offer_done(item)
             elif kind == "removed":
                 self._removed(*item)
+            elif kind == "dead_lettered":
+                self._count_dead_letter(item)
         if self._producer is not None:
             self._producer.flush(10)
         self._drain_inbox()

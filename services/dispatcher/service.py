@@ -4,7 +4,11 @@ Geode's AsyncEventQueue on Kafka: the queue's primary loop
 (``core/queueloop.py``: batching, conflation, identical redelivery, removal
 records, failover, pause/resume/stop, status) delivers each batch to the
 queue's listener.  ``process_events`` returning ``False`` or raising means
-the very same batch is offered again.
+the very same batch is offered again.  Returning ``Accepted(dead_letters)``
+(issue 17) means the batch is taken except those events, which are written
+to the queue's dead-letter topic, each acknowledged by the broker, before the
+batch counts as delivered; the listener learns it may do so from
+``dead_letter_topic`` in its ``init`` config.
 
 Each dispatcher thread has a listener instance of its own (created and
 ``init``-ed on its first batch, ``close``-d on stop), so a listener never sees
@@ -23,10 +27,10 @@ from typing import Any, Callable
 from opentelemetry.trace import SpanKind, StatusCode
 
 from ..core import telemetry
-from ..core.asyncevent import AsyncEvent, load_listener_class
+from ..core.asyncevent import Accepted, AsyncEvent, DeadLetter, load_listener_class
 from ..core.batching import Batch
 from ..core.config import SiteConfig
-from ..core.errors import SluiceError
+from ..core.errors import InvalidRequest, SluiceError
 from ..core.queueloop import DesiredState, QueuePartition, QueuePrimary, ServiceState, event_traceparent
 
 log = logging.getLogger("sluice.dispatcher")
@@ -69,8 +73,15 @@ class DispatcherService(QueuePrimary):
         listener = self._listener()
         spans = self._listener_spans(part, batch) if self._tracing else []
         began = time.monotonic()
+        dead_letters: tuple[DeadLetter, ...] = ()
         try:
-            accepted = bool(listener.process_events(batch.events))
+            result = listener.process_events(batch.events)
+            if isinstance(result, Accepted):
+                dead_letters = result.dead_letters
+                self._write_dead_letters(listener, batch, dead_letters)
+                accepted = True
+            else:
+                accepted = bool(result)
         except Exception as exc:
             for span in spans:
                 span.record_exception(exc)
@@ -82,7 +93,21 @@ class DispatcherService(QueuePrimary):
                 span.end()
         for span in spans:
             span.set_attribute("sluice.batch.accepted", accepted)
+            span.set_attribute("sluice.batch.dead_lettered", len(dead_letters))
         return accepted
+
+    def _write_dead_letters(self, listener: Any, batch: Batch[AsyncEvent], dead_letters: tuple[DeadLetter, ...]) -> None:
+        """Each event the listener rejected, durably in the dead-letter topic, before the batch is accepted."""
+        offered = {(e.partition, e.offset) for e in batch.events}
+        for letter in dead_letters:
+            if not isinstance(letter, DeadLetter) or (letter.event.partition, letter.event.offset) not in offered:
+                # The listener's bug; refusing the batch keeps every event.
+                raise InvalidRequest("process_events", letter,
+                                     f"Accepted.dead_letters must hold DeadLetter entries of batch {batch.batch_id}'s "
+                                     "own events")
+        for letter in dead_letters:
+            self.dead_letter_event(letter.event, letter.reason, letter.error_class,
+                                   f"dispatcher {self.member_id} listener {type(listener).__name__}")
 
     def _listener_spans(self, part: QueuePartition, batch: Batch[AsyncEvent]) -> list[Any]:
         """A ``listener.process_events`` span in each trace the batch's events belong to."""
@@ -119,6 +144,8 @@ class DispatcherService(QueuePrimary):
             "dsid": self.cfg.dsid,
             "kafka": self.cfg.kafka.client_settings(),
             "topic_prefix": self.cfg.kafka.topic_prefix,
+            # This host writes what process_events returns in Accepted.dead_letters here.
+            "dead_letter_topic": self.dlq_topic,
         }
 
     def _close_listeners(self) -> None:
