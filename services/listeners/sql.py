@@ -17,10 +17,31 @@ The story of one batch, step by step:
    UPDATE … WHERE`` inside ``BEGIN IMMEDIATE``.  Rows are sorted by key, so
    two dispatcher threads writing overlapping keys lock them in the same
    order and cannot deadlock.
-4. The transaction ends: ``True`` and the queue removes the batch.  On any
-   database error the transaction is rolled back (all or nothing) and
-   ``process_events`` returns ``False``: the same batch is offered again.  A
-   connection that broke is dropped and the next offer opens a new one.
+4. The transaction ends: ``True`` and the queue removes the batch.  On a
+   database error that may go away (the connection, a lock or statement
+   timeout, a serialization failure, a deadlock) the transaction is rolled
+   back (all or nothing) and ``process_events`` returns ``False``: the same
+   batch is offered again.  A connection that broke is dropped and the next
+   offer opens a new one.
+
+Events that can never be written (issue 17).  Offering a batch again cannot
+fix an event whose value is not UTF-8 or not JSON, or that the database
+refuses for its own data: a value its column's type refuses (``"lots"`` for
+an integer, a number out of range, a NUL character), a constraint it
+violates (a CHECK or unique index of a table made by hand), a key too long
+for the index.  Refusing the batch for it would wedge the queue, so when the
+dispatcher can keep dead letters (``dead_letter_topic`` in the init config)
+such events are left out and returned as ``Accepted(dead_letters)`` with the
+reason, and the rest of the batch is written.  Which rows the database
+refuses is found after the batch's statement fails with a data or integrity
+error (PostgreSQL SQLSTATE classes 22 and 23, 54000; SQLite's integrity
+errors): in a transaction that is rolled back afterwards, halves of the
+batch are written under savepoints, down to the single rows that fail
+alone.  Then the batch is built again without them (a key whose newest event
+was left out gets its next newest of the batch, if any) and written in one
+transaction as usual, so the rows of a batch still commit together.  Each
+round leaves out at least one event, so this ends.  Without
+``dead_letter_topic`` such a batch is refused, as any other failure.
 
 Idempotence.  A replayed batch changes nothing because every row carries the
 version of the event that wrote it, and an event is applied only when it is
@@ -71,10 +92,9 @@ Columns starting with ``sluice_`` are the listener's: ``sluice_version_dsid``,
 ``sluice_version_timestamp``, ``sluice_entry_version``, ``sluice_deleted``
 and ``sluice_operation``.  A missing path, or a path through something that is
 not an object (or a list, for a numeric segment), gives NULL.  A value that
-the database refuses for its column's type (``"lots"`` for an integer) fails
-the whole batch, which is then offered again until someone fixes the data or
-the mapping: nothing is written half.  Keep passwords out of the URL: libpq
-reads ``PGPASSWORD`` and ``~/.pgpass``.
+the database refuses for its column's type (``"lots"`` for an integer) is a
+dead letter (above).  Keep passwords out of the URL: libpq reads
+``PGPASSWORD`` and ``~/.pgpass``.
 
 Threads.  The dispatcher may call ``process_events`` from several dispatcher
 threads at once; each call takes a connection of its own from a small pool
@@ -99,7 +119,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 
-from ..core.asyncevent import AsyncEvent
+from ..core.asyncevent import Accepted, AsyncEvent, DeadLetter
 from ..core.errors import ClosedError, ConfigError
 from ..core.events import CREATES, UPDATES, Operation, VersionTag
 
@@ -375,12 +395,21 @@ _INVALIDATES = frozenset({Operation.INVALIDATE, Operation.EXPIRE_INVALIDATE})
 
 
 class _PoisonEvent(Exception):
-    """An event whose value cannot be turned into a row (not valid UTF-8 or JSON)."""
+    """An event whose value cannot be turned into a row (not valid UTF-8 or JSON, a number no column holds)."""
 
-    def __init__(self, event: AsyncEvent, reason: str) -> None:
+    def __init__(self, event: AsyncEvent, reason: str, error_class: str = "UndecodableValue") -> None:
         self.event = event
         self.reason = reason
+        self.error_class = error_class
         super().__init__(f"{event!r}: {reason}")
+
+
+class _ValueDoesNotFit(Exception):
+    """A mapped value no column of its type can hold, found before the database is asked."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)
 
 
 def _json_text(value: Any) -> str:
@@ -420,6 +449,7 @@ def _extract(value: Any, path: tuple[str, ...]) -> Any:
 # orjson 3.13 reads an integer beyond 64 bits as a float, silently; the
 # stdlib reads it exactly.  Only a run of 19 or more digits can be one.
 _LONG_DIGITS = re.compile(rb"[0-9]{19,}")
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _decode_value(event: AsyncEvent) -> Any:
@@ -453,6 +483,9 @@ class _Target:
 
     #: Exceptions raised by the driver; anything else is a programming error.
     errors: tuple[type[BaseException], ...] = ()
+    #: The driver's exceptions for a row the database refuses for its own data:
+    #: offering it again cannot help (see "Events that can never be written").
+    refusals: tuple[type[BaseException], ...] = ()
 
     def __init__(self, settings: SqlSettings, application_name: str) -> None:
         self.settings = settings
@@ -485,6 +518,47 @@ class _Target:
     def recover(self, conn: Any) -> bool:
         """After an error: roll back; False when the connection is unusable."""
         raise NotImplementedError
+
+    def begin(self, conn: Any) -> None:
+        """Open a transaction (for the probe)."""
+        raise NotImplementedError
+
+    def rollback(self, conn: Any) -> None:
+        raise NotImplementedError
+
+    def write_savepoint(self, conn: Any, rows: list[tuple[Any, ...]]) -> None:
+        """Upsert ``rows`` under a savepoint of the open transaction; on failure
+        the savepoint is rolled back, the transaction stays usable, and the error is raised."""
+        raise NotImplementedError
+
+    def describe_refusal(self, exc: BaseException) -> str:
+        return " ".join(str(exc).split())
+
+    def refused_rows(self, conn: Any, rows: list[tuple[Any, ...]]) -> list[tuple[int, BaseException]]:
+        """The indexes of the ``rows`` the database refuses on their own, and why.
+
+        Halves are written under savepoints, down to the single rows that
+        fail alone; the whole transaction is rolled back at the end, so this
+        writes nothing.  A transient error is raised as it comes.
+        """
+        refused: list[tuple[int, BaseException]] = []
+        self.begin(conn)
+        try:
+            parts = [list(range(len(rows)))]
+            while parts:
+                part = parts.pop()
+                try:
+                    self.write_savepoint(conn, [rows[i] for i in part])
+                except self.refusals as exc:
+                    if len(part) == 1:
+                        refused.append((part[0], exc))
+                    else:
+                        # Left half first, in key order, as the batch's statement writes them.
+                        middle = len(part) // 2
+                        parts += [part[middle:], part[:middle]]
+        finally:
+            self.rollback(conn)
+        return refused
 
     def close(self, conn: Any) -> None:
         try:
@@ -524,6 +598,8 @@ class _Target:
 
 class _SqliteTarget(_Target):
     errors = (sqlite3.Error,)
+    # A STRICT column refusing a value's type, NOT NULL, CHECK, UNIQUE: all integrity errors.
+    refusals = (sqlite3.IntegrityError, sqlite3.DataError)
 
     def __init__(self, settings: SqlSettings, application_name: str) -> None:
         super().__init__(settings, application_name)
@@ -551,6 +627,11 @@ class _SqliteTarget(_Target):
             return _scalar_text(value)
         if isinstance(value, (dict, list)):
             return _json_text(value)  # refused by a STRICT numeric column
+        if isinstance(value, int) and not isinstance(value, bool) and not _INT64_MIN <= value <= _INT64_MAX:
+            # sqlite3 cannot even bind it (OverflowError); a float column takes it as a float.
+            if mapping.type == "float":
+                return float(value)
+            raise _ValueDoesNotFit(f"{value} does not fit the 64-bit {mapping.type} column {mapping.name!r}")
         return value  # STRICT converts "12" to 12 and refuses "lots"
 
     def connect(self) -> sqlite3.Connection:
@@ -607,14 +688,38 @@ class _SqliteTarget(_Target):
             return False
         return True
 
+    def begin(self, conn: sqlite3.Connection) -> None:
+        conn.execute("BEGIN IMMEDIATE")
+
+    def rollback(self, conn: sqlite3.Connection) -> None:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+
+    def write_savepoint(self, conn: sqlite3.Connection, rows: list[tuple[Any, ...]]) -> None:
+        conn.execute("SAVEPOINT sluice_probe")
+        try:
+            conn.executemany(self.upsert_sql, rows)
+        except sqlite3.Error:
+            conn.execute("ROLLBACK TO sluice_probe")
+            conn.execute("RELEASE sluice_probe")
+            raise
+        conn.execute("RELEASE sluice_probe")
+
 
 class _PostgresTarget(_Target):
     def __init__(self, settings: SqlSettings, application_name: str) -> None:
         super().__init__(settings, application_name)
         import psycopg  # Imported here: SQLite users need not have it.
+        from psycopg import errors as pg_errors
 
         self.psycopg = psycopg
         self.errors = (psycopg.Error,)
+        # SQLSTATE class 22 (data exception: a value its type refuses, out of
+        # range, a NUL character), 23 (integrity constraint violation) and
+        # 54000 (program limit exceeded: a key too long for its index).
+        # Not the rest of class 54 (statement too complex), nor 40 (serialization
+        # failure, deadlock), 55P03 or 57014 (lock and statement timeouts): those may pass.
+        self.refusals = (psycopg.DataError, psycopg.IntegrityError, pg_errors.ProgramLimitExceeded)
         sql_types = dict(self.column_sql_types())
         # Every column travels as one array parameter (binary: psycopg dumps
         # text arrays about four times faster so); unnest turns the arrays
@@ -688,6 +793,31 @@ class _PostgresTarget(_Target):
         conn.commit()
         return changed
 
+    def begin(self, conn: Any) -> None:
+        pass  # psycopg opens the transaction with the first statement (autocommit is off)
+
+    def rollback(self, conn: Any) -> None:
+        conn.rollback()
+
+    def write_savepoint(self, conn: Any, rows: list[tuple[Any, ...]]) -> None:
+        arrays = [list(column) for column in zip(*rows, strict=True)]
+        conn.execute("SAVEPOINT sluice_probe")
+        try:
+            with conn.cursor() as cursor:
+                cursor.execute(self.upsert_sql, arrays)
+        except self.psycopg.Error:
+            conn.execute("ROLLBACK TO SAVEPOINT sluice_probe")
+            conn.execute("RELEASE SAVEPOINT sluice_probe")
+            raise
+        conn.execute("RELEASE SAVEPOINT sluice_probe")
+
+    def describe_refusal(self, exc: BaseException) -> str:
+        sqlstate = getattr(exc, "sqlstate", None)
+        diag = getattr(exc, "diag", None)
+        message = getattr(diag, "message_primary", None) or " ".join(str(exc).split())
+        detail = getattr(diag, "message_detail", None)
+        return f"{message}{f' ({detail})' if detail else ''}{f' [SQLSTATE {sqlstate}]' if sqlstate else ''}"
+
     def is_connection_error(self, exc: BaseException) -> bool:
         return isinstance(exc, self.psycopg.OperationalError)
 
@@ -717,6 +847,8 @@ class SqlListenerStats:
     rows_written: int = 0
     #: Keys whose newest event was not newer than the stored row (replays).
     rows_stale: int = 0
+    #: Events that can never be written, handed to the dispatcher as dead letters.
+    events_dead_lettered: int = 0
 
 
 class _SchemaMismatch(Exception):
@@ -741,7 +873,9 @@ class SqlWriteBehindListener:
     ``init`` validates the settings (``ConfigError``), connects, and creates
     or checks the table; when the database cannot be reached yet, that is
     left to the first offer.  ``process_events`` never raises for a database
-    problem: it logs, rolls back and returns False.  ``close`` is idempotent;
+    problem: it logs, rolls back and returns False, or, for events that can
+    never be written and a host that keeps dead letters, writes the rest and
+    returns ``Accepted(dead_letters)``.  ``close`` is idempotent;
     ``process_events`` after it raises ``ClosedError``.
     """
 
@@ -755,12 +889,16 @@ class SqlWriteBehindListener:
         self._prepared = False
         self._closed = False
         self._queue_id = ""
+        #: Where the host keeps dead letters; None: it keeps none, so a batch
+        #: with an event that can never be written is refused as a whole.
+        self._dead_letter_topic: str | None = None
 
     # --- lifecycle ------------------------------------------------------------
 
     def init(self, config: Mapping[str, Any]) -> None:
         settings = parse_settings(config.get("settings") or {})
         self._queue_id = str(config.get("queue_id", ""))
+        self._dead_letter_topic = config.get("dead_letter_topic") or None
         application_name = f"sluice-sql-{self._queue_id}" if self._queue_id else "sluice-sql"
         target_class = _SqliteTarget if settings.backend == "sqlite" else _PostgresTarget
         self.settings = settings
@@ -791,24 +929,46 @@ class SqlWriteBehindListener:
 
     # --- batches ----------------------------------------------------------------
 
-    def process_events(self, events: list[AsyncEvent]) -> bool:
+    def process_events(self, events: list[AsyncEvent]) -> bool | Accepted:
         if self._closed:
             raise ClosedError("SqlWriteBehindListener is closed")
         assert self._target is not None, "process_events() before init()"
         target = self._target
-        try:
-            rows, ignored = self._rows(events)
-        except _PoisonEvent as exc:
-            log.error("queue %s: batch refused, %s; it is offered again until the event is fixed", self._queue_id, exc)
-            self._count(batches_failed=1)
-            return False
-        if not rows:
-            self._count(batches_written=1, events=len(events), events_ignored=ignored)
-            return True
+        #: Position in ``events`` -> why that event can never be written.
+        rejected: dict[int, DeadLetter] = {}
         conn = None
         try:
-            conn = self._checkout()
-            changed = target.write(conn, rows)
+            # Each round leaves out at least one more event, or ends.
+            while True:
+                rows, ignored = self._rows(events, rejected)
+                if rejected and self._dead_letter_topic is None:
+                    letter = rejected[min(rejected)]
+                    log.error("queue %s: batch refused, %r: %s; it is offered again until the event is fixed "
+                              "(this host keeps no dead letters)", self._queue_id, letter.event, letter.reason)
+                    if conn is not None:
+                        self._checkin(conn)
+                    self._count(batches_failed=1)
+                    return False
+                if not rows:
+                    changed = 0
+                    break
+                if conn is None:
+                    conn = self._checkout()
+                try:
+                    changed = target.write(conn, [row for _, row in rows])
+                    break
+                except target.refusals as exc:
+                    if self._dead_letter_topic is None:
+                        raise
+                    target.rollback(conn)
+                    refused = target.refused_rows(conn, [row for _, row in rows])
+                    if not refused:
+                        raise  # no row fails alone: not one event's fault, so offered again
+                    for index, why in refused:
+                        position = rows[index][0]
+                        rejected[position] = DeadLetter(
+                            events[position], f"the database refuses the row: {target.describe_refusal(why)}",
+                            type(why).__name__)
         except _SchemaMismatch as exc:
             log.error("queue %s: batch not written: %s", self._queue_id, exc)
             self._count(batches_failed=1)
@@ -823,28 +983,49 @@ class SqlWriteBehindListener:
             if conn is not None:
                 target.close(conn)
             raise
-        self._checkin(conn)
+        if conn is not None:
+            self._checkin(conn)
         self._count(batches_written=1, events=len(events), events_ignored=ignored,
-                    rows_written=changed, rows_stale=len(rows) - changed)
-        log.debug("queue %s: batch of %d events, %d rows written, %d stale", self._queue_id, len(events),
-                  changed, len(rows) - changed)
-        return True
+                    rows_written=changed, rows_stale=len(rows) - changed, events_dead_lettered=len(rejected))
+        log.debug("queue %s: batch of %d events, %d rows written, %d stale, %d dead letters", self._queue_id,
+                  len(events), changed, len(rows) - changed, len(rejected))
+        if not rejected:
+            return True
+        letters = tuple(rejected[position] for position in sorted(rejected))
+        for letter in letters:
+            log.error("queue %s: %r can never be written (%s): %s; it goes to %s", self._queue_id, letter.event,
+                      letter.error_class, letter.reason, self._dead_letter_topic)
+        return Accepted(letters)
 
-    def _rows(self, events: Iterable[AsyncEvent]) -> tuple[list[tuple[Any, ...]], int]:
-        """The newest event per key, as rows sorted by key; and the count ignored."""
+    def _rows(self, events: list[AsyncEvent],
+              rejected: dict[int, DeadLetter]) -> tuple[list[tuple[int, tuple[Any, ...]]], int]:
+        """The newest event per key, leaving out ``rejected``, as (position, row)
+        sorted by key; and the count ignored.  An event whose row cannot be
+        built is added to ``rejected`` and the key's next newest event taken."""
         by_region = self.settings is not None and self.settings.region_column is not None
-        newest: dict[Any, AsyncEvent] = {}
-        ignored = 0
-        for event in events:
-            op = event.operation
-            if op not in _UPSERTS and op not in _DESTROYS and op not in _INVALIDATES:
-                ignored += 1
-                continue
-            key = (event.region, event.key) if by_region else event.key
-            current = newest.get(key)
-            if current is None or is_newer(event.version, current.version):
-                newest[key] = event
-        return [self._row(newest[key]) for key in sorted(newest)], ignored
+        while True:
+            newest: dict[Any, tuple[int, AsyncEvent]] = {}
+            ignored = 0
+            for position, event in enumerate(events):
+                op = event.operation
+                if op not in _UPSERTS and op not in _DESTROYS and op not in _INVALIDATES:
+                    ignored += 1
+                    continue
+                if position in rejected:
+                    continue
+                key = (event.region, event.key) if by_region else event.key
+                current = newest.get(key)
+                if current is None or is_newer(event.version, current[1].version):
+                    newest[key] = (position, event)
+            rows = []
+            for key in sorted(newest):
+                position, event = newest[key]
+                try:
+                    rows.append((position, self._row(event)))
+                except _PoisonEvent as exc:
+                    rejected[position] = DeadLetter(event, exc.reason, exc.error_class)
+            if len(rows) == len(newest):
+                return rows, ignored
 
     def _row(self, event: AsyncEvent) -> tuple[Any, ...]:
         assert self.settings is not None and self._target is not None
@@ -855,7 +1036,10 @@ class SqlWriteBehindListener:
             row.append(_value_text(event))
             if s.columns:
                 value = _decode_value(event)
-                row.extend(self._target.mapped_value(m, _extract(value, m.path)) for m in s.columns)
+                try:
+                    row.extend(self._target.mapped_value(m, _extract(value, m.path)) for m in s.columns)
+                except _ValueDoesNotFit as exc:
+                    raise _PoisonEvent(event, exc.reason, "ValueDoesNotFit") from exc
         else:
             row.extend(None for _ in range(1 + len(s.columns)))
         version = event.version

@@ -5,7 +5,9 @@ region (upsert, tombstone on destroy, NULL value on invalidate), one
 transaction per batch, and idempotence under redelivery, including an older
 batch replayed after newer ones and a destroy that a replayed create must
 not undo.  PostgreSQL runs the same promises in
-tests/integration/test_sql_listener_pg.py.
+tests/integration/test_sql_listener_pg.py.  And dead letters (issue 17): an
+event that can never be written leaves its batch, with the reason, when the
+host keeps dead letters, and refuses it when the host does not.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sluice.core.asyncevent import AsyncEvent, load_listener_class
+from sluice.core.asyncevent import Accepted, AsyncEvent, DeadLetter, load_listener_class
 from sluice.core.errors import ClosedError, ConfigError
 from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
 from sluice.listeners.sql import SqlWriteBehindListener, is_newer, live_view_name, parse_settings
@@ -63,11 +65,14 @@ def listener(db: Path) -> Iterator[Callable[..., SqlWriteBehindListener]]:
     """``listener(**settings)``: an initialised listener on ``db``, closed at the end."""
     made: list[SqlWriteBehindListener] = []
 
-    def make(**settings: Any) -> SqlWriteBehindListener:
+    def make(*, dead_letter_topic: str | None = None, **settings: Any) -> SqlWriteBehindListener:
         settings.setdefault("url", f"sqlite:///{db}")
         settings.setdefault("table", "orders")
         instance = SqlWriteBehindListener()
-        instance.init({"settings": settings, "queue_id": "q", "site": "a", "dsid": 1, "kafka": {}, "topic_prefix": ""})
+        config = {"settings": settings, "queue_id": "q", "site": "a", "dsid": 1, "kafka": {}, "topic_prefix": ""}
+        if dead_letter_topic is not None:
+            config["dead_letter_topic"] = dead_letter_topic
+        instance.init(config)
         made.append(instance)
         return instance
 
@@ -513,6 +518,120 @@ def test_concurrent_dispatcher_threads_each_get_a_connection(listener: Callable[
         thread.join()
     assert results == [True] * 4
     assert len(live(db)) == 200
+
+
+# --- dead letters: events that can never be written (issue 17) ---------------------------------
+
+DLQ = "sluice.queue.q.dlq"
+
+
+def dead_letters(result: bool | Accepted) -> list[tuple[str, int, str]]:
+    """(key, entry version, error class) of each dead letter an accepted result names."""
+    assert isinstance(result, Accepted), result
+    assert all(isinstance(letter, DeadLetter) and letter.reason for letter in result.dead_letters)
+    return [(d.event.key, d.event.version.entry_version, d.error_class) for d in result.dead_letters]
+
+
+def test_a_row_its_column_refuses_is_a_dead_letter_and_the_rest_is_written(
+        listener: Callable[..., SqlWriteBehindListener], db: Path) -> None:
+    """With a host that keeps dead letters, a value its STRICT column refuses leaves the batch with the database's
+    reason, every other row of the batch is written, and the same batch offered again gives the same answer."""
+    sql = listener(dead_letter_topic=DLQ, columns={"qty": {"path": "qty", "type": "integer"}})
+    assert sql.process_events([event("a", Op.CREATE, {"qty": 1}, 1)]) is True
+    batch = [event("a", Op.UPDATE, {"qty": 2}, 2), event("b", Op.CREATE, {"qty": 3}, 1),
+             event("y", Op.CREATE, {"qty": "lots"}, 1), event("z", Op.CREATE, {"qty": 4}, 1)]
+    result = sql.process_events(batch)
+    assert dead_letters(result) == [("y", 1, "IntegrityError")]
+    assert isinstance(result, Accepted) and "qty" in result.dead_letters[0].reason
+    assert result.dead_letters[0].event is batch[2]
+    assert {k: v["qty"] for k, v in live(db).items()} == {"a": 2, "b": 3, "z": 4}
+    before = table(db)
+    assert dead_letters(sql.process_events(replayed(batch))) == [("y", 1, "IntegrityError")]
+    assert table(db) == before
+    assert (sql.stats.events_dead_lettered, sql.stats.batches_failed) == (2, 0)
+
+
+def test_undecodable_values_are_dead_letters(listener: Callable[..., SqlWriteBehindListener], db: Path) -> None:
+    """A value that is not UTF-8, or not JSON where a column needs its fields, is a dead letter saying so."""
+    sql = listener(dead_letter_topic=DLQ, columns={"n": "n"})
+    result = sql.process_events([event("a", Op.CREATE, {"n": 1}, 1), event("b", Op.CREATE, raw=b"{not json"),
+                                 event("c", Op.CREATE, raw=b"\xff\xfe"), event("d", Op.CREATE, {"n": 4}, 1)])
+    assert dead_letters(result) == [("b", 1, "UndecodableValue"), ("c", 1, "UndecodableValue")]
+    assert isinstance(result, Accepted)
+    assert "not JSON" in result.dead_letters[0].reason and "not UTF-8" in result.dead_letters[1].reason
+    assert live(db) == {"a": {"n": 1}, "d": {"n": 4}}
+
+
+def test_a_number_beyond_64_bits_is_a_dead_letter_for_an_integer_column_only(
+        listener: Callable[..., SqlWriteBehindListener], db: Path) -> None:
+    """An integer no 64-bit column holds is a dead letter for an integer column; a float column takes it."""
+    sql = listener(dead_letter_topic=DLQ, columns={"n": {"path": "n", "type": "integer"},
+                                                   "f": {"path": "f", "type": "float"}})
+    big = 2**70
+    result = sql.process_events([event("a", Op.CREATE, raw=f'{{"n": {big}}}'.encode()),
+                                 event("b", Op.CREATE, raw=f'{{"f": {big}}}'.encode())])
+    assert dead_letters(result) == [("a", 1, "ValueDoesNotFit")]
+    assert stored(db, "b")["f"] == float(big) and "a" not in live(db)
+
+
+def test_a_constraint_the_events_data_violates_is_a_dead_letter(listener: Callable[..., SqlWriteBehindListener],
+                                                                db: Path) -> None:
+    """A CHECK constraint of a table made by hand, violated by one event's data, makes that event a dead letter."""
+    with sqlite3.connect(db) as conn:
+        conn.execute('CREATE TABLE mine ("key" TEXT PRIMARY KEY, "value" TEXT, "qty" INTEGER CHECK (qty >= 0), '
+                     '"sluice_version_dsid" INTEGER, "sluice_version_timestamp" INTEGER, '
+                     '"sluice_entry_version" INTEGER, "sluice_deleted" INTEGER, "sluice_operation" TEXT)')
+    sql = listener(dead_letter_topic=DLQ, table="mine", create_table=False,
+                   columns={"qty": {"path": "qty", "type": "integer"}})
+    result = sql.process_events([event(f"k{i}", Op.CREATE, {"qty": -1 if i == 5 else i}, 1) for i in range(10)])
+    assert dead_letters(result) == [("k5", 1, "IntegrityError")]
+    assert isinstance(result, Accepted) and "CHECK constraint" in result.dead_letters[0].reason
+    assert sorted(key for key, *_ in table(db, "mine")) == [f"k{i}" for i in range(10) if i != 5]
+
+
+def test_a_key_whose_newest_event_is_refused_keeps_its_next_newest(
+        listener: Callable[..., SqlWriteBehindListener], db: Path) -> None:
+    """When a key's newest event of the batch can never be written, the key gets the newest one that can."""
+    sql = listener(dead_letter_topic=DLQ, columns={"qty": {"path": "qty", "type": "integer"}})
+    result = sql.process_events([event("k", Op.CREATE, {"qty": 1}, 1), event("k", Op.UPDATE, {"qty": 2}, 2),
+                                 event("k", Op.UPDATE, {"qty": "three"}, 3), event("j", Op.CREATE, {"qty": 9}, 1)])
+    assert dead_letters(result) == [("k", 3, "IntegrityError")]
+    assert {k: v["qty"] for k, v in live(db).items()} == {"k": 2, "j": 9}
+    assert stored(db, "k")["sluice_entry_version"] == 2
+
+
+def test_without_a_dead_letter_topic_a_batch_with_a_refused_row_is_refused(
+        listener: Callable[..., SqlWriteBehindListener], db: Path) -> None:
+    """A host that keeps no dead letters (no dead_letter_topic) gets False and nothing written, never a drop."""
+    sql = listener(columns={"qty": {"path": "qty", "type": "integer"}})
+    batch = [event("a", Op.CREATE, {"qty": 1}, 1), event("b", Op.CREATE, {"qty": "lots"}, 1)]
+    assert sql.process_events(batch) is False
+    assert table(db) == [] and sql.stats.events_dead_lettered == 0
+
+
+def test_a_transient_failure_is_still_refused_with_a_dead_letter_topic(
+        listener: Callable[..., SqlWriteBehindListener], db: Path) -> None:
+    """A locked database is not the events' fault: the batch is refused (offered again), no event is a dead letter."""
+    sql = listener(dead_letter_topic=DLQ, timeout_s=0.01)
+    holder = sqlite3.connect(db, isolation_level=None)
+    try:
+        holder.execute("BEGIN IMMEDIATE")
+        batch = [event("k", Op.CREATE, {"n": 1}, 1)]
+        assert sql.process_events(batch) is False
+        holder.execute("ROLLBACK")
+        assert sql.process_events(batch) is True
+    finally:
+        holder.close()
+    assert live(db) == {"k": {"n": 1}} and sql.stats.events_dead_lettered == 0
+
+
+def test_every_event_of_a_batch_may_be_a_dead_letter(listener: Callable[..., SqlWriteBehindListener],
+                                                     db: Path) -> None:
+    """A batch whose every event can never be written is accepted with all of them as dead letters."""
+    sql = listener(dead_letter_topic=DLQ, columns={"qty": {"path": "qty", "type": "integer"}})
+    result = sql.process_events([event(f"k{i}", Op.CREATE, {"qty": f"x{i}"}, 1) for i in range(5)])
+    assert [key for key, *_ in dead_letters(result)] == [f"k{i}" for i in range(5)]
+    assert table(db) == []
 
 
 # --- lifecycle -----------------------------------------------------------------------------------

@@ -1,0 +1,159 @@
+"""Dead letters of a listener (issue 17): an event that can never be written does not wedge its queue.
+
+First the SQL write-behind on a real PostgreSQL, in process: which refusals
+are an event's own fault (a dead letter) and which may pass (the batch is
+offered again).  Then the whole path with real processes: the region
+service, the dispatcher running the shipped ``type: sql`` listener, a real
+broker and PostgreSQL; one poisoned event among good ones ends in the
+queue's dead-letter topic with the database's reason, the good ones in the
+table, and the queue drains.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sluice.admin.cli import queue_status
+from sluice.client import RegionClient
+from sluice.core.asyncevent import Accepted, AsyncEvent
+from sluice.core.codec import get_codec
+from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
+from sluice.listeners.sql import SqlWriteBehindListener, live_view_name
+
+from pg import PostgresServer
+from regionkit import DispatcherProcess, RegionProcess, read_topic, write_aeq_site
+
+pytestmark = pytest.mark.timeout(180)
+
+Op = Operation
+DLQ = "sluice.queue.q.dlq"
+
+
+def event(key: str, value: Any, version: int = 1, *, raw: bytes | None = None) -> AsyncEvent:
+    data = raw if raw is not None else json.dumps(value).encode()
+    entry = EntryEvent("orders", key, Op.CREATE if version == 1 else Op.UPDATE, data, EventID("m", 1, version),
+                       VersionTag(1, 1_000 + version, version), 1, 0, 1_000 + version)
+    return AsyncEvent(entry, "q", 0, version, False)
+
+
+@pytest.fixture
+def listener(postgres: PostgresServer) -> Iterator[Callable[..., SqlWriteBehindListener]]:
+    """``listener(**settings)``: an initialised listener on a table of its own, in a host that keeps dead letters."""
+    made: list[SqlWriteBehindListener] = []
+
+    def make(**settings: Any) -> SqlWriteBehindListener:
+        settings.setdefault("url", postgres.url)
+        settings.setdefault("table", postgres.unique_name("dl"))
+        instance = SqlWriteBehindListener()
+        instance.init({"settings": settings, "queue_id": postgres.unique_name("q"), "dead_letter_topic": DLQ})
+        made.append(instance)
+        return instance
+
+    yield make
+    for instance in made:
+        instance.close()
+
+
+def live(postgres: PostgresServer, table: str) -> dict[str, Any]:
+    with postgres.connect() as conn:
+        return dict(conn.execute(f'SELECT "key", "value" FROM "{live_view_name(table)}"').fetchall())
+
+
+def test_postgresql_refusals_of_an_events_data_are_dead_letters(
+        postgres: PostgresServer, listener: Callable[..., SqlWriteBehindListener]) -> None:
+    """On PostgreSQL, a value its column's type refuses, a number out of its column's range, a NUL character in a
+    JSON value and a key too long for the primary key's index are each a dead letter naming the SQLSTATE; the other
+    rows of the batch are written in the same offer."""
+    sql = listener(columns={"qty": {"path": "qty", "type": "integer"}})
+    assert sql.settings is not None
+    long_key = os.urandom(6000).hex()  # incompressible: beyond a btree index row's 2704 bytes
+    batch = [event("a", {"qty": 1}), event("lots", {"qty": "lots"}), event("big", {"qty": 10**20}),
+             event("b", {"qty": 2}), event("nul", None, raw=b'{"qty": 3, "note": "\\u0000"}'),
+             event(long_key, {"qty": 4}), event("c", {"qty": 5})]
+    result = sql.process_events(batch)
+    assert isinstance(result, Accepted), result
+    letters = {d.event.key: d for d in result.dead_letters}
+    assert set(letters) == {"lots", "big", "nul", long_key}
+    assert "SQLSTATE 22P02" in letters["lots"].reason and letters["lots"].error_class == "InvalidTextRepresentation"
+    assert "SQLSTATE 22003" in letters["big"].reason
+    assert "SQLSTATE 22P05" in letters["nul"].reason
+    assert "SQLSTATE 54000" in letters[long_key].reason
+    assert {k: v["qty"] for k, v in live(postgres, sql.settings.table).items()} == {"a": 1, "b": 2, "c": 5}
+
+
+def test_a_lock_timeout_on_postgresql_is_offered_again_not_dead_lettered(
+        postgres: PostgresServer, listener: Callable[..., SqlWriteBehindListener]) -> None:
+    """A row locked by another transaction past timeout_s may pass: the batch is refused and no event is a dead
+    letter; once the lock is gone the same batch is written."""
+    sql = listener(timeout_s=0.5)
+    assert sql.settings is not None
+    assert sql.process_events([event("k", {"n": 1})]) is True
+    batch = [event("k", {"n": 2}, 2)]
+    with postgres.connect() as holder:
+        with holder.transaction():
+            holder.execute(f'SELECT 1 FROM "{sql.settings.table}" WHERE "key" = %s FOR UPDATE', ("k",))
+            assert sql.process_events(batch) is False
+    assert sql.process_events(batch) is True
+    assert live(postgres, sql.settings.table) == {"k": {"n": 2}}
+    assert sql.stats.events_dead_lettered == 0
+
+
+def test_a_poisoned_event_goes_to_the_queues_dead_letter_topic_and_the_queue_drains(
+        site_a: Any, unique_prefix: str, postgres: PostgresServer, tmp_path: Path) -> None:
+    """With the real dispatcher process, a real broker and PostgreSQL: a batch holding one event its column refuses,
+    then more good events.  The good events land in the table, the poisoned one is in the queue's .dlq with the
+    database's reason, and the queue drains: every event delivered once (no batch offered again), none lost."""
+    table = postgres.unique_name("orders")
+    queue = {"id": "wb", "parallel": False, "dispatcher_threads": 1, "batch_size": 100,
+             "batch_time_interval_ms": 200,
+             "listener": {"type": "sql", "settings": {"url": postgres.url, "table": table,
+                                                      "columns": {"qty": {"path": "qty", "type": "integer"}}}}}
+    cfg = write_aeq_site(tmp_path / "site.yaml", site="a", bootstrap=site_a.bootstrap,
+                         prefix=site_a.topic_prefix(unique_prefix), queue=queue, buckets=2)
+    with RegionProcess(tmp_path / "site.yaml", tmp_path / "region.log") as region, \
+            DispatcherProcess(tmp_path / "site.yaml", "wb", tmp_path / "dispatcher.log") as dispatcher:
+        region.wait_ready()
+        client = RegionClient([region.url], member_id=f"dl-{uuid.uuid4().hex[:6]}")
+        # One putAll: its events reach the queue together, so they share a batch with the poisoned one.
+        first = {f"g{i:02d}": {"qty": i} for i in range(10)}
+        first["poisoned"] = {"qty": "lots"}
+        client.put_all("orders", first)
+        for i in range(10, 20):
+            client.put("orders", f"g{i:02d}", {"qty": i})
+        expected = {f"g{i:02d}": {"qty": i} for i in range(20)}
+
+        deadline = time.monotonic() + 60
+        rows: list[Any] = []
+        while time.monotonic() < deadline:
+            rows = queue_status(cfg, "wb")
+            if (sum(r.size for r in rows) == 0 and sum(r.events for r in rows) == 21
+                    and live(postgres, table) == expected):
+                break
+            time.sleep(0.3)
+        else:
+            pytest.fail(f"the queue did not drain: sizes {[r.size for r in rows]}, events "
+                        f"{[r.events for r in rows]}, redeliveries {[r.redeliveries for r in rows]}, table has "
+                        f"{len(live(postgres, table))} rows; dispatcher log:\n{dispatcher.log_tail()}")
+        assert sum(r.end for r in rows) == 21
+        assert sum(r.redeliveries for r in rows) == 0, "a batch was offered more than once"
+        assert sum(r.dead_lettered for r in rows) == 1
+
+        letters = [get_codec().decode_as("DeadLetter", value)
+                   for _, _, value in read_topic(site_a.bootstrap, cfg.topics.dead_letter("wb"), 1)]
+        assert len(letters) == 1, letters
+        letter = letters[0]
+        assert letter["key"] == b"poisoned" and letter["event"]["key"] == "poisoned"
+        assert json.loads(letter["value"]) == {"qty": "lots"}
+        assert letter["error_class"] == "InvalidTextRepresentation"
+        assert "invalid input syntax for type bigint" in letter["reason"] and "22P02" in letter["reason"]
+        assert letter["source_topic"] == cfg.topics.queue("wb")
+        assert letter["service"].startswith(f"dispatcher {dispatcher.member_id}")
+        assert "poisoned" not in live(postgres, table)
