@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from ..core.servicecli import add_site_options, run_loop_service
@@ -34,6 +35,7 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     return run_loop_service(
-        "dispatcher", args, lambda cfg: DispatcherService(cfg, args.queue),
+        "dispatcher", args,
+        lambda cfg: DispatcherService(cfg, args.queue, site_dir=str(Path(args.config).resolve().parent)),
         lambda service, cfg: f"dispatcher {service.member_id} of queue {args.queue} (site {cfg.site})",
     )

@@ -44,11 +44,13 @@ class DispatcherService(QueuePrimary):
     kind = "async-event-queue"
 
     def __init__(self, cfg: SiteConfig, queue_id: str, *, listener_factory: Callable[[], Any] | None = None,
-                 member_id: str | None = None) -> None:
+                 member_id: str | None = None, site_dir: str | None = None) -> None:
         queue = cfg.queue(queue_id)
         super().__init__(cfg, queue_id, queue, member_id=member_id or f"{cfg.site}-dispatcher-{uuid.uuid4().hex[:8]}",
                          start_state=DesiredState.PAUSED if queue.pause_event_processing else DesiredState.RUNNING)
         self._listener_settings = dict(queue.listener.settings) if queue.listener else {}
+        #: The site file's folder: where listeners look up relative paths of their settings.
+        self._site_dir = site_dir
         if listener_factory is None:
             if queue.listener is None:
                 raise SluiceError(f"async event queue {queue_id!r} has no listener in the site file")
@@ -146,6 +148,7 @@ class DispatcherService(QueuePrimary):
             "topic_prefix": self.cfg.kafka.topic_prefix,
             # This host writes what process_events returns in Accepted.dead_letters here.
             "dead_letter_topic": self.dlq_topic,
+            "site_dir": self._site_dir,
         }
 
     def _close_listeners(self) -> None:

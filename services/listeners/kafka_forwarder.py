@@ -8,9 +8,28 @@ Site file::
           type: kafka
           settings:
             topic: "{topic_prefix}downstream.{region}"   # required
-            # bootstrap_servers: "other-cluster:9092"    # default: this site's cluster
+            # bootstrap_servers: "other-cluster:9093"    # default: this site's cluster
             # partitions_by: key                         # the only choice: keyed by entry key
             # flush_timeout_s: 30                        # bound on one process_events call
+
+Another cluster (``bootstrap_servers``) takes the connection settings a
+site's ``kafka:`` section takes, checked by the same model
+(``KafkaConnection``), with the same errors::
+
+            security_protocol: SASL_SSL                 # PLAINTEXT (default), SSL, SASL_PLAINTEXT
+            ssl_ca_location: certs/other-ca.pem         # relative to the site file
+            ssl_certificate_location: certs/me.pem      # mutual TLS: certificate and key
+            ssl_key_location: certs/me.key
+            ssl_key_password_file: /run/secrets/key-pw  # or ssl_key_password(_env)
+            sasl_mechanism: SCRAM-SHA-512               # PLAIN, SCRAM-SHA-256, SCRAM-SHA-512
+            sasl_username: forwarder
+            sasl_password_env: OTHER_KAFKA_PASSWORD     # or sasl_password(_file)
+
+Passwords from a file or a variable are read each time the producer is
+built, so a rotated secret reaches the next one; no password is logged or
+shown in an error.  Without ``bootstrap_servers`` the forwarder writes to the
+site's own cluster with the site's ``kafka:`` connection, and these settings
+are refused.
 
 A batch goes out step by step:
 
@@ -63,15 +82,19 @@ import re
 import string
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+from pydantic import ValidationError
 
 from sluice.core.asyncevent import AsyncEvent
 from sluice.core.codec import get_codec
+from sluice.core.config import KafkaConnection, _problems_from_validation, _shown
 from sluice.core.errors import ClosedError, ConfigError, SluiceError
 from sluice.core.events import EventID
 from sluice.core.kafka import KafkaError, KafkaException, Message, Producer, error_from_kafka_error, make_producer, translate
 
-__all__ = ["ForwarderSettings", "KafkaForwarderListener", "build_headers", "parse_settings"]
+__all__ = ["ForwarderSettings", "KafkaForwarderListener", "TargetCluster", "build_headers", "parse_settings"]
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +107,7 @@ FLUSH_TIMEOUT_S_MAX = 3600.0
 TOPIC_NAME_CHARS_MAX = 249
 REGION_NAME_CHARS_MAX = 101
 _TOPIC_CHARS = re.compile(r"^[A-Za-z0-9._-]+$")
-_SERVER = re.compile(r"^[A-Za-z0-9._\-\[\]:]+:\d{1,5}$")
+_LOOKS_SECRET = re.compile(r"pass|pw|secret|token|key", re.IGNORECASE)
 #: librdkafka's delivery timeout is the offer's deadline plus this (see _new_producer).
 DELIVERY_TIMEOUT_MARGIN_MS = 1000
 #: How long to wait for room in the producer queue before trying again.
@@ -98,6 +121,21 @@ HEADER_POSSIBLE_DUPLICATE = "sluice.possible_duplicate"
 HEADER_ORIGIN_DSID = "sluice.origin_dsid"
 
 
+class TargetCluster(KafkaConnection):
+    """Another cluster the forwarder writes to: a site's ``kafka:`` connection
+    settings, given in ``listener.settings`` (errors name them there)."""
+
+    _SECTION: ClassVar[str] = SETTINGS_PREFIX
+
+
+#: The connection settings of another cluster, as a site's kafka: section names them.
+CONNECTION_FIELDS = (
+    "security_protocol", "ssl_ca_location", "ssl_certificate_location", "ssl_key_location", "ssl_key_password",
+    "ssl_key_password_file", "ssl_key_password_env", "sasl_mechanism", "sasl_username", "sasl_password",
+    "sasl_password_file", "sasl_password_env",
+)
+
+
 @dataclass(frozen=True, slots=True)
 class ForwarderSettings:
     """The listener's validated ``settings`` block."""
@@ -106,13 +144,15 @@ class ForwarderSettings:
     bootstrap_servers: str | None = None
     partitions_by: str = "key"
     flush_timeout_s: float = FLUSH_TIMEOUT_S_DEFAULT
+    #: How to reach ``bootstrap_servers`` (None: the site's own cluster).
+    cluster: TargetCluster | None = None
 
     def topic_for(self, region: str, topic_prefix: str = "") -> str:
         """The downstream topic of an event of ``region``."""
         return self.topic.format(region=region, topic_prefix=topic_prefix)
 
 
-_FIELDS = ("topic", "bootstrap_servers", "partitions_by", "flush_timeout_s")
+_FIELDS = ("topic", "bootstrap_servers", "partitions_by", "flush_timeout_s", *CONNECTION_FIELDS)
 
 
 def _field(name: str) -> str:
@@ -150,8 +190,30 @@ def _suggest(word: str, choices: tuple[str, ...]) -> str:
     return f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(choices)}"
 
 
-def parse_settings(settings: Any, topic_prefix: str = "") -> ForwarderSettings:
-    """Validate a ``listener.settings`` block; every problem is reported at once."""
+def _cluster_problems(settings: dict[str, Any], site_dir: str | Path | None) -> tuple[TargetCluster | None,
+                                                                                      list[tuple[str, Any, str]]]:
+    """Another cluster's connection, checked as a site's ``kafka:`` section is."""
+    servers = settings.get("bootstrap_servers")
+    given = {name: settings[name] for name in CONNECTION_FIELDS if settings.get(name) is not None}
+    if servers is None:
+        return None, [(_field(name), _shown(name, value),
+                       "is only for another cluster, named by bootstrap_servers; this site's own cluster is reached "
+                       "with the kafka: section's settings") for name, value in given.items()]
+    if not isinstance(servers, str):
+        return None, [(_field("bootstrap_servers"), servers, "must be host:port, or several separated by commas")]
+    try:
+        # Relative file paths are taken from the site file's folder, as in its kafka: section.
+        cluster = TargetCluster.model_validate({"bootstrap_servers": servers, **given},
+                                               context={"base_dir": str(site_dir) if site_dir else None})
+    except ValidationError as exc:
+        return None, [(_field(field), value, reason) for field, value, reason in _problems_from_validation(exc)]
+    return cluster, []
+
+
+def parse_settings(settings: Any, topic_prefix: str = "", site_dir: str | Path | None = None) -> ForwarderSettings:
+    """Validate a ``listener.settings`` block; every problem is reported at once.  ``site_dir``:
+    the site file's folder, where relative certificate and secret paths are looked up (default:
+    the working directory)."""
     if settings is None:
         settings = {}
     if not isinstance(settings, dict):
@@ -159,16 +221,17 @@ def parse_settings(settings: Any, topic_prefix: str = "") -> ForwarderSettings:
     problems: list[tuple[str, Any, str]] = []
     for key in settings:
         if key not in _FIELDS:
-            problems.append((_field(str(key)), settings[key], "unknown setting of the kafka listener" + _suggest(str(key), _FIELDS)))
+            # A misspelt password setting is still a password: not shown.
+            close = difflib.get_close_matches(str(key), _FIELDS, n=1, cutoff=0.6)
+            secret = _LOOKS_SECRET.search(str(key)) or (close and _LOOKS_SECRET.search(close[0]))
+            shown = "**********" if secret else _shown(str(key), settings[key])
+            problems.append((_field(str(key)), shown, "unknown setting of the kafka listener" + _suggest(str(key), _FIELDS)))
 
     topic = settings.get("topic")
     problems += _topic_problems(topic, topic_prefix)
 
-    servers = settings.get("bootstrap_servers")
-    if servers is not None:
-        parts = [s.strip() for s in servers.split(",")] if isinstance(servers, str) else []
-        if not parts or not all(_SERVER.match(s) for s in parts):
-            problems.append((_field("bootstrap_servers"), servers, "must be host:port, or several separated by commas"))
+    cluster, found = _cluster_problems(settings, site_dir)
+    problems += found
 
     partitions_by = settings.get("partitions_by", "key")
     if partitions_by not in PARTITIONS_BY:
@@ -184,9 +247,10 @@ def parse_settings(settings: Any, topic_prefix: str = "") -> ForwarderSettings:
         raise ConfigError(problems)
     return ForwarderSettings(
         topic=topic,
-        bootstrap_servers=",".join(s.strip() for s in servers.split(",")) if servers else None,
+        bootstrap_servers=cluster.bootstrap_servers if cluster is not None else None,
         partitions_by=partitions_by,
         flush_timeout_s=float(flush_timeout_s),
+        cluster=cluster,
     )
 
 
@@ -258,7 +322,9 @@ class KafkaForwarderListener:
         self.settings: ForwarderSettings | None = None
         self._queue_id = ""
         self._topic_prefix = ""
+        #: The site's own connection (resolved by the dispatcher), when there is no other cluster.
         self._connection: dict[str, Any] = {}
+        self._cluster: TargetCluster | None = None
         self._client_id = "sluice-forwarder"
         self._producer: Producer | None = None
         self._fatal: SluiceError | None = None
@@ -276,11 +342,14 @@ class KafkaForwarderListener:
         """Validate the settings and build the producer (it connects lazily)."""
         assert self.state is ListenerState.NEW, f"init() on a {self.state.value} forwarder"
         self._topic_prefix = str(config.get("topic_prefix", ""))
-        settings = parse_settings(config.get("settings"), self._topic_prefix)
+        settings = parse_settings(config.get("settings"), self._topic_prefix, config.get("site_dir"))
         self._queue_id = str(config.get("queue_id", ""))
-        if settings.bootstrap_servers is not None:
-            # Another cluster: only its address is known, so plain connections.
-            self._connection = {"bootstrap.servers": settings.bootstrap_servers}
+        if settings.cluster is not None:
+            # Another cluster: read its secrets now, so one that cannot be read stops the start, saying which.
+            settings.cluster.client_settings()
+            self._cluster = settings.cluster
+            log.info("queue %s: forwarding to %s over %s", self._queue_id, settings.cluster.bootstrap_servers,
+                     settings.cluster.security_protocol)
         else:
             kafka = config.get("kafka")
             if not isinstance(kafka, dict) or "bootstrap.servers" not in kafka:
@@ -411,7 +480,8 @@ class KafkaForwarderListener:
     def _new_producer(self) -> Producer:
         assert self.settings is not None
         timeout_ms = int(self.settings.flush_timeout_s * 1000)
-        conf = dict(self._connection)
+        # Another cluster's passwords are read from their file or variable each time (rotation).
+        conf = self._cluster.client_settings() if self._cluster is not None else dict(self._connection)
         conf.update({
             "client.id": self._client_id,
             "enable.idempotence": True,

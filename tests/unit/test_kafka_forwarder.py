@@ -1,10 +1,12 @@
 """The Kafka forwarder without a broker: settings, headers, topic routing, and the
-offer/re-offer bookkeeping over a scripted stand-in producer; and the downstream
-example's deduplication over plain dicts."""
+offer/re-offer bookkeeping over a scripted stand-in producer; the TLS/SASL
+settings of another cluster and what the producer is built with (issue 17);
+and the downstream example's deduplication over plain dicts."""
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 import sys
 from pathlib import Path
@@ -144,6 +146,158 @@ def test_init_reports_bad_settings() -> None:
     """init raises the settings' ConfigError (the dispatcher shows it and does not start)."""
     with pytest.raises(ConfigError, match="listener.settings.topic"):
         KafkaForwarderListener().init({"settings": {"topic": "{bad}"}, "kafka": {"bootstrap.servers": "127.0.0.1:1"}})
+
+
+# --- another cluster over TLS and SASL (issue 17) -------------------------------------------
+
+PASSWORD = "sasl-s3cret-pw"
+KEY_PASSWORD = "key-s3cret-pw"
+
+
+@pytest.fixture
+def pem(tmp_path: Path) -> Path:
+    """A folder holding a CA, a client certificate and key, and a password file (contents do not matter here)."""
+    for name in ("ca.pem", "me.pem", "me.key"):
+        (tmp_path / name).write_text("-----BEGIN PLACEHOLDER-----\n")
+    (tmp_path / "sasl.pw").write_text(PASSWORD + "\n")
+    return tmp_path
+
+
+@pytest.fixture
+def built(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """Every librdkafka configuration the forwarder builds a producer with (no producer is made)."""
+    confs: list[dict[str, Any]] = []
+
+    def make_producer(conf: dict[str, Any]) -> ScriptedProducer:
+        confs.append(dict(conf))
+        return ScriptedProducer([])
+
+    monkeypatch.setattr(kafka_forwarder, "make_producer", make_producer)
+    return confs
+
+
+def init_forwarder(settings: dict[str, Any], site_dir: Path | None = None) -> KafkaForwarderListener:
+    listener = KafkaForwarderListener()
+    listener.init({"settings": {"topic": "down", **settings}, "queue_id": "q", "site": "a", "dsid": 1,
+                   "kafka": {"bootstrap.servers": "127.0.0.1:1", "sasl.password": "the-site-s-own"},
+                   "topic_prefix": "", "site_dir": str(site_dir) if site_dir else None})
+    return listener
+
+
+def test_another_cluster_over_sasl_ssl_gets_every_setting(pem: Path, built: list[dict[str, Any]],
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """SASL_SSL with mutual TLS: the producer gets librdkafka's names for every setting, relative paths taken from
+    the site file's folder, passwords from their file and variable; none of the site's own connection leaks in,
+    and no password reaches the log."""
+    monkeypatch.setenv("OTHER_KEY_PW", KEY_PASSWORD)
+    caplog.set_level(logging.DEBUG)
+    init_forwarder({"bootstrap_servers": "other-a:9093, other-b:9093", "security_protocol": "SASL_SSL",
+                    "ssl_ca_location": "ca.pem", "ssl_certificate_location": "me.pem", "ssl_key_location": "me.key",
+                    "ssl_key_password_env": "OTHER_KEY_PW", "sasl_mechanism": "SCRAM-SHA-512",
+                    "sasl_username": "forwarder", "sasl_password_file": "sasl.pw"}, pem)
+    assert len(built) == 1
+    conf = built[0]
+    assert {k: v for k, v in conf.items() if k.startswith(("bootstrap.", "security.", "ssl.", "sasl."))} == {
+        "bootstrap.servers": "other-a:9093,other-b:9093", "security.protocol": "SASL_SSL",
+        "ssl.ca.location": str(pem / "ca.pem"), "ssl.certificate.location": str(pem / "me.pem"),
+        "ssl.key.location": str(pem / "me.key"), "ssl.key.password": KEY_PASSWORD,
+        "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": "forwarder", "sasl.password": PASSWORD}
+    assert conf["enable.idempotence"] is True and conf["acks"] == "all"
+    assert PASSWORD not in caplog.text and KEY_PASSWORD not in caplog.text
+    assert "other-a:9093,other-b:9093 over SASL_SSL" in caplog.text
+
+
+def test_another_cluster_over_ssl_with_an_inline_key_password(pem: Path, built: list[dict[str, Any]]) -> None:
+    """SSL alone (no SASL) with the key's password given inline; the settings' repr hides it."""
+    listener = init_forwarder({"bootstrap_servers": "other:9093", "security_protocol": "SSL",
+                               "ssl_ca_location": str(pem / "ca.pem"), "ssl_certificate_location": str(pem / "me.pem"),
+                               "ssl_key_location": str(pem / "me.key"), "ssl_key_password": KEY_PASSWORD})
+    assert built[0]["security.protocol"] == "SSL" and built[0]["ssl.key.password"] == KEY_PASSWORD
+    assert not any(k.startswith("sasl.") for k in built[0])
+    assert KEY_PASSWORD not in repr(listener.settings)
+
+
+def test_another_cluster_defaults_to_plaintext(built: list[dict[str, Any]]) -> None:
+    """bootstrap_servers alone is a plaintext connection, and nothing of the site's own connection is used."""
+    init_forwarder({"bootstrap_servers": "other:9092"})
+    assert {k: v for k, v in built[0].items() if "." in k and k.split(".")[0] in ("bootstrap", "security", "sasl")} \
+        == {"bootstrap.servers": "other:9092", "security.protocol": "PLAINTEXT"}
+
+
+def test_a_rotated_password_file_reaches_the_next_producer(pem: Path, built: list[dict[str, Any]]) -> None:
+    """The password file is read again when the producer is rebuilt (after a fatal error), so rotation works."""
+    listener = init_forwarder({"bootstrap_servers": "other:9093", "security_protocol": "SASL_PLAINTEXT",
+                               "sasl_mechanism": "PLAIN", "sasl_username": "u",
+                               "sasl_password_file": str(pem / "sasl.pw")})
+    (pem / "sasl.pw").write_text("rotated\n")
+    listener._rebuild_producer()  # what a fatal producer error leads to on the next offer
+    assert [conf["sasl.password"] for conf in built] == [PASSWORD, "rotated"]
+
+
+def test_the_site_cluster_keeps_the_sites_connection(built: list[dict[str, Any]]) -> None:
+    """Without bootstrap_servers the producer uses the connection the dispatcher hands over, unchanged."""
+    init_forwarder({})
+    assert built[0]["bootstrap.servers"] == "127.0.0.1:1" and built[0]["sasl.password"] == "the-site-s-own"
+
+
+@pytest.mark.parametrize(
+    ("settings", "field", "reason"),
+    [
+        ({"security_protocol": "SASL_SSL"}, "sasl_mechanism", "is required when security_protocol is SASL_SSL"),
+        ({"security_protocol": "SASL_SSL"}, "sasl_username", "is required when security_protocol is SASL_SSL"),
+        ({"security_protocol": "SASL_PLAINTEXT", "sasl_mechanism": "PLAIN", "sasl_username": "u"}, "sasl_password",
+         "is required when security_protocol is SASL_PLAINTEXT"),
+        ({"security_protocol": "TLS"}, "security_protocol", "PLAINTEXT"),
+        ({"security_protocol": "SASL_SSL", "sasl_mechanism": "GSSAPI", "sasl_username": "u", "sasl_password": "p"},
+         "sasl_mechanism", "SCRAM-SHA-512"),
+        ({"ssl_ca_location": "ca.pem"}, "ssl_ca_location", "is only used with SSL or SASL_SSL"),
+        ({"sasl_username": "u"}, "sasl_username", "is only used with SASL_PLAINTEXT or SASL_SSL"),
+        ({"security_protocol": "SSL", "ssl_ca_location": "missing.pem"}, "ssl_ca_location", "no such file"),
+        ({"security_protocol": "SSL", "ssl_certificate_location": "me.pem"}, "ssl_key_location", "mutual TLS needs both"),
+        ({"security_protocol": "SASL_SSL", "sasl_mechanism": "PLAIN", "sasl_username": "u", "sasl_password": "p",
+          "sasl_password_file": "sasl.pw"}, "sasl_password_file", "not both"),
+        ({"security_protocol": "SASL_SSL", "sasl_mechanism": "PLAIN", "sasl_username": "u",
+          "sasl_password_env": "SLUICE_TEST_UNSET_VARIABLE"}, "sasl_password_env", "is not set"),
+        ({"bootstrap_servers": "other"}, "bootstrap_servers", "has no port"),
+    ],
+)
+def test_another_clusters_settings_are_checked(pem: Path, monkeypatch: pytest.MonkeyPatch, settings: dict[str, Any],
+                                               field: str, reason: str) -> None:
+    """A wrong connection setting is a ConfigError naming listener.settings.<field>, its value and why."""
+    monkeypatch.chdir(pem)
+    monkeypatch.delenv("SLUICE_TEST_UNSET_VARIABLE", raising=False)
+    found = problems_of({"topic": "t", "bootstrap_servers": "other:9093", **settings})
+    assert reason in found.get(f"listener.settings.{field}", ""), found
+
+
+@pytest.mark.parametrize("name", ["security_protocol", "ssl_ca_location", "sasl_username", "sasl_password"])
+def test_connection_settings_need_another_cluster(name: str) -> None:
+    """Connection settings without bootstrap_servers are refused: the site's own cluster uses its kafka: section."""
+    reason = problems_of({"topic": "t", name: "x"})[f"listener.settings.{name}"]
+    assert "only for another cluster" in reason and "bootstrap_servers" in reason
+
+
+def test_passwords_never_appear_in_errors() -> None:
+    """A ConfigError about the connection shows no password: given where it is not used, or under a misspelt name."""
+    for settings in ({"topic": "t", "sasl_password": PASSWORD, "ssl_key_password": KEY_PASSWORD},
+                     {"topic": "t", "bootstrap_servers": "o:1", "security_protocol": "PLAINTEXT",
+                      "sasl_password": PASSWORD, "ssl_key_password": KEY_PASSWORD},
+                     {"topic": "t", "bootstrap_servers": "o:1", "sasl_pasword": PASSWORD, "ssl_keypass": KEY_PASSWORD}):
+        with pytest.raises(ConfigError) as info:
+            parse_settings(settings)
+        text = str(info.value) + repr(info.value.problems)
+        assert PASSWORD not in text and KEY_PASSWORD not in text
+        assert len(info.value.problems) == 2, info.value.problems
+
+
+def test_an_unreadable_password_file_stops_init(pem: Path, built: list[dict[str, Any]]) -> None:
+    """A password file that exists at parse time but is empty stops init, naming the setting and the file."""
+    (pem / "sasl.pw").write_text("")
+    with pytest.raises(ConfigError) as info:
+        init_forwarder({"bootstrap_servers": "o:9093", "security_protocol": "SASL_SSL", "sasl_mechanism": "PLAIN",
+                        "sasl_username": "u", "sasl_password_file": "sasl.pw"}, pem)
+    assert info.value.problems[0][0] == "listener.settings.sasl_password_file" and built == []
 
 
 # --- headers and routing ------------------------------------------------------------
