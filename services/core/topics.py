@@ -12,7 +12,10 @@ site's file implies a fixed set of topics (``plan_topics``):
   head, and a **dead-letter** topic;
 * with a receiver, the **gateway inbound** topic remote senders write batches
   to, and the **gateway acks** topic the receiver answers on;
-* one **region dead-letter** topic for records the region service cannot read.
+* one **region dead-letter** topic for records the region service cannot read;
+* the subscription service's compacted **registry**, **acks** and **fill**
+  topics, and its **dead-letter** topic for the records of those and of the
+  changelogs it cannot read or refuses.
 
 ``apply_topics`` makes a cluster match the plan, step by step:
 
@@ -120,6 +123,10 @@ class TopicNames:
     def subscription_fill(self) -> str:
         """How far each registry partition's clients' queues are filled (compacted, by registry partition)."""
         return f"{self.prefix}subscriptions.fill"
+
+    def subscription_dead_letter(self) -> str:
+        """Registry, acks, fill and changelog records the subscription service could not read or refused."""
+        return f"{self.prefix}subscriptions.dlq"
 
     def client_queue(self, client_id: str, incarnation: str) -> str:
         """One client's subscription queue; a new incarnation per new (or timed-out and returning) client."""
@@ -255,6 +262,15 @@ def plan_topics(cfg: SiteConfig) -> list[TopicSpec]:
                           (names.subscription_fill(), "how far subscription queues are filled, per registry partition")):
         specs.append(TopicSpec(name=name, partitions=partitions, compacted=True, config=_compacted(),
                                purpose=purpose))
+    specs.append(
+        TopicSpec(
+            name=names.subscription_dead_letter(),
+            partitions=1,
+            compacted=False,
+            config=_deleted(DEAD_LETTER_RETENTION_MS),
+            purpose="subscription records that could not be read or were refused",
+        )
+    )
     for name, purpose in ((names.control(), "desired state of each queue, set by sluice admin"),
                           (names.status(), "status reported by queue primaries (per partition) and gateway receivers")):
         specs.append(TopicSpec(name=name, partitions=1, compacted=True, config=_compacted(), purpose=purpose))

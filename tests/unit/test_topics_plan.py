@@ -30,6 +30,7 @@ def test_topic_names() -> None:
     assert names.subscription_registry() == "p.subscriptions.registry"
     assert names.subscription_acks() == "p.subscriptions.acks"
     assert names.subscription_fill() == "p.subscriptions.fill"
+    assert names.subscription_dead_letter() == "p.subscriptions.dlq"
     assert names.client_queue("c-1", "ab12") == "p.subscription.c-1.ab12"
     assert TopicNames("p.") == TopicNames("p.") != TopicNames("q.")
 
@@ -53,6 +54,7 @@ SITE_A = [
     ("site-a.subscriptions.registry", 8, True),
     ("site-a.subscriptions.acks", 8, True),
     ("site-a.subscriptions.fill", 8, True),
+    ("site-a.subscriptions.dlq", 1, False),
     ("site-a.control", 1, True),
     ("site-a.status", 1, True),
 ]
@@ -72,6 +74,7 @@ SITE_B = [
     ("site-b.subscriptions.registry", 8, True),
     ("site-b.subscriptions.acks", 8, True),
     ("site-b.subscriptions.fill", 8, True),
+    ("site-b.subscriptions.dlq", 1, False),
     ("site-b.control", 1, True),
     ("site-b.status", 1, True),
 ]
@@ -95,6 +98,7 @@ def test_cleanup_policies_follow_each_topics_role() -> None:
     assert queue.config["retention.ms"] == "-1" and queue.config["retention.bytes"] == "-1"
     assert specs["site-a.queue.orders-to-site-b.dlq"].config["retention.ms"] == WEEK_MS
     assert specs["site-a.region.dlq"].config["retention.ms"] == WEEK_MS
+    assert specs["site-a.subscriptions.dlq"].config["retention.ms"] == WEEK_MS
     assert specs["site-a.gateway.inbound"].config["retention.ms"] == WEEK_MS
     assert specs["site-a.region.orders.changelog"].config["min.compaction.lag.ms"] == "0"
     assert specs["site-a.region.orders.changelog"].purpose == "region changelog of orders"
@@ -127,6 +131,7 @@ def test_unattached_queue_and_no_receiver_plan_no_topics() -> None:
         "x.subscriptions.registry",
         "x.subscriptions.acks",
         "x.subscriptions.fill",
+        "x.subscriptions.dlq",
         "x.control",
         "x.status",
     ]
