@@ -1,4 +1,4 @@
-"""A client's interest in a region's keys (Geode's registerInterest), and what it receives.
+r"""A client's interest in a region's keys (Geode's registerInterest), and what it receives.
 
 A registration names keys (one key, a list of keys, ``ALL_KEYS``, or a
 regular expression matched against the whole key), whether it is durable,
@@ -11,17 +11,63 @@ matches registrations of both kinds, values win.
 The ``result_policy`` of a registration decides its initial load from the
 region's current state: ``KEYS_VALUES`` (keys and values, the default),
 ``KEYS`` (keys only: invalid entries) or ``NONE``.
+
+Interest regexes are compiled with RE2 (``google-re2``), on the client and
+in the subscription service alike (``compile_regex``): matching takes time
+linear in the key, whatever the pattern (issue 17: ``(a+)+`` took Python's
+``re`` seconds per key and stalled every client of the service).  RE2 has
+no backreferences, lookaround, atomic groups or possessive repeats; ``\d``,
+``\w``, ``\s`` and ``\b`` are ASCII.  Otherwise a pattern means what it
+means to Python's ``re``, matched against the whole key.  A pattern longer
+than ``REGEX_CHARS_MAX`` characters, or that RE2 refuses, is an
+``InvalidRequest`` naming the field ``regex``, the pattern and why.
 """
 
 from __future__ import annotations
 
 import enum
-import re
 from dataclasses import dataclass, field
+from typing import Any
+
+import re2
 
 from ..core.errors import InvalidRequest
 
 ALL_KEYS = "ALL_KEYS"
+#: The longest interest regex taken, in characters: a registry record is read by every
+#: subscription instance, and a pattern's compiled program grows with its length.
+REGEX_CHARS_MAX = 1000
+#: The memory RE2 may use for one compiled pattern (its program and its lazily built DFA); a
+#: pattern that needs more is refused ("pattern too large").
+REGEX_MEMORY_MAX_BYTES = 8 << 20
+#: What RE2 does not have, told with every refusal.
+RE2_LIMITS = "RE2 syntax: no backreferences, lookaround, atomic groups or possessive repeats"
+
+
+def _re2_options() -> Any:
+    options = re2.Options()
+    options.max_mem = REGEX_MEMORY_MAX_BYTES
+    options.log_errors = False  # the refusal says why; nothing is written to stderr
+    return options
+
+
+_OPTIONS = _re2_options()
+
+
+def compile_regex(pattern: object) -> Any:
+    """An interest regex compiled with RE2 (matched in linear time), or ``InvalidRequest``
+    naming the field ``regex``, the pattern and why it is refused."""
+    if not isinstance(pattern, str):
+        raise InvalidRequest("regex", pattern, "must be a string")
+    if len(pattern) > REGEX_CHARS_MAX:
+        raise InvalidRequest("regex", pattern, f"longer than {REGEX_CHARS_MAX} characters ({len(pattern)})")
+    try:
+        return re2.compile(pattern, _OPTIONS)
+    except re2.error as exc:
+        why = exc.args[0].decode("utf-8", "replace") if exc.args and isinstance(exc.args[0], bytes) else str(exc)
+        raise InvalidRequest("regex", pattern, f"not a regular expression RE2 accepts: {why} ({RE2_LIMITS})") from None
+    except ValueError as exc:  # a lone surrogate cannot be encoded as UTF-8
+        raise InvalidRequest("regex", pattern, f"not valid text: {exc}") from None
 
 
 class ResultPolicy(str, enum.Enum):
@@ -60,11 +106,8 @@ class Registration:
 
     @classmethod
     def of_regex(cls, pattern: str, **options: object) -> Registration:
-        """``register_interest_regex(pattern, ...)``: the whole key must match."""
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise InvalidRequest("regex", pattern, f"not a regular expression: {exc}") from None
+        """``register_interest_regex(pattern, ...)``: the whole key must match (``compile_regex``)."""
+        compile_regex(pattern)
         return cls(regex=pattern, **options)  # type: ignore[arg-type]
 
 
@@ -74,7 +117,7 @@ class _Kind:
 
     keys: set[str] = field(default_factory=set)
     all_keys: bool = False
-    regexes: dict[str, re.Pattern[str]] = field(default_factory=dict)
+    regexes: dict[str, Any] = field(default_factory=dict)  # pattern -> its RE2 compilation
 
     def matches(self, key: str) -> bool:
         return self.all_keys or key in self.keys or any(p.fullmatch(key) for p in self.regexes.values())
@@ -83,7 +126,7 @@ class _Kind:
         self.keys.update(r.keys)
         self.all_keys = self.all_keys or r.all_keys
         if r.regex is not None:
-            self.regexes[r.regex] = re.compile(r.regex)
+            self.regexes[r.regex] = compile_regex(r.regex)
 
     def remove(self, r: Registration) -> None:
         self.keys.difference_update(r.keys)
@@ -130,4 +173,5 @@ class RegionInterest:
         return not self._kinds
 
 
-__all__ = ["ALL_KEYS", "Delivery", "Registration", "RegionInterest", "ResultPolicy"]
+__all__ = ["ALL_KEYS", "REGEX_CHARS_MAX", "Delivery", "Registration", "RegionInterest", "ResultPolicy",
+           "compile_regex"]
