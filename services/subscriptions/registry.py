@@ -1,18 +1,73 @@
 """What the subscription service and its clients share: where a client's records live, its
-queue topic, and the interest a registry record holds."""
+queue topic, the interest a registry record holds, and what a record must be to be taken.
+
+Issue 17 (trust boundaries): whoever can write the registry or the acks topic must not be able
+to make the service create, fill, trim or delete a topic that is not a client queue, nor move or
+unregister another client.  So both sides hold one rule for a client's queue topic
+(``queue_topic_problem``: ``<prefix>subscription.<client_id>.<8 lowercase hex digits>``, the
+client id being the record's key), and the service checks every registry, ack and checkpoint
+record against it (``check_registration``, ``check_ack``, ``check_checkpoint``) before anything
+is done with it; the client checks what it reads back for its own id the same way.
+"""
 
 from __future__ import annotations
 
 import hmac
+import re
+import uuid
 from typing import Any
 
 from ..client.interest import Registration, RegionInterest
 from ..core.config import SiteConfig
+from ..core.errors import InvalidRequest
 from ..core.kafka import KafkaError, KafkaException, NewTopic, make_consumer, partition_for_key, read_to_end, translate
 
 
 #: The registry record header that carries a client's token: ``Bearer <token>``.
 AUTHORIZATION = "authorization"
+#: The header of a record the service wrote again after refusing a forged one for the same key,
+#: so that compaction keeps the client's record rather than the forgery (``SubscriptionService``).
+RESTORED = "sluice-restored"
+#: A client id: 1–100 letters, digits, '_' or '-', starting with a letter or digit (never a '.',
+#: so one client's queue names can never be another's).
+CLIENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,99}")
+#: A queue incarnation: 8 lowercase hex digits, new each time a client starts as a new one.
+INCARNATION = re.compile(r"[0-9a-f]{8}")
+
+
+def new_incarnation() -> str:
+    """A fresh queue incarnation (``INCARNATION``)."""
+    return uuid.uuid4().hex[:8]
+
+
+def new_queue_topic(cfg: SiteConfig, client_id: str) -> str:
+    """A new queue topic for ``client_id``: the only shape the service takes."""
+    return cfg.topics.client_queue(client_id, new_incarnation())
+
+
+def queue_topic_problem(cfg: SiteConfig, client_id: str, topic: object) -> str | None:
+    """Why ``topic`` is not a queue of ``client_id`` (None: it is one)."""
+    if not isinstance(client_id, str) or not CLIENT_ID.fullmatch(client_id):
+        return f"the client id {client_id!r} is not one (1–100 letters, digits, '_' or '-')"
+    prefix = cfg.topics.client_queue(client_id, "")
+    if not isinstance(topic, str) or not topic.startswith(prefix) or not INCARNATION.fullmatch(topic[len(prefix):]):
+        return f"not a queue of client {client_id}: a client's queue is {prefix}<8 lowercase hex digits>"
+    return None
+
+
+def is_client_queue(cfg: SiteConfig, topic: object) -> bool:
+    """``topic`` is some client's queue (any client id)."""
+    base = cfg.topics.client_queue("", "")  # "<prefix>subscription.."
+    head = base[:-2]  # "<prefix>subscription"
+    if not isinstance(topic, str) or not topic.startswith(head + "."):
+        return False
+    client_id, dot, _incarnation = topic[len(head) + 1:].rpartition(".")
+    return bool(dot) and queue_topic_problem(cfg, client_id, topic) is None
+
+
+def bearer(token: str | None) -> list[tuple[str, bytes]] | None:
+    """The headers that carry ``token`` (None: no token, no headers)."""
+    return None if token is None else [(AUTHORIZATION, f"Bearer {token}".encode())]
 
 
 def configured_token(cfg: SiteConfig) -> str | None:
@@ -32,6 +87,66 @@ def authorized(headers: list[tuple[str, bytes]] | None, token: str) -> bool:
     """The record carries ``authorization: Bearer <token>`` (compared in constant time)."""
     given = header_value(headers, AUTHORIZATION)
     return given is not None and hmac.compare_digest(given, f"Bearer {token}".encode())
+
+
+def check_authorized(headers: list[tuple[str, bytes]] | None, token: str | None, what: str) -> None:
+    """``InvalidRequest`` on the field ``authorization`` unless the record (``what``) carries ``token``
+    (nothing to check without one).  The value shown is only whether there was a token, never one."""
+    if token is None or authorized(headers, token):
+        return
+    if header_value(headers, AUTHORIZATION) is None:
+        raise InvalidRequest("authorization", "none",
+                             f"the subscription service requires a token and the {what} carried none")
+    raise InvalidRequest("authorization", "another token", f"the {what}'s token is not the subscription service's token")
+
+
+def check_key(cfg: SiteConfig, key: str, partition: int) -> None:
+    """A registry or ack record's key is a client id, in that client's partition."""
+    if not CLIENT_ID.fullmatch(key):
+        raise InvalidRequest("key", key, "not a client id (1–100 letters, digits, '_' or '-')")
+    wanted = registry_partition(key, cfg.subscriptions.registry_partitions)
+    if partition != wanted:
+        raise InvalidRequest("partition", partition, f"client {key}'s records belong in partition {wanted}")
+
+
+def check_registration(cfg: SiteConfig, key: str, partition: int, record: dict[str, Any]) -> None:
+    """A registration the service may act on: its key's, with a queue of that client and interest
+    it can match (``compile_regex``); else ``InvalidRequest`` naming the field, value and reason."""
+    check_key(cfg, key, partition)
+    if record["client_id"] != key:
+        raise InvalidRequest("client_id", record["client_id"], f"not the record's key {key!r}")
+    problem = queue_topic_problem(cfg, key, record["queue_topic"])
+    if problem is not None:
+        raise InvalidRequest("queue_topic", record["queue_topic"], problem)
+    interest_of(record)  # InvalidRequest("regex", ...) for a pattern RE2 refuses or one too long
+
+
+def check_ack(cfg: SiteConfig, key: str, partition: int, record: dict[str, Any]) -> None:
+    """An ack the service may act on (trim the queue it names up to ``next_offset``)."""
+    check_key(cfg, key, partition)
+    if record["client_id"] != key:
+        raise InvalidRequest("client_id", record["client_id"], f"not the record's key {key!r}")
+    problem = queue_topic_problem(cfg, key, record["queue_topic"])
+    if problem is not None:
+        raise InvalidRequest("queue_topic", record["queue_topic"], problem)
+    if record["next_offset"] < 0:
+        raise InvalidRequest("next_offset", record["next_offset"], "a queue offset is 0 or more")
+
+
+def check_checkpoint(cfg: SiteConfig, partition: int, record: dict[str, Any]) -> None:
+    """A fill checkpoint of its own registry partition, over the site's changelogs and client queues."""
+    if record["registry_partition"] != partition:
+        raise InvalidRequest("registry_partition", record["registry_partition"],
+                             f"a checkpoint of partition {partition} must name it")
+    buckets = {cfg.topics.region_changelog(r.name): r.buckets for r in cfg.regions}
+    positions = list(record["positions"]) + [p for q in record["queues"] or () for p in q["positions"]]
+    for p in positions:
+        if p["topic"] not in buckets or not 0 <= p["partition"] < buckets[p["topic"]] or p["offset"] < 0:
+            raise InvalidRequest("positions", f"{p['topic']}[{p['partition']}]@{p['offset']}",
+                                 "not a position in one of the site's region changelogs")
+    for q in record["queues"] or ():
+        if not is_client_queue(cfg, q["queue_topic"]):
+            raise InvalidRequest("queues", q["queue_topic"], "not a client's queue topic")
 
 
 def registry_partition(client_id: str, partitions: int) -> int:
@@ -73,13 +188,15 @@ def create_queue(admin: Any, cfg: SiteConfig, topic: str, durable: bool) -> None
                 raise translate(exc, f"creating the subscription queue {name}") from exc
 
 
-def read_latest(cfg: SiteConfig, topic: str, partition: int, key: str) -> bytes | None:
-    """The newest value of ``key`` in one partition of a compacted topic (None: none, or a tombstone)."""
+def read_latest(cfg: SiteConfig, topic: str, partition: int, key: str, *,
+                token: str | None = None) -> bytes | None:
+    """The newest value of ``key`` in one partition of a compacted topic (None: none, or a tombstone).
+    With ``token``, only records that carry it count: a forged one, tombstones included, is passed over."""
     consumer = make_consumer(cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 10})
     found: bytes | None = None
     try:
         for msg in read_to_end(consumer, topic, partition, deadline_s=30):
-            if msg.key() == key.encode():
+            if msg.key() == key.encode() and (token is None or authorized(msg.headers(), token)):
                 found = msg.value()
     except KafkaException as exc:
         raise translate(exc, f"reading {topic}") from exc
@@ -88,5 +205,7 @@ def read_latest(cfg: SiteConfig, topic: str, partition: int, key: str) -> bytes 
     return found
 
 
-__all__ = ["AUTHORIZATION", "authorized", "configured_token", "create_queue", "header_value", "interest_of",
-           "last_heard", "read_latest", "registry_partition"]
+__all__ = ["AUTHORIZATION", "CLIENT_ID", "INCARNATION", "RESTORED", "authorized", "bearer",
+           "check_ack", "check_authorized", "check_checkpoint", "check_key", "check_registration",
+           "configured_token", "create_queue", "header_value", "interest_of", "is_client_queue", "last_heard",
+           "new_incarnation", "new_queue_topic", "queue_topic_problem", "read_latest", "registry_partition"]

@@ -39,6 +39,31 @@ A primary's loop, one thread:
 4. every ``message-sync-interval``: wait until the queues hold what was
    filled, then write the checkpoints, and delete from each queue what its
    client acknowledged.
+
+Trust (issue 17).  The registry and the acks are written by clients, so no
+record of them is acted on before it passes the checks of ``registry``: its
+key is a client id in that client's partition; a registration or ack names
+its own client and a queue of that client
+(``<prefix>subscription.<client_id>.<8 lowercase hex digits>``), never
+another topic; its interest regexes compile with RE2; and, with
+``subscriptions.token`` set, it carries ``authorization: Bearer <token>``
+(tombstones and acks too).  Fill checkpoints must name the site's
+changelogs and client queues.  A record that cannot be read or fails a check
+changes nothing: the primary of its partition counts it, logs it, writes it
+to the dead-letter topic with the reason, tells the client why (REFUSED, on
+a queue that passes the check and exists) and, for a registry or ack record,
+writes the client's record in force again (header ``sluice-restored``), so
+that compaction keeps it rather than the forgery; the loop goes on.  An
+undecodable changelog record is dead-lettered by the primary of registry
+partition ``changelog partition mod registry partitions``, the one instance
+that fills it for that partition, not by every instance reading it.
+
+Which principal may write what (Kafka ACLs enforce it; the checks above are
+what holds when they are wider): clients write the registry and the acks,
+and create and delete topics under their own ``subscription.<client_id>.``
+prefix; the subscription service writes the fill, dead-letter and client
+queue topics, creates and deletes client queues, and deletes records from
+them; no one else writes any of these.
 """
 
 from __future__ import annotations
@@ -54,7 +79,7 @@ from ..client.interest import Delivery, RegionInterest
 from ..core import telemetry
 from ..core.codec import get_codec
 from ..core.config import SiteConfig
-from ..core.errors import CodecError, SluiceError
+from ..core.errors import CodecError, InvalidRequest, SluiceError, TopicMissing
 from ..core.events import REGION_OPERATIONS, EntryEvent, Operation
 from ..core.kafka import (
     Consumer,
@@ -69,13 +94,19 @@ from ..core.kafka import (
 )
 from ..core.lifecycle import ServiceState
 from .registry import (
-    AUTHORIZATION,
-    authorized,
+    RESTORED,
+    bearer,
+    check_ack,
+    check_authorized,
+    check_checkpoint,
+    check_key,
+    check_registration,
     configured_token,
     create_queue,
     header_value,
     interest_of,
     last_heard,
+    queue_topic_problem,
     registry_partition,
 )
 
@@ -93,6 +124,8 @@ FETCH_WAIT_MS = 20
 QUEUE_GONE_MS = 5000
 #: The longest a registration's answer waits for the fill to reach the changelogs' ends.
 CATCH_UP_S = 10.0
+#: How many refusals the service remembers having answered (so each is answered once).
+REFUSALS_REMEMBERED = 4096
 
 
 class TablesBehind(SluiceError):
@@ -134,6 +167,7 @@ class SubscriptionService:
         self.registry_topic = names.subscription_registry()
         self.acks_topic = names.subscription_acks()
         self.fill_topic = names.subscription_fill()
+        self.dead_letter_topic = names.subscription_dead_letter()
         self.changelogs = {names.region_changelog(r.name): r for r in cfg.regions}
         self.partitions = self.sub.registry_partitions
         self.group_id = f"{cfg.kafka.topic_prefix}subscriptions"
@@ -160,8 +194,9 @@ class SubscriptionService:
         self._missing_queues: set[str] = set()
         self._trimmed: dict[str, int] = {}
         self.stats = {"filled": 0, "registered": 0, "markers": 0, "unregistered": 0, "timed_out": 0,
-                      "undecodable": 0, "refills": 0, "takeovers": 0, "refused": 0}
-        self._refusals_answered: set[tuple[str, str, int]] = set()  # (client, session, version)
+                      "undecodable": 0, "refills": 0, "takeovers": 0, "refused": 0, "dead_lettered": 0,
+                      "restored": 0}
+        self._refusals_answered: dict[tuple[str, str, int], None] = {}  # (client, session, version), oldest first
         self._group: Consumer | None = None
         self._tables: Consumer | None = None
         self._changelog: Consumer | None = None
@@ -208,6 +243,7 @@ class SubscriptionService:
         self._group = make_consumer(base, self.group_id, **client_id, **self.cfg.kafka.group_settings())
         self._tables = make_consumer(base, None, **client_id, **{"fetch.wait.max.ms": FETCH_WAIT_MS})
         self._changelog = make_consumer(base, None, **client_id, **{"fetch.wait.max.ms": FETCH_WAIT_MS})
+        self._check_topics()
         try:
             self._tables.assign([TopicPartition(t, p, 0) for t in (self.registry_topic, self.acks_topic,
                                                                    self.fill_topic)
@@ -216,6 +252,19 @@ class SubscriptionService:
             raise translate(exc, "assigning the subscription tables") from exc
         self._read_tables(to_end=True)
         self.state = ServiceState.RUNNING
+
+    def _check_topics(self) -> None:
+        """Refuse to start without the subscription topics (a site made before the dead-letter topic
+        existed needs ``sluice topics apply`` again)."""
+        assert self._admin is not None
+        try:
+            metadata = self._admin.list_topics(timeout=self.cfg.kafka.request_timeout_ms / 1000)
+        except KafkaException as exc:
+            raise translate(exc, f"connecting to {self.cfg.kafka.bootstrap_servers}") from exc
+        for topic in (self.registry_topic, self.acks_topic, self.fill_topic, self.dead_letter_topic):
+            found = metadata.topics.get(topic)
+            if found is None or found.error is not None:
+                raise TopicMissing(topic)
 
     def stop(self) -> None:
         if self.state in (ServiceState.NEW, ServiceState.RUNNING):
@@ -406,8 +455,7 @@ class SubscriptionService:
                 msgs = self._tables.consume(1000, 0.05 if ends else 0)
                 for msg in msgs:
                     if msg.error() is None:
-                        self._table_record(msg.topic(), msg.partition(), msg.key(), msg.value(),
-                                           msg.headers() if self.token is not None else None)
+                        self._table_record(msg)
                 if ends:
                     for tp in self._tables.position([TopicPartition(t, p) for t, p in ends]):
                         if tp.offset >= ends[(tp.topic, tp.partition)]:
@@ -420,67 +468,138 @@ class SubscriptionService:
             if not ends and len(msgs) < 1000:
                 return
 
-    def _table_record(self, topic: str, partition: int, key: bytes | None, value: bytes | None,
-                      headers: list[tuple[str, bytes]] | None = None) -> None:
-        name = (key or b"").decode("utf-8", "replace")
+    def _table_record(self, msg: Any) -> None:
+        """One record of the registry, acks or fill topic, taken only once it passes its checks
+        (module docstring, "Trust"); else refused, and nothing changes."""
+        topic, partition, value = msg.topic(), msg.partition(), msg.value()
+        name = (msg.key() or b"").decode("utf-8", "replace")
+        headers = msg.headers()
+        if topic == self.registry_topic:
+            what, schema = ("registration" if value is not None else "registry tombstone"), "ClientRegistration"
+        elif topic == self.acks_topic:
+            what, schema = ("ack" if value is not None else "ack tombstone"), "ClientAck"
+        else:
+            what, schema = "fill checkpoint", "FillCheckpoint"
+        record: dict[str, Any] | None = None
         try:
+            if value is not None:
+                record = self._codec.decode_as(schema, value)
+            if topic == self.fill_topic:
+                if record is not None:
+                    check_checkpoint(self.cfg, partition, record)
+                    self._take_checkpoint(record)
+                return
+            check_key(self.cfg, name, partition)
+            check_authorized(headers, self.token, what)
+            restored = header_value(headers, RESTORED) is not None
             if topic == self.registry_topic:
-                if value is None:
-                    self.registry.pop(name, None)
-                    self._clients.pop(name, None)
-                    return
-                record = self._codec.decode_as("ClientRegistration", value)
-                if self.token is not None and not authorized(headers, self.token):
-                    self._refuse(partition, name, record, headers)
-                    return
-                self.registry[name] = record
-                if partition in self.owned:
-                    self._dirty = True
-                    client = self._clients.get(name)
-                    if client is None:
-                        self._clients[name] = _Client(record, interest_of(record), partition=partition)
-                    else:
-                        client.record = record
-            elif topic == self.acks_topic:
-                if value is None:
-                    self.acks.pop(name, None)
-                else:
-                    self.acks[name] = self._codec.decode_as("ClientAck", value)
-            elif value is not None:
-                record = self._codec.decode_as("FillCheckpoint", value)
-                r = record["registry_partition"]
-                self.checkpoints[r] = _positions_of(record["positions"])
-                self.starts[r] = (None if record["queues"] is None else
-                                  {q["queue_topic"]: _positions_of(q["positions"]) for q in record["queues"]})
-        except CodecError as exc:
-            self.stats["undecodable"] += 1
-            log.error("subscriptions: %s[%d] key %r cannot be read and is skipped: %s", topic, partition, name, exc)
+                if record is not None:
+                    check_registration(self.cfg, name, partition, record)
+                self._take_registration(partition, name, record, restored)
+            else:
+                if record is not None:
+                    check_ack(self.cfg, name, partition, record)
+                self._take_ack(partition, name, record, restored)
+        except (CodecError, InvalidRequest) as exc:
+            self._refuse(msg, name, what, record, exc)
 
-    def _refuse(self, partition: int, name: str, record: dict[str, Any],
-                headers: list[tuple[str, bytes]] | None) -> None:
-        """A registration without the right token changes nothing; the primary of its partition
-        counts it, logs it and tells the client, on the client's own queue when it exists."""
+    def _take_registration(self, partition: int, name: str, record: dict[str, Any] | None, restored: bool) -> None:
+        current = self.registry.get(name)
+        if restored and current is not None:
+            if record != current:
+                # Written again after a forgery, but this client has written since: its newer record
+                # is written again in turn, so that compaction keeps the newest.
+                self._restore(self.registry_topic, partition, name)
+            return
+        if record is None:
+            self.registry.pop(name, None)
+            self._clients.pop(name, None)
+            return
+        self.registry[name] = record
+        if partition in self.owned:
+            self._dirty = True
+            client = self._clients.get(name)
+            if client is None:
+                self._clients[name] = _Client(record, interest_of(record), partition=partition)
+            else:
+                client.record = record
+
+    def _take_ack(self, partition: int, name: str, record: dict[str, Any] | None, restored: bool) -> None:
+        current = self.acks.get(name)
+        if restored and current is not None:
+            if record != current:
+                self._restore(self.acks_topic, partition, name)
+            return
+        if record is None:
+            self.acks.pop(name, None)
+        else:
+            self.acks[name] = record
+
+    def _take_checkpoint(self, record: dict[str, Any]) -> None:
+        r = record["registry_partition"]
+        self.checkpoints[r] = _positions_of(record["positions"])
+        self.starts[r] = (None if record["queues"] is None else
+                          {q["queue_topic"]: _positions_of(q["positions"]) for q in record["queues"]})
+
+    def _refuse(self, msg: Any, name: str, what: str, record: dict[str, Any] | None, exc: SluiceError) -> None:
+        """A table record that cannot be read or fails a check changes nothing.  The primary of its
+        partition (one instance, not every reader) counts it, logs it, dead-letters it with the
+        reason, tells the client why where that is safe, and writes the client's record in force
+        again so that compaction keeps it rather than the refused one."""
+        topic, partition = msg.topic(), msg.partition()
         if partition not in self.owned:
             return
+        unauthorized = isinstance(exc, InvalidRequest) and exc.field == "authorization"
+        why = exc.reason if unauthorized else str(exc)  # never the token given
+        reason = f"{what} refused: {why}" if not isinstance(exc, CodecError) else f"{what} cannot be read: {why}"
+        self.stats["undecodable" if isinstance(exc, CodecError) else "refused"] += 1
+        log.warning("subscriptions %s: client %r: %s (%s[%d]@%d)", self.member_id, name, reason, topic, partition,
+                    msg.offset(), extra={"refused": what, "client_id": name, "reason": reason})
+        self._dead_letter(msg, reason, type(exc).__name__)
+        if topic == self.registry_topic and record is not None:
+            self._answer_refusal(name, record, reason)
+        if topic in (self.registry_topic, self.acks_topic):
+            self._restore(topic, partition, name)
+
+    def _answer_refusal(self, name: str, record: dict[str, Any], reason: str) -> None:
+        """REFUSED, on the client's queue, once per (session, version), and only where that is safe:
+        the queue is this client's by the queue rule and exists, and the record is of the session in
+        force (or of a client not registered yet), so a forgery cannot fill another topic or client."""
         answer = (name, record["session"], record["version"])
         if answer in self._refusals_answered:
             return
-        self._refusals_answered.add(answer)
-        self.stats["refused"] += 1
-        given = header_value(headers, AUTHORIZATION)
-        reason = ("the subscription service requires a token and the registration carried none" if given is None
-                  else "the registration's token is not the subscription service's token")
-        log.warning("client %s: registration refused: %s", name, reason,
-                    extra={"refused": "registration", "client_id": name, "session": record["session"]})
+        current = self.registry.get(name)
+        if current is not None and current["session"] != record["session"]:
+            return
         topic = record["queue_topic"]
-        if not topic.startswith(self.cfg.topics.client_queue(name, "")) or not self._topic_exists(topic):
-            return  # never written to a topic the client does not own
-        assert self._producer is not None
-        self._producer.produce(topic, self._encode({"kind": "REFUSED", "session": record["session"],
-                                                    "version": record["version"],
-                                                    "reason": f"registration refused: {reason}"}),
-                               None, partition=0)
-        self._producer.poll(0)
+        if queue_topic_problem(self.cfg, name, topic) is not None or not self._topic_exists(topic):
+            return
+        self._refusals_answered[answer] = None
+        while len(self._refusals_answered) > REFUSALS_REMEMBERED:
+            del self._refusals_answered[next(iter(self._refusals_answered))]
+        self._produce_to(topic, self._encode({"kind": "REFUSED", "session": record["session"],
+                                              "version": record["version"], "reason": reason}), None, 0)
+
+    def _restore(self, topic: str, partition: int, name: str) -> None:
+        """Write a client's registry (or ack) record in force again after a refused one for its key, in
+        its partition, so that compaction, which keeps a key's newest record, keeps the client's."""
+        if partition != registry_partition(name, self.partitions) or partition not in self.owned:
+            return
+        current = (self.registry if topic == self.registry_topic else self.acks).get(name)
+        if current is None:
+            return
+        schema = "ClientRegistration" if topic == self.registry_topic else "ClientAck"
+        self._produce_to(topic, self._codec.encode(schema, current), name.encode(), partition,
+                         (bearer(self.token) or []) + [(RESTORED, b"1")])
+        self.stats["restored"] += 1
+
+    def _dead_letter(self, msg: Any, reason: str, error_class: str) -> None:
+        """The record as it was, with why, on the subscriptions dead-letter topic."""
+        record = {"source_topic": msg.topic(), "source_partition": msg.partition(), "source_offset": msg.offset(),
+                  "key": msg.key(), "value": msg.value(), "reason": reason, "error_class": error_class,
+                  "event": None, "service": f"subscriptions {self.member_id}", "failed_at": int(time.time() * 1000)}
+        self._produce_to(self.dead_letter_topic, self._codec.encode("DeadLetter", record), msg.key(), 0)
+        self.stats["dead_lettered"] += 1
 
     def _topic_exists(self, topic: str) -> bool:
         assert self._admin is not None
@@ -568,13 +687,17 @@ class SubscriptionService:
         assert self._producer is not None and self._admin is not None
         key = client.id.encode()
         r = registry_partition(client.id, self.partitions)
-        self._producer.produce(self.registry_topic, None, key, partition=r)
-        self._producer.produce(self.acks_topic, None, key, partition=r)
+        # With a token, every instance takes a tombstone only with it (a forged one unregisters no one).
+        self._produce_to(self.registry_topic, None, key, r, bearer(self.token))
+        self._produce_to(self.acks_topic, None, key, r, bearer(self.token))
         self._producer.flush(10)
         self._clients.pop(client.id, None)
         self.registry.pop(client.id, None)
         self.acks.pop(client.id, None)
-        futures = self._admin.delete_topics([client.record["queue_topic"]], operation_timeout=10)
+        topic = client.record["queue_topic"]
+        # Checked when the registration was read; kept as the last guard before a topic is deleted.
+        assert queue_topic_problem(self.cfg, client.id, topic) is None, topic
+        futures = self._admin.delete_topics([topic], operation_timeout=10)
         for topic, fut in futures.items():
             try:
                 fut.result(timeout=15)
@@ -615,9 +738,15 @@ class SubscriptionService:
             if msg.value() is not None:
                 try:
                     event = EntryEvent.from_record(self._codec.decode_as("EntryEvent", msg.value()))
-                except CodecError:
-                    self.stats["undecodable"] += 1
+                except CodecError as exc:
                     event = None
+                    # Every instance with clients reads every changelog; the primary of one registry
+                    # partition, chosen by the changelog partition, dead-letters the record, once.
+                    if msg.partition() % self.partitions in takers:
+                        self.stats["undecodable"] += 1
+                        log.error("subscriptions %s: %s[%d]@%d cannot be read and is dead-lettered: %s",
+                                  self.member_id, msg.topic(), msg.partition(), offset, exc)
+                        self._dead_letter(msg, f"changelog record cannot be read: {exc}", type(exc).__name__)
                 if event is not None and event.operation in FORWARDED:
                     self._route(event, takers, tp, offset)
             for r in takers:
@@ -673,11 +802,17 @@ class SubscriptionService:
         self._produce(client, self._encode(message))
 
     def _produce(self, client: _Client, value: bytes) -> None:
+        self._produce_to(client.record["queue_topic"], value, None, 0)
+
+    def _produce_to(self, topic: str, value: bytes | None, key: bytes | None, partition: int,
+                    headers: list[tuple[str, bytes]] | None = None) -> None:
+        """One record; a full producer queue is waited out (back-pressure).  A failed delivery fills
+        again from the last checkpoint (``_delivered``)."""
         assert self._producer is not None
-        topic = client.record["queue_topic"]
         while True:
             try:
-                self._producer.produce(topic, value, None, partition=0, on_delivery=self._delivered)
+                self._producer.produce(topic, value, key, partition=partition, headers=headers,
+                                       on_delivery=self._delivered)
                 return
             except BufferError:
                 self._producer.poll(0.1)
@@ -751,13 +886,17 @@ class SubscriptionService:
         return True
 
     def _trim(self) -> None:
-        """Acknowledged messages leave the queue (best effort: a broker without DeleteRecords keeps them)."""
+        """Acknowledged messages leave the queue (best effort: a broker without DeleteRecords keeps them).
+        Only ever a client's own queue: the ack and the registration both passed the queue rule when
+        they were read, and must name the same queue."""
         assert self._admin is not None
         wanted = []
         for client in self._clients.values():
             ack = self.acks.get(client.id)
             if ack is None or ack["queue_topic"] != client.record["queue_topic"]:
                 continue
+            if queue_topic_problem(self.cfg, client.id, ack["queue_topic"]) is not None:
+                continue  # cannot happen (checked when read); kept as the last guard before delete_records
             if ack["next_offset"] > self._trimmed.get(client.id, 0):
                 wanted.append((client.id, TopicPartition(ack["queue_topic"], 0, ack["next_offset"])))
         if not wanted or not hasattr(self._admin, "delete_records"):
