@@ -38,7 +38,6 @@ Example::
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 import uuid
@@ -62,14 +61,21 @@ from ..core.kafka import (
     translate,
 )
 from .cache import EventTracker, RegionCache
-from .interest import ALL_KEYS, Delivery, Registration, RegionInterest, ResultPolicy
+from .interest import ALL_KEYS, Delivery, Registration, RegionInterest, ResultPolicy, compile_regex
 from .messages import ClientEvent, MessageProcessor
 from .region import RegionClient, RegionError
-from ..subscriptions.registry import AUTHORIZATION, configured_token, create_queue, read_latest, registry_partition
+from ..subscriptions.registry import (
+    CLIENT_ID,
+    bearer,
+    configured_token,
+    create_queue,
+    new_queue_topic,
+    queue_topic_problem,
+    read_latest,
+    registry_partition,
+)
 
 log = logging.getLogger("sluice.client")
-
-CLIENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$")
 #: What a deleted queue looks like to a consumer.
 MISSING = frozenset({KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC, KafkaError._UNKNOWN_PARTITION,
                      getattr(KafkaError, "UNKNOWN_TOPIC_ID", 100)})
@@ -78,6 +84,8 @@ MISSING = frozenset({KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC
 IDLE_FETCH_WAIT_MS = 500
 #: Keys asked of the region service per get_all during a load.
 LOAD_CHUNK = 1000
+#: Refused registration versions remembered (the newest), for the registrations waiting on them.
+REFUSALS_KEPT = 64
 
 
 class RegistrationRefused(SluiceError):
@@ -294,7 +302,7 @@ class ClientCache:
     ) -> None:
         self.cfg = site if isinstance(site, SiteConfig) else load_config(site)
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
-        if not CLIENT_ID.match(self.client_id):
+        if not CLIENT_ID.fullmatch(self.client_id):
             raise InvalidRequest("client_id", self.client_id,
                                  "1–100 letters, digits, '_' or '-', starting with a letter or digit")
         if subscription_redundancy < 0:
@@ -312,8 +320,9 @@ class ClientCache:
                                 if self.cfg.region_service.token else None)
         # Sent with every registry record when the subscription service requires one.
         self._subscription_token = subscription_token or configured_token(self.cfg)
-        #: Why the subscription service refused this client's registration, once it did.
+        #: Why the subscription service refused this client's registration, once it did (the latest refusal).
         self.refused: str | None = None
+        self._refusals: dict[int, str] = {}  # registration version of this session -> why it was refused
         self._registration_timeout_s = registration_timeout_s
         self._request_retry_s = request_retry_s
         names = self.cfg.topics
@@ -399,17 +408,26 @@ class ClientCache:
         """Resume a durable client's queue, or start as a new client."""
         existing = self._read_record(self._registry_topic, "ClientRegistration")
         ack = self._read_record(self._acks_topic, "ClientAck")
+        if existing is not None and (existing["client_id"] != self.client_id or
+                                     queue_topic_problem(self.cfg, self.client_id, existing["queue_topic"])):
+            # Not this client's record (a forgery, issue 17): neither resumed nor deleted.
+            log.warning("client %s: its registry record names client %r and queue %r, not a queue of its own "
+                        "(%s); it is ignored, and the client starts as a new one", self.client_id,
+                        existing["client_id"], existing["queue_topic"],
+                        queue_topic_problem(self.cfg, self.client_id, existing["queue_topic"]) or "another client")
+            existing = None
         if existing is not None and existing["durable"] and self.durable:
             self.replayed_queue = True
             queue_topic = existing["queue_topic"]
             interest = [r for r in existing["interest"] if r["durable"]]
             version = existing["version"]
-            self._next = ack["next_offset"] if ack is not None and ack["queue_topic"] == queue_topic else 0
+            self._next = (ack["next_offset"] if ack is not None and ack["client_id"] == self.client_id
+                          and ack["queue_topic"] == queue_topic and ack["next_offset"] >= 0 else 0)
             log.info("client %s: durable queue %s resumed at %d", self.client_id, queue_topic, self._next)
         else:
             if existing is not None:
                 self._drop_queue(existing["queue_topic"])
-            queue_topic = self.cfg.topics.client_queue(self.client_id, uuid.uuid4().hex[:8])
+            queue_topic = new_queue_topic(self.cfg, self.client_id)
             interest, version, self._next = [], 0, 0
         create_queue(self._admin, self.cfg, queue_topic, self.durable)
         self._session = uuid.uuid4().hex[:12]
@@ -426,7 +444,8 @@ class ClientCache:
         self._consumer.assign([TopicPartition(queue_topic, 0, self._next)])
 
     def _read_record(self, topic: str, schema: str) -> dict[str, Any] | None:
-        raw = read_latest(self.cfg, topic, self._partition, self.client_id)
+        """This client's newest record of ``topic`` (with a token, the newest that carries it)."""
+        raw = read_latest(self.cfg, topic, self._partition, self.client_id, token=self._subscription_token)
         if raw is None:
             return None
         try:
@@ -437,6 +456,8 @@ class ClientCache:
             return None
 
     def _drop_queue(self, topic: str) -> None:
+        """Delete this client's previous queue (only ever a queue of its own: checked by the caller)."""
+        assert queue_topic_problem(self.cfg, self.client_id, topic) is None, topic
         try:
             for fut in self._admin.delete_topics([topic], operation_timeout=10).values():
                 fut.result(timeout=15)
@@ -448,11 +469,8 @@ class ClientCache:
         self._record["version"] += 1
         self._record["changed_at"] = int(time.time() * 1000)
         value = self._codec.encode("ClientRegistration", self._record)
-        headers = None
-        if self._subscription_token is not None:
-            headers = [(AUTHORIZATION, f"Bearer {self._subscription_token}".encode())]
         self._producer.produce(self._registry_topic, value, self.client_id.encode(), partition=self._partition,
-                               headers=headers)
+                               headers=bearer(self._subscription_token))
         self._producer.flush(30)
 
     # --- interest ---------------------------------------------------------------------------
@@ -484,7 +502,7 @@ class ClientCache:
         if reg.all_keys:
             return None
         if reg.regex is not None:
-            return re.compile(reg.regex).fullmatch
+            return compile_regex(reg.regex).fullmatch  # type: ignore[no-any-return]
         return list(reg.keys)
 
     def _unregister(self, region: ClientRegion, reg: Registration) -> None:
@@ -505,8 +523,8 @@ class ClientCache:
         deadline = time.monotonic() + self._registration_timeout_s
         with self._answered:
             while self._answered_version < version:
-                if self.refused is not None:
-                    raise RegistrationRefused(self.client_id, self.refused)
+                if version in self._refusals:
+                    raise RegistrationRefused(self.client_id, self._refusals[version])
                 left = deadline - time.monotonic()
                 if left <= 0 or self.closed:
                     raise NoServersAvailable(
@@ -520,7 +538,7 @@ class ClientCache:
             return {}, set()
         client = self._region_client()
         if reg.all_keys or reg.regex is not None:
-            pattern = re.compile(reg.regex) if reg.regex is not None else None
+            pattern = compile_regex(reg.regex) if reg.regex is not None else None
             keys = [k for k in client.keys(region.name) if pattern is None or pattern.fullmatch(k)]
         else:
             keys = list(reg.keys)
@@ -628,8 +646,11 @@ class ClientCache:
                         self._processor.applying = True
                     self._answered.notify_all()
             elif kind == "REFUSED":
+                # Per version: a refusal is of that registration only (the one in force stays).
                 if message["session"] == self._session:
-                    self.refused = message["reason"]
+                    self._refusals[message["version"]] = self.refused = message["reason"]
+                    while len(self._refusals) > REFUSALS_KEPT:
+                        del self._refusals[min(self._refusals)]
                     log.error("client %s: %s", self.client_id, message["reason"])
                     self._answered.notify_all()
             elif kind == "MARKER":
@@ -653,7 +674,7 @@ class ClientCache:
                   "next_offset": self._next, "received": self.stats["received"],
                   "repeats": self._processor.stats["repeats"], "at": int(time.time() * 1000)}
         self._producer.produce(self._acks_topic, self._codec.encode("ClientAck", record), self.client_id.encode(),
-                               partition=self._partition)
+                               partition=self._partition, headers=bearer(self._subscription_token))
         self._producer.poll(0)
         self.stats["acks"] += 1
         self._tracker.expire(int(time.time() * 1000))
@@ -664,10 +685,11 @@ class ClientCache:
                     self.client_id, why)
         self.stats["reinitialized"] += 1
         with self._lock:
-            queue_topic = self.cfg.topics.client_queue(self.client_id, uuid.uuid4().hex[:8])
+            queue_topic = new_queue_topic(self.cfg, self.client_id)
             create_queue(self._admin, self.cfg, queue_topic, self.durable)
             self._record["queue_topic"] = queue_topic
             self._session = self._record["session"] = uuid.uuid4().hex[:12]
+            self._refusals.clear()
             self._answered_version = -1
             self._loading_from = None
             self._processor.applying = False
