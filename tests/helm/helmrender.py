@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,3 +67,19 @@ def load_values(name: str) -> dict[str, Any]:
     """Chart defaults (``"default"``) or an example's values file, as data."""
     path = CHART / "values.yaml" if name == "default" else EXAMPLES / f"{name}.yaml"
     return yaml.safe_load(path.read_text())
+
+
+def merged(base: Any, over: Any) -> Any:
+    """Helm's coalescing of values: maps merge key by key, anything else replaces."""
+    if isinstance(base, dict) and isinstance(over, dict):
+        out = copy.deepcopy(base)
+        for key, value in over.items():
+            out[key] = merged(base.get(key), value)
+        return out
+    return copy.deepcopy(over)
+
+
+def values_of(name: str) -> dict[str, Any]:
+    """The values a release of ``name`` (``"default"`` or an example) is rendered with."""
+    defaults = load_values("default")
+    return defaults if name == "default" else merged(defaults, load_values(name))

@@ -5,20 +5,16 @@ probes, disruption budgets and anti-affinity as the values say."""
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import hashlib
-import io
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from helmrender import CHART, EXAMPLES, ROOT, Helm, Release, load_values
-from sluice.cli import main as sluice_main
+from helmrender import CHART, EXAMPLES, ROOT, Helm, HelmFailed, Release, load_values, merged, values_of
+from sitefiles import as_pod_sees_it, config_check, key_pair
 from sluice.core.config import RegionServiceConfig
 
 SITE_MOUNT = "/etc/sluice/site"
@@ -28,21 +24,6 @@ APP_VERSION = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
 
 
 # --- what the values say a release should hold ----------------------------------
-
-
-def merged(base: Any, over: Any) -> Any:
-    """Helm's coalescing of values: maps merge key by key, anything else replaces."""
-    if isinstance(base, dict) and isinstance(over, dict):
-        out = copy.deepcopy(base)
-        for key, value in over.items():
-            out[key] = merged(base.get(key), value)
-        return out
-    return copy.deepcopy(over)
-
-
-def values_of(name: str) -> dict[str, Any]:
-    defaults = load_values("default")
-    return defaults if name == "default" else merged(defaults, load_values(name))
 
 
 def settings(values: dict[str, Any], service: str, queue_id: str = "") -> dict[str, Any]:
@@ -140,68 +121,18 @@ def test_every_pod_checks_the_site_file_first(request: pytest.FixtureRequest, na
         assert checksum == hashlib.sha256(site_text.rstrip("\n").encode()).hexdigest()
 
 
-def materialise_secrets(release: Release, site_text: str, mount: str, into: Path) -> str:
-    """The site file as a pod sees it, with the projected Kafka secrets' files under ``into``.
-
-    Every ``*_location`` the site file names must be a file that one of the
-    projected secrets provides; each is written (placeholder content) under
-    ``into`` and the path in the site file rewritten to it, so that
-    ``sluice config check`` can look for the files as it does in the pod.
-    """
-    workload = next(iter(release.workloads().values()))
-    volumes = {v["name"]: v for v in pod_spec(workload)["volumes"]}
-    provided = set()
-    if "kafka-secrets" in volumes:
-        for source in volumes["kafka-secrets"]["projected"]["sources"]:
-            provided |= {f"{mount}/{item['path']}" for item in source["secret"]["items"]}
-
-    def locations(node: Any) -> list[str]:
-        if isinstance(node, dict):
-            return [v for k, v in node.items() if k.endswith("_location")] + [
-                x for k, v in node.items() if not k.endswith("_location") for x in locations(v)]
-        if isinstance(node, list):
-            return [x for v in node for x in locations(v)]
-        return []
-
-    wanted = set(locations(yaml.safe_load(site_text)))
-    assert wanted <= provided, f"the site file names files no projected secret provides: {sorted(wanted - provided)}"
-    for path in provided:
-        target = into / path[len(mount):].lstrip("/")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text("placeholder\n")
-    return site_text.replace(f"{mount}/", f"{into}/")
-
-
-@dataclass
-class Checked:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-def config_check(site_text: str, tmp_path: Path) -> Checked:
-    """`sluice config check FILE`, the command's own entry point run in this process (a
-    subprocess would spend a second importing what this one has already imported)."""
-    path = tmp_path / "site.yaml"
-    path.write_text(site_text)
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        returncode = sluice_main(["config", "check", str(path)])
-    return Checked(returncode, out.getvalue(), err.getvalue())
-
-
 @pytest.mark.parametrize("name", SITES)
 def test_sluice_config_check_accepts_the_rendered_site_file(
-        request: pytest.FixtureRequest, name: str, tmp_path: Path) -> None:
-    """The ConfigMap's site file passes the real `sluice config check` (TLS files in place,
-    as the projected secrets put them in a pod), and is the site the values describe, with
-    kafka.bootstrapServers and kafka.settings merged into its kafka: section."""
+        request: pytest.FixtureRequest, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ConfigMap's site file passes the real `sluice config check` as a pod sees it (TLS
+    files and public keys in place as the chart mounts them, the secretEnv variables set), and
+    is the site the values describe, with kafka.bootstrapServers and kafka.settings merged into
+    its kafka: section."""
     release = releases(request, name)
     values = values_of(name)
     text = release.site_file("sluice-site")
     site = yaml.safe_load(text)
-    mount = values["kafka"]["secretMountPath"]
-    proc = config_check(materialise_secrets(release, text, mount, tmp_path / "kafka"), tmp_path)
+    proc = config_check(as_pod_sees_it(release, text, tmp_path / "pod", monkeypatch), tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert site["site"] == values["site"]["site"] and site["dsid"] == values["site"]["dsid"]
     assert site["kafka"]["bootstrap_servers"] == (
@@ -212,16 +143,25 @@ def test_sluice_config_check_accepts_the_rendered_site_file(
     assert release.site_file("sluice-topics-site") == text
 
 
-def test_a_site_file_given_as_text_is_used_as_is(helm: Helm, tmp_path: Path) -> None:
+def test_a_site_file_given_as_text_is_used_as_is(helm: Helm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`--set-file siteFile=deploy/sites/site-a.yaml` (YAML anchors and all) becomes the
-    ConfigMap's site file with only the bootstrap replaced, and drives the workloads."""
+    ConfigMap's site file with only the bootstrap and the region's member hosts replaced, and
+    drives the workloads; a file whose region service has no tokens is refused, saying so."""
     source = ROOT / "deploy" / "sites" / "site-a.yaml"
-    release = helm.template("--set-file", f"siteFile={source}", "--set", "kafka.bootstrapServers=kafka.example:9092")
+    with pytest.raises(HelmFailed, match=r"region_service\.token and region_service\.member_token are not set"):
+        helm.template("--set-file", f"siteFile={source}", "--set", "secretEnv=null")
+    text = re.sub(r"(?m)^region_service:\n", "region_service:\n  token_env: SLUICE_REGION_TOKEN\n"
+                  "  member_token_env: SLUICE_REGION_MEMBER_TOKEN\n", source.read_text())
+    given = tmp_path / "site-a.yaml"
+    given.write_text(text)
+    release = helm.template("--set-file", f"siteFile={given}", "--set", "kafka.bootstrapServers=kafka.example:9092")
     site = yaml.safe_load(release.site_file("sluice-site"))
-    original = yaml.safe_load(source.read_text())
+    original = yaml.safe_load(text)
     original["kafka"]["bootstrap_servers"] = "kafka.example:9092"
+    original["region_service"]["member_hosts"] = load_values("default")["region"]["memberHosts"]
     assert site == original
-    proc = config_check(release.site_file("sluice-site"), tmp_path)
+    proc = config_check(as_pod_sees_it(release, release.site_file("sluice-site"), tmp_path / "pod", monkeypatch),
+                        tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     senders = {s["id"]: s["parallel"] for s in original["gateway_senders"]}
     for sender_id, parallel in senders.items():
@@ -231,40 +171,87 @@ def test_a_site_file_given_as_text_is_used_as_is(helm: Helm, tmp_path: Path) -> 
     assert {"name": "http", "containerPort": original["region_service"]["port"], "protocol": "TCP"} in region["ports"]
 
 
-def test_dsid_keys_of_sender_keys_stay_numbers(helm: Helm, tmp_path: Path) -> None:
-    """receiver.sender_keys is keyed by dsid; Helm's values make every key a string, and the
-    chart writes whole-number keys bare again so the strict site model accepts them."""
+def test_dsid_keys_of_gateway_public_keys_stay_numbers(helm: Helm, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """gateway_public_keys is keyed by dsid; Helm's values make every key a string, and the
+    chart writes whole-number keys bare again so the strict site model accepts them.  Public
+    keys are not secret: the site file holding them stays a ConfigMap."""
+    public_2, public_3 = key_pair()[1], key_pair()[1]
     release = helm.template("--set", "site.receiver.accepted_dsids={2,3}",
-                            "--set-string", "site.receiver.sender_keys.2=key-of-site-two-0123",
-                            "--set-string", "site.receiver.sender_keys.3=key-of-site-three-012",
-                            "--set", "siteFileStorage=Secret")
+                            "--set-string", f"site.gateway_public_keys.2={public_2}",
+                            "--set-string", f"site.gateway_public_keys.3={public_3}",
+                            "--set", "site.gateway_private_key_env=SLUICE_GATEWAY_PRIVATE_KEY",
+                            "--set", "secretEnv[0].name=SLUICE_REGION_TOKEN,secretEnv[0].secret=t,secretEnv[0].key=a",
+                            "--set", "secretEnv[1].name=SLUICE_REGION_MEMBER_TOKEN,secretEnv[1].secret=t,secretEnv[1].key=b",
+                            "--set", "secretEnv[2].name=SLUICE_GATEWAY_PRIVATE_KEY,secretEnv[2].secret=k,secretEnv[2].key=c")
     text = release.site_file("sluice-site")
-    assert yaml.safe_load(text)["receiver"]["sender_keys"] == {2: "key-of-site-two-0123", 3: "key-of-site-three-012"}
-    proc = config_check(text, tmp_path)
+    assert yaml.safe_load(text)["gateway_public_keys"] == {2: public_2, 3: public_3}
+    assert "sluice-site" in release.of_kind("ConfigMap")
+    proc = config_check(as_pod_sees_it(release, text, tmp_path / "pod", monkeypatch), tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    # Keys are secrets: with siteFileStorage=Secret no ConfigMap holds the file.
-    assert "sluice-site" not in release.of_kind("ConfigMap")
+
+
+def test_site_file_secrets_may_stay_in_the_file_with_secret_storage(helm: Helm, tmp_path: Path) -> None:
+    """With siteFileStorage=Secret the site file may hold its secrets itself: it is rendered
+    into Secrets only (the release's and the topics Job's), mounted from there, and passes
+    `sluice config check`."""
+    values = tmp_path / "inline.yaml"
+    private, _ = key_pair()
+    values.write_text(yaml.safe_dump({
+        "siteFileStorage": "Secret",
+        "secretEnv": [],
+        "site": {"region_service": {"token_env": None, "member_token_env": None,
+                                    "token": "a-client-token-0123456789", "member_token": "a-member-token-0123456789"},
+                 "gateway_private_key": private},
+    }))
+    release = helm.template("-f", str(values))
+    assert release.of_kind("ConfigMap") == {}
+    text = release.site_file("sluice-site")
+    assert yaml.safe_load(text)["region_service"]["member_token"] == "a-member-token-0123456789"
+    assert release.site_file("sluice-topics-site") == text
     volumes = {v["name"]: v for v in pod_spec(release.get("Deployment", "sluice-region"))["volumes"]}
     assert volumes["site"]["secret"]["secretName"] == "sluice-site"
+    proc = config_check(text, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert private not in proc.stdout + proc.stderr
+
+
+def test_region_member_hosts_cover_the_pod_network(helm: Helm, default_release: Release) -> None:
+    """The region instances announce http://<pod IP>:<port>, so the chart sets the site file's
+    region_service.member_hosts from region.memberHosts: by default every private IPv4 range
+    and fd00::/8, or the cluster's pod CIDR given; [] keeps the site file's own."""
+    member_hosts = yaml.safe_load(default_release.site_file("sluice-site"))["region_service"]["member_hosts"]
+    assert member_hosts == ["10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fd00::/8"]
+    narrowed = helm.template("--set", "region.memberHosts={10.244.0.0/16}")
+    assert yaml.safe_load(narrowed.site_file("sluice-site"))["region_service"]["member_hosts"] == ["10.244.0.0/16"]
+    own = helm.template("--set", "region.memberHosts=null", "--set", "site.region_service.member_hosts={*.pods.example}")
+    assert yaml.safe_load(own.site_file("sluice-site"))["region_service"]["member_hosts"] == ["*.pods.example"]
 
 
 def test_kafka_secrets_are_projected_into_every_pod(site_a: Release) -> None:
     """The Secrets named in kafka.secrets are mounted read-only at kafka.secretMountPath in
-    every pod, init step included, and in the topics Job."""
+    every pod, init step included, and in the topics Job, followed by that service's own
+    kafkaSecrets (its Kafka principal), which no other service's pods get."""
     values = values_of("site-a")
-    expected_sources = [{"secret": {"name": s["name"], "items": s["items"]}} for s in values["kafka"]["secrets"]]
-    pods = [pod_spec(w) for w in site_a.workloads().values()]
-    pods.append(site_a.get("Job", "sluice-topics")["spec"]["template"]["spec"])
-    for spec in pods:
+    shared = [{"secret": {"name": s["name"], "items": s["items"]}} for s in values["kafka"]["secrets"]]
+    own = {"region": "sluice-region", "sender": "sluice-sender", "dispatcher": "sluice-dispatcher",
+           "receiver": "sluice-receiver", "subscriptions": "sluice-subscriptions", "topics": "sluice-topics"}
+    pods = [(w["metadata"]["labels"]["app.kubernetes.io/component"], pod_spec(w)) for w in site_a.workloads().values()]
+    pods.append(("topics", site_a.get("Job", "sluice-topics")["spec"]["template"]["spec"]))
+    assert {component for component, _ in pods} == set(own)
+    for component, spec in pods:
         volumes = {v["name"]: v for v in spec["volumes"]}
-        assert volumes["kafka-secrets"]["projected"]["sources"] == expected_sources
+        user = [{"secret": {"name": own[component], "items": [{"key": "user.crt", "path": "user.crt"},
+                                                             {"key": "user.key", "path": "user.key"}]}}]
+        assert volumes["kafka-secrets"]["projected"]["sources"] == shared + user, component
         for container in spec.get("initContainers", []) + spec["containers"]:
             mounts = {m["name"]: m for m in container["volumeMounts"]}
             assert mounts["kafka-secrets"] == {
                 "name": "kafka-secrets", "mountPath": values["kafka"]["secretMountPath"], "readOnly": True}
 
 
-def test_sasl_settings_pass_through_to_the_site_file(helm: Helm, tmp_path: Path) -> None:
+def test_sasl_settings_pass_through_to_the_site_file(helm: Helm, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """kafka.settings reach the site file's kafka: section unchanged, whatever their keys
     (here SCRAM over TLS with a password file), so the chart follows the site model."""
     values = tmp_path / "scram.yaml"
@@ -293,7 +280,7 @@ def test_sasl_settings_pass_through_to_the_site_file(helm: Helm, tmp_path: Path)
     if "sasl_password_file" not in KafkaConnection.model_fields:
         pytest.skip("the site model has no kafka.sasl_password_file yet, so `sluice config check` cannot "
                     "accept this file; the rendering above is checked")
-    proc = config_check(materialise_secrets(release, text, "/etc/sluice/kafka", tmp_path / "kafka"), tmp_path)
+    proc = config_check(as_pod_sees_it(release, text, tmp_path / "pod", monkeypatch), tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -306,7 +293,8 @@ def test_secrets_from_the_environment_reach_every_container(helm: Helm, tmp_path
     values.write_text(yaml.safe_dump({
         "kafka": {"settings": {"security_protocol": "SASL_PLAINTEXT", "sasl_mechanism": "SCRAM-SHA-512",
                                "sasl_username": "sluice", "sasl_password_env": "KAFKA_PASSWORD"}},
-        "secretEnv": [{"name": "KAFKA_PASSWORD", "secret": "sluice-kafka-user", "key": "password"}],
+        "secretEnv": [{"name": "KAFKA_PASSWORD", "secret": "sluice-kafka-user", "key": "password"},
+                      *load_values("default")["secretEnv"]],
     }))
     release = helm.template("-f", str(values))
     expected = {"name": "KAFKA_PASSWORD",
@@ -320,6 +308,8 @@ def test_secrets_from_the_environment_reach_every_container(helm: Helm, tmp_path
     assert "sluice-site" in release.of_kind("ConfigMap")
     assert yaml.safe_load(text)["kafka"]["sasl_password_env"] == "KAFKA_PASSWORD"
 
+    monkeypatch.setenv("SLUICE_REGION_TOKEN", "the-region-token-0123456789")
+    monkeypatch.setenv("SLUICE_REGION_MEMBER_TOKEN", "the-member-token-0123456789")
     monkeypatch.delenv("KAFKA_PASSWORD", raising=False)
     refused = config_check(text, tmp_path)
     assert refused.returncode != 0 and "KAFKA_PASSWORD is not set" in refused.stdout + refused.stderr
@@ -519,3 +509,47 @@ def test_a_long_release_name_still_gives_valid_names(helm: Helm) -> None:
     assert len(workloads) == len(expected_workloads("site-b"))
     selectors = [tuple(sorted(w["spec"]["selector"]["matchLabels"].items())) for w in workloads.values()]
     assert len(set(selectors)) == len(selectors)
+
+
+@pytest.mark.parametrize("name,other_dsid", [("site-a", 2), ("site-b", 1)])
+def test_examples_take_tokens_and_keys_from_secrets(request: pytest.FixtureRequest, name: str,
+                                                     other_dsid: int) -> None:
+    """Each example site names its region tokens, subscription token and gateway private key as
+    variables that secretEnv sets from the Secrets helm/README.md creates (the keys from `sluice
+    keys generate`), holds no secret itself, and verifies the other site with its public key
+    from the ConfigMap the README creates."""
+    release = releases(request, name)
+    site = yaml.safe_load(release.site_file("sluice-site"))
+    variables = {
+        site["region_service"]["token_env"]: ("sluice-tokens", "region-token"),
+        site["region_service"]["member_token_env"]: ("sluice-member-token", "member-token"),
+        site["subscriptions"]["token_env"]: ("sluice-tokens", "subscriptions-token"),
+        site["gateway_private_key_env"]: ("sluice-gateway-key", "private.key"),
+    }
+    secret_env = {e["name"]: (e["secret"], e["key"]) for e in values_of(name)["secretEnv"]}
+    assert secret_env == variables
+    for field in ("token", "member_token"):
+        assert field not in site["region_service"]
+    assert "gateway_private_key" not in site and "token" not in site["subscriptions"]
+    other = {1: "site-a", 2: "site-b"}[other_dsid]
+    assert site["gateway_public_keys_file"] == {other_dsid: f"/etc/sluice/gateway-keys/{other}.pub"}
+    assert site["receiver"]["accepted_dsids"] == [other_dsid]
+    assert {s["remote_dsid"] for s in site["gateway_senders"]} == {other_dsid}
+    spec = pod_spec(release.get("Deployment", f"sluice-sender-{site['gateway_senders'][0]['id']}"))
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in main_container(spec_holder(spec))["volumeMounts"]}
+    assert volumes[mounts["/etc/sluice/gateway-keys"]]["configMap"]["name"] == "sluice-gateway-public-keys"
+
+    readme = (ROOT / "helm" / "README.md").read_text()
+    for command in ("keys generate --site \"$site\" --out-dir /keys",
+                    "create secret generic sluice-tokens",
+                    "--from-literal=region-token=", "--from-literal=subscriptions-token=",
+                    "create secret generic sluice-member-token", "--from-literal=member-token=",
+                    "create secret generic sluice-gateway-key --from-file=private.key=\"keys/$site.key\"",
+                    f"-n {name} create configmap sluice-gateway-public-keys --from-file={other}.pub=keys/{other}.pub"):
+        assert command in readme, command
+
+
+def spec_holder(spec: dict[str, Any]) -> dict[str, Any]:
+    """A pod spec in the shape main_container reads."""
+    return {"spec": {"template": {"spec": spec}}}

@@ -1,5 +1,5 @@
-"""`helm template` output for the default values and for the two example sites is
-valid Kubernetes: every manifest passes kubernetes-validate in strict mode (no field
+"""`helm template` output for the default values and for the two example sites, their
+NetworkPolicies included, is valid Kubernetes: every manifest passes kubernetes-validate in strict mode (no field
 Kubernetes does not know), offline, for the oldest Kubernetes the chart supports and
 the newest whose schemas kubernetes-validate ships."""
 
@@ -40,16 +40,26 @@ def test_rendered_manifests_pass_strict_kubernetes_schemas(
         request: pytest.FixtureRequest, name: str, version: str) -> None:
     """No manifest of the release breaks Kubernetes' schema for that version."""
     release: Release = request.getfixturevalue(name)
-    assert {"ConfigMap", "Service", "Deployment", "PodDisruptionBudget", "Job", "ServiceAccount"} <= kinds(release)
+    assert {"ConfigMap", "Service", "Deployment", "PodDisruptionBudget", "Job", "ServiceAccount",
+            "NetworkPolicy"} <= kinds(release)
     assert validate_all(release, version) == []
 
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_variants_pass_strict_kubernetes_schemas(helm: Helm, version: str) -> None:
     """The chart's other shapes (site file in a Secret, hard anti-affinity, a
-    LoadBalancer Service, probes off, minAvailable budgets) are valid Kubernetes too."""
+    LoadBalancer Service, probes off, minAvailable budgets, a service's own Kafka
+    Secret, NetworkPolicies with address blocks, namespaces and extra rules) are
+    valid Kubernetes too."""
     release = helm.template(
         "--set", "siteFileStorage=Secret",
+        "--set", "region.kafkaSecrets[0].name=sluice-region",
+        "--set", "networkPolicy.kafka.peers[0].ipBlock.cidr=10.20.0.0/24",
+        "--set", "networkPolicy.kafka.ports={9092,9093}",
+        "--set", "networkPolicy.kubelet.peers[0].ipBlock.cidr=10.0.0.0/16",
+        "--set", "networkPolicy.regionClients[0].namespaceSelector.matchLabels.team=orders",
+        "--set", "networkPolicy.extraEgress.region[0].ports[0].port=4317",
+        "--set", "networkPolicy.extraIngress.subscriptions[0].ports[0].port=9999",
         "--set", "serviceDefaults.antiAffinity=hard",
         "--set", "region.kind=StatefulSet",
         "--set", "region.service.type=LoadBalancer",
@@ -57,7 +67,7 @@ def test_variants_pass_strict_kubernetes_schemas(helm: Helm, version: str) -> No
         "--set", "serviceDefaults.podDisruptionBudget.minAvailable=1",
         "--set", "kafka.secrets[0].name=kafka-cluster-ca-cert",
     )
-    assert {"Secret", "StatefulSet"} <= kinds(release)
+    assert {"Secret", "StatefulSet", "NetworkPolicy"} <= kinds(release)
     assert validate_all(release, version) == []
 
 

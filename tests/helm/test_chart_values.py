@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
+import yaml
 
 from helmrender import CHART, EXAMPLES, Helm, HelmFailed
 from sluice.core.config import NAME_PATTERN, SITE_PATTERN
@@ -64,6 +66,38 @@ REFUSED = [
      r"region_service\.advertised_url is http://region\.example:7070, but the region service has 2 replicas"),
     ("a site file that is not a mapping", ["--set", "siteFile=just text"],
      r"siteFile: not a YAML mapping of site settings"),
+    ("a region service without its tokens", ["--set", "site.region_service=null"],
+     r"site: region_service\.token and region_service\.member_token are not set: the region service listens on "
+     r"its pod IP .* region_service\.token_env: SLUICE_REGION_TOKEN and member_token_env: "
+     r"SLUICE_REGION_MEMBER_TOKEN, with both in secretEnv .* or set region_service\.allow_unauthenticated: true"),
+    ("a region service without its member token", ["--set", "site.region_service.member_token_env=null"],
+     r"site: region_service\.member_token is not set"),
+    ("a variable of the site file that no secretEnv sets", ["--set", "secretEnv=null"],
+     r"secretEnv: the site file's region_service\.token_env names the variable SLUICE_REGION_TOKEN, which no "
+     r"secretEnv entry sets: add \{name: SLUICE_REGION_TOKEN, secret: <Secret>, key: <key>\} to secretEnv"),
+    ("a secret given both in the file and from a variable",
+     ["--set", "siteFileStorage=Secret", "--set", "site.region_service.token=a-client-token-0123456789"],
+     r"site: region_service\.token is given 2 ways \(token, token_env\): give one of token, token_file, "
+     r"token_env \(the chart's default site gives token_env, .* --set site\.region_service\.token_env=null\)"),
+    ("the removed HMAC signing key", ["--set", "site.gateway_signing_key_env=SIGNING_KEY"],
+     r"site: gateway_signing_key_env was removed: gateway batches are signed with the site's Ed25519 key now; "
+     r"set gateway_private_key_env .* gateway_public_keys"),
+    ("the removed receiver sender keys", ["--set", "site.receiver.sender_keys.2=a-key-of-site-two-0123"],
+     r"site: receiver\.sender_keys was removed: .* gateway_public_keys"),
+    ("a Kafka file the pods do not get",
+     ["--set", "kafka.settings.ssl_ca_location=/etc/sluice/kafka/ca.crt",
+      "--set", "kafka.secrets[0].name=kafka-cluster-ca-cert,kafka.secrets[0].items[0].key=ca.crt,"
+               "kafka.secrets[0].items[0].path=cluster-ca.crt"],
+     r"the site file's kafka\.ssl_ca_location is /etc/sluice/kafka/ca\.crt, but no Secret of kafka\.secrets or "
+     r"(region|subscriptions|topicsJob)\.kafkaSecrets projects ca\.crt there"),
+    ("one Kafka file projected twice into a pod",
+     ["-f", str(EXAMPLES / "site-a.yaml"),
+      "--set", "receiver.kafkaSecrets[1].name=other,receiver.kafkaSecrets[1].items[0].key=k,"
+               "receiver.kafkaSecrets[1].items[0].path=ca.crt"],
+     r"sluice-receiver \(the receiver workload\): the Secrets kafka-cluster-ca-cert and other both project ca\.crt "
+     r"into /etc/sluice/kafka"),
+    ("NetworkPolicy peers that are not peers", ["--set", "networkPolicy.regionClients[0].pods=x"],
+     schema_error("networkPolicy.regionClients.0", "Additional property pods is not allowed|additional properties 'pods' not allowed")),
 ]
 
 
@@ -94,3 +128,53 @@ def test_schema_patterns_match_the_site_model() -> None:
     assert site["async_event_queues"]["items"]["properties"]["id"]["pattern"] == NAME_PATTERN
     for service in ("senders", "dispatchers"):
         assert schema["properties"][service]["properties"]["byId"]["propertyNames"]["pattern"] == NAME_PATTERN
+
+
+#: Every secret a site file may hold, with a site (over the default one) that holds it inline.
+INLINE_SECRETS = {
+    "region_service.token": {"region_service": {"token_env": None, "token": "a-client-token-0123456789"}},
+    "region_service.member_token": {"region_service": {"member_token_env": None,
+                                                       "member_token": "a-member-token-0123456789"}},
+    "subscriptions.token": {"subscriptions": {"token": "a-subscriptions-token-0123"}},
+    "gateway_private_key": {"gateway_private_key": "MC4CAQAwBQYDK2VwBCIEIA=="},
+    "kafka.sasl_password": {"kafka": {"security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512",
+                                      "sasl_username": "sluice", "sasl_password": "a-kafka-password"}},
+    "kafka.ssl_key_password": {"kafka": {"ssl_key_password": "a-key-password"}},
+    "gateway_senders[0].remote.sasl_password": {
+        "regions": [{"name": "example", "gateway_senders": ["to-b"]}],
+        "gateway_senders": [{"id": "to-b", "remote_dsid": 2, "remote": {
+            "bootstrap_servers": "kafka.site-b:9093", "topic_prefix": "site-b.", "security_protocol": "SASL_SSL",
+            "sasl_mechanism": "SCRAM-SHA-512", "sasl_username": "site-a-senders", "sasl_password": "a-password"}}]},
+    "gateway_senders[0].remote.ssl_key_password": {
+        "regions": [{"name": "example", "gateway_senders": ["to-b"]}],
+        "gateway_senders": [{"id": "to-b", "remote_dsid": 2, "remote": {
+            "bootstrap_servers": "kafka.site-b:9093", "ssl_key_password": "a-password"}}]},
+}
+
+
+@pytest.mark.parametrize("field", sorted(INLINE_SECRETS))
+def test_a_secret_in_a_configmap_site_file_is_refused(helm: Helm, tmp_path: Path, field: str) -> None:
+    """A site file holding a secret itself does not render into a ConfigMap: the message names
+    the field and says to give it from a Secret (its *_env form with secretEnv) or to set
+    siteFileStorage: Secret, which renders it."""
+    values = tmp_path / "inline.yaml"
+    values.write_text(yaml.safe_dump({"site": INLINE_SECRETS[field]}))
+    with pytest.raises(HelmFailed) as failed:
+        helm.run("template", "sluice", str(CHART), "-f", str(values))
+    message = str(failed.value)
+    assert re.search(rf"siteFileStorage: the site file holds {re.escape(field)}, which a ConfigMap would store in "
+                     rf"the clear: give each from a Secret with its \*_env form and secretEnv "
+                     rf"\({re.escape(field)}_env, .*\), or set siteFileStorage: Secret", message), message
+    rendered = helm.template("-f", str(values), "--set", "siteFileStorage=Secret")
+    assert rendered.of_kind("ConfigMap") == {}
+
+
+def test_an_open_region_service_is_allowed_only_when_asked_for(helm: Helm) -> None:
+    """Without tokens the chart renders only with region_service.allow_unauthenticated: true set
+    explicitly (and without a region service there is nothing to protect)."""
+    no_tokens = ["--set", "site.region_service.token_env=null,site.region_service.member_token_env=null",
+                 "--set", "secretEnv=null"]
+    with pytest.raises(HelmFailed, match="region_service.token and region_service.member_token are not set"):
+        helm.run("template", "sluice", str(CHART), *no_tokens)
+    helm.template(*no_tokens, "--set", "site.region_service.allow_unauthenticated=true")
+    helm.template(*no_tokens, "--set", "region.enabled=false")

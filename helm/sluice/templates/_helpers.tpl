@@ -89,17 +89,134 @@ the chart's tests) is what decides whether the file is valid.
 {{- fail "kafka.bootstrapServers: no Kafka bootstrap servers: set kafka.bootstrapServers (e.g. my-cluster-kafka-bootstrap:9093) or kafka.bootstrap_servers in the site file" }}
 {{- end }}
 {{- $_ := set $site "kafka" $kafka }}
+{{- with .Values.region.memberHosts }}
+{{- $rs := deepCopy (default dict (get $site "region_service")) }}
+{{- $_ := set $rs "member_hosts" . }}
+{{- $_ := set $site "region_service" $rs }}
+{{- end }}
 {{- /*
 Helm's values are JSON underneath, so a map key is always a string: the
-dsids of receiver.sender_keys would come out quoted ("2":), which the site
-file's strict model refuses.  Keys that are whole numbers are written bare.
+dsids of gateway_public_keys and gateway_public_keys_file would come out
+quoted ("2":), which the site file's strict model refuses.  Keys that are
+whole numbers are written bare.
 */}}
 {{- regexReplaceAll "(?m)^(\\s*)\"([0-9]+)\":" (toYaml $site) "${1}${2}:" }}
+{{- end }}
+
+{{/*
+What the chart refuses in a site file before anything is installed, each
+with what to set instead (the pods' `sluice config check` would refuse the
+same things only once they start, or, for the region service's tokens, the
+service itself as it starts):
+
+- settings the site model removed (gateway_signing_key, receiver.sender_keys);
+- a secret given twice (token and token_env, ...), which the chart's default
+  site makes easy: it gives region_service.token_env and member_token_env;
+- a secret written in the site file while siteFileStorage is ConfigMap;
+- a `*_env` naming a variable no secretEnv entry sets;
+- a region service without token and member_token (it binds its pod IP,
+  and refuses to start there without both) unless allow_unauthenticated.
+*/}}
+{{- define "sluice.checkSite" -}}
+{{- $site := include "sluice.siteDict" . | fromJson }}
+{{- range $name := list "gateway_signing_key" "gateway_signing_key_file" "gateway_signing_key_env" }}
+{{- if hasKey $site $name }}
+{{- fail (printf "site: %s was removed: gateway batches are signed with the site's Ed25519 key now; set gateway_private_key_env (the key `sluice keys generate --site %v` writes, from a Secret through secretEnv) and give the other sites' public keys in gateway_public_keys (dsid: key); helm/README.md, section \"Tokens and keys\"" $name (get $site "site")) }}
+{{- end }}
+{{- end }}
+{{- $receiver := get $site "receiver" }}
+{{- if kindIs "map" $receiver }}
+{{- range $name := list "sender_keys" "sender_keys_file" "sender_keys_env" }}
+{{- if hasKey $receiver $name }}
+{{- fail (printf "site: receiver.%s was removed: the receiver verifies batches with the sending sites' Ed25519 public keys; give them in gateway_public_keys (dsid: key, at the top of the site file), and this site's own private key in gateway_private_key_env; helm/README.md, section \"Tokens and keys\"" $name) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- /* Every secret of the site file: (where, its section, its name). */}}
+{{- $secrets := list }}
+{{- $rs := default dict (get $site "region_service") }}
+{{- $subs := default dict (get $site "subscriptions") }}
+{{- $secrets = append $secrets (list "region_service.token" $rs "token") }}
+{{- $secrets = append $secrets (list "region_service.member_token" $rs "member_token") }}
+{{- $secrets = append $secrets (list "subscriptions.token" $subs "token") }}
+{{- $secrets = append $secrets (list "gateway_private_key" $site "gateway_private_key") }}
+{{- $kafka := default dict (get $site "kafka") }}
+{{- $secrets = append $secrets (list "kafka.sasl_password" $kafka "sasl_password") }}
+{{- $secrets = append $secrets (list "kafka.ssl_key_password" $kafka "ssl_key_password") }}
+{{- range $i, $sender := (get $site "gateway_senders" | default list) }}
+{{- $remote := default dict (get $sender "remote") }}
+{{- $secrets = append $secrets (list (printf "gateway_senders[%d].remote.sasl_password" $i) $remote "sasl_password") }}
+{{- $secrets = append $secrets (list (printf "gateway_senders[%d].remote.ssl_key_password" $i) $remote "ssl_key_password") }}
+{{- end }}
+{{- $envNames := list }}
+{{- range .Values.secretEnv }}
+{{- $envNames = append $envNames .name }}
+{{- end }}
+{{- $inline := list }}
+{{- range $secrets }}
+{{- $where := index . 0 }}
+{{- $section := index . 1 }}
+{{- $name := index . 2 }}
+{{- $given := list }}
+{{- range $form := list $name (printf "%s_file" $name) (printf "%s_env" $name) }}
+{{- if and (hasKey $section $form) (not (kindIs "invalid" (get $section $form))) }}
+{{- $given = append $given $form }}
+{{- end }}
+{{- end }}
+{{- if gt (len $given) 1 }}
+{{- $hint := "" }}
+{{- if hasPrefix "region_service." $where }}
+{{- $hint = printf " (the chart's default site gives %s_env, and a `site:` you give is merged over it: set the form you drop to null, e.g. --set site.%s_env=null)" $name $where }}
+{{- end }}
+{{- fail (printf "site: %s is given %d ways (%s): give one of %s, %s_file, %s_env%s" $where (len $given) (join ", " $given) $name $name $name $hint) }}
+{{- end }}
+{{- if has $name $given }}
+{{- $inline = append $inline $where }}
+{{- end }}
+{{- $variable := get $section (printf "%s_env" $name) }}
+{{- if and $variable (not (has $variable $envNames)) }}
+{{- fail (printf "secretEnv: the site file's %s_env names the variable %s, which no secretEnv entry sets: add {name: %s, secret: <Secret>, key: <key>} to secretEnv (the services, the config-check step and the topics Job all read it when they load the site file)" $where $variable $variable) }}
+{{- end }}
+{{- end }}
+{{- if and $inline (ne .Values.siteFileStorage "Secret") }}
+{{- $fixes := list }}
+{{- range $inline }}
+{{- $fixes = append $fixes (printf "%s_env" .) }}
+{{- end }}
+{{- fail (printf "siteFileStorage: the site file holds %s, which a ConfigMap would store in the clear: give each from a Secret with its *_env form and secretEnv (%s, with secretEnv: [{name: <variable>, secret: <Secret>, key: <key>}]), or set siteFileStorage: Secret" (join ", " $inline) (join ", " $fixes)) }}
+{{- end }}
+{{- if and .Values.region.enabled (ne (toString (get $rs "allow_unauthenticated")) "true") }}
+{{- $missing := list }}
+{{- range $name := list "token" "member_token" }}
+{{- if not (or (get $rs $name) (get $rs (printf "%s_file" $name)) (get $rs (printf "%s_env" $name))) }}
+{{- $missing = append $missing (printf "region_service.%s" $name) }}
+{{- end }}
+{{- end }}
+{{- if $missing }}
+{{- $what := printf "%s is" (first $missing) }}
+{{- if gt (len $missing) 1 }}
+{{- $what = printf "%s are" (join " and " $missing) }}
+{{- end }}
+{{- fail (printf "site: %s not set: the region service listens on its pod IP and refuses to start there without region_service.token and member_token (anyone reaching the port could read and write every region). Give them from a Secret: region_service.token_env: SLUICE_REGION_TOKEN and member_token_env: SLUICE_REGION_MEMBER_TOKEN, with both in secretEnv (helm/README.md, section \"Tokens and keys\"); or set region_service.allow_unauthenticated: true" $what) }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* The site file as a dict. */}}
 {{- define "sluice.siteDict" -}}
 {{- include "sluice.site" . | fromYaml | toJson }}
+{{- end }}
+
+{{/* The ports of a host:port[,host:port] bootstrap list, as a JSON list of numbers (none for ""). */}}
+{{- define "sluice.bootstrapPorts" -}}
+{{- $ports := list }}
+{{- range (splitList "," (toString (default "" .))) }}
+{{- $port := regexFind "[0-9]+$" (trim .) }}
+{{- if $port }}
+{{- $ports = append $ports (int $port) }}
+{{- end }}
+{{- end }}
+{{- toJson ($ports | uniq) }}
 {{- end }}
 
 {{/* The region service's port: region_service.port of the site file, else the model's default 7070. */}}
@@ -165,13 +282,69 @@ failureThreshold: {{ $probe.failureThreshold }}
 {{- end }}
 
 {{/*
+The Secrets projected into kafka.secretMountPath of one workload's pods:
+kafka.secrets, then the workload's own kafkaSecrets (its Kafka principal).
+Kubernetes refuses a projected volume that names one path twice, and the
+service refuses a site file naming a TLS/SASL file its pod lacks: both are
+said here, naming the workload, before anything is installed.  Files of a
+Secret given without `items` are not known to the chart and not checked.
+Arguments: (list root kafkaSecrets who own): who names the workload and own
+the value its kafkaSecrets come from, in messages.
+*/}}
+{{- define "sluice.kafkaSources" -}}
+{{- $root := index . 0 }}
+{{- $own := index . 1 | default list }}
+{{- $who := index . 2 }}
+{{- $ownName := index . 3 }}
+{{- $sources := concat ($root.Values.kafka.secrets | default list) $own }}
+{{- $paths := dict }}
+{{- $complete := true }}
+{{- range $sources }}
+{{- if not .items }}
+{{- $complete = false }}
+{{- end }}
+{{- $secret := .name }}
+{{- range .items }}
+{{- $path := .path | trimPrefix "./" }}
+{{- if hasKey $paths $path }}
+{{- fail (printf "%s: the Secrets %s and %s both project %s into %s (kafka.secrets and %s share that folder, and Kubernetes refuses a path twice): give the file once" $who (get $paths $path) $secret $path $root.Values.kafka.secretMountPath $ownName) }}
+{{- end }}
+{{- $_ := set $paths $path $secret }}
+{{- end }}
+{{- end }}
+{{- if and $sources $complete }}
+{{- $site := include "sluice.siteDict" $root | fromJson }}
+{{- $mount := printf "%s/" ($root.Values.kafka.secretMountPath | trimSuffix "/") }}
+{{- $connections := list (list "kafka" (get $site "kafka")) }}
+{{- range $i, $sender := (get $site "gateway_senders" | default list) }}
+{{- $connections = append $connections (list (printf "gateway_senders[%d].remote" $i) (default dict (get $sender "remote"))) }}
+{{- end }}
+{{- range $connections }}
+{{- $where := index . 0 }}
+{{- $section := index . 1 }}
+{{- range $key := list "ssl_ca_location" "ssl_certificate_location" "ssl_key_location" "sasl_password_file" "ssl_key_password_file" }}
+{{- $file := get $section $key }}
+{{- if and $file (kindIs "string" $file) (hasPrefix $mount $file) }}
+{{- if not (hasKey $paths (trimPrefix $mount $file)) }}
+{{- fail (printf "%s: the site file's %s.%s is %s, but no Secret of kafka.secrets or %s projects %s there: add it to one of them" $who $where $key $file $ownName (trimPrefix $mount $file)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- toJson $sources }}
+{{- end }}
+
+{{/*
 The volumes every Sluice pod has (arguments: root, the site file's
-ConfigMap or Secret): the site file, the Kafka TLS/SASL
-material (when kafka.secrets names any), a writable work folder and /tmp
-(the root filesystem is read-only), and extraVolumes.
+ConfigMap or Secret, the Secrets to project into kafka.secretMountPath as
+"sluice.kafkaSources" gives them): the site file, the Kafka TLS/SASL
+material (when there is any), a writable work folder and /tmp (the root
+filesystem is read-only), and extraVolumes.
 */}}
 {{- define "sluice.volumes" -}}
 {{- $siteName := index . 1 }}
+{{- $kafkaSources := index . 2 }}
 {{- with index . 0 }}
 - name: site
   {{- if eq .Values.siteFileStorage "Secret" }}
@@ -182,12 +355,12 @@ material (when kafka.secrets names any), a writable work folder and /tmp
   configMap:
     name: {{ $siteName }}
   {{- end }}
-{{- if .Values.kafka.secrets }}
+{{- if $kafkaSources }}
 - name: kafka-secrets
   projected:
     defaultMode: 0440
     sources:
-    {{- range .Values.kafka.secrets }}
+    {{- range $kafkaSources }}
       - secret:
           name: {{ .name }}
           {{- with .items }}
@@ -206,11 +379,14 @@ material (when kafka.secrets names any), a writable work folder and /tmp
 {{- end }}
 {{- end }}
 
+{{/* Arguments: (list root kafkaSources), as "sluice.volumes". */}}
 {{- define "sluice.volumeMounts" -}}
+{{- $kafkaSources := index . 1 }}
+{{- with index . 0 }}
 - name: site
   mountPath: {{ .Values.siteMountPath }}
   readOnly: true
-{{- if .Values.kafka.secrets }}
+{{- if $kafkaSources }}
 - name: kafka-secrets
   mountPath: {{ .Values.kafka.secretMountPath }}
   readOnly: true
@@ -221,6 +397,7 @@ material (when kafka.secrets names any), a writable work folder and /tmp
   mountPath: /tmp
 {{- with .Values.extraVolumeMounts }}
 {{ toYaml . }}
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -260,6 +437,12 @@ Arguments (a dict):
 {{- $s := .settings }}
 {{- $site := include "sluice.siteDict" $root | fromJson }}
 {{- $selector := dict "app.kubernetes.io/component" .component "sluice/workload" .name }}
+{{- $valuesKey := get (dict "region" "region" "sender" "senders" "dispatcher" "dispatchers" "receiver" "receiver" "subscriptions" "subscriptions") .component }}
+{{- $ownName := printf "%s.kafkaSecrets" $valuesKey }}
+{{- if .queueId }}
+{{- $ownName = printf "%s.kafkaSecrets (or %s.byId.%s.kafkaSecrets)" $valuesKey $valuesKey .queueId }}
+{{- end }}
+{{- $kafkaSources := include "sluice.kafkaSources" (list $root $s.kafkaSecrets (printf "%s (the %s workload)" .name .component) $ownName) | fromJsonArray }}
 apiVersion: apps/v1
 kind: {{ .kind }}
 metadata:
@@ -363,7 +546,7 @@ spec:
           resources:
             {{- toYaml $root.Values.configCheck.resources | nindent 12 }}
           volumeMounts:
-            {{- include "sluice.volumeMounts" $root | nindent 12 }}
+            {{- include "sluice.volumeMounts" (list $root $kafkaSources) | nindent 12 }}
       containers:
         - name: {{ .component }}
           image: {{ include "sluice.image" $root }}
@@ -426,9 +609,9 @@ spec:
           resources:
             {{- toYaml $s.resources | nindent 12 }}
           volumeMounts:
-            {{- include "sluice.volumeMounts" $root | nindent 12 }}
+            {{- include "sluice.volumeMounts" (list $root $kafkaSources) | nindent 12 }}
       volumes:
-        {{- include "sluice.volumes" (list $root (printf "%s-site" (include "sluice.fullname" $root))) | nindent 8 }}
+        {{- include "sluice.volumes" (list $root (printf "%s-site" (include "sluice.fullname" $root)) $kafkaSources) | nindent 8 }}
 {{- if and $s.podDisruptionBudget.enabled (ge (int $s.replicas) 2) }}
 ---
 apiVersion: policy/v1
