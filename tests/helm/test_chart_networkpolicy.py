@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from helmrender import Helm, Release, load_values, values_of
+from helmrender import Helm, Release, values_of
 
 #: NetworkPolicy name -> the component label of the pods it selects, per example release.
 COMPONENTS = {
@@ -21,7 +21,6 @@ COMPONENTS = {
     "site-b": {"region", "sender", "receiver", "subscriptions", "topics"},
 }
 SITES = sorted(COMPONENTS)
-DNS = load_values("default")["networkPolicy"]["dns"]
 
 
 def release_of(request: pytest.FixtureRequest, name: str) -> Release:
@@ -117,7 +116,7 @@ def test_egress_is_kafka_dns_and_what_each_component_calls(request: pytest.Fixtu
     site = yaml.safe_load(release.site_file("sluice-site"))
     kafka_port = int(site["kafka"]["bootstrap_servers"].rsplit(":", 1)[1])
     kafka = {"ports": [port(kafka_port)], **({"to": network["kafka"]["peers"]} if network["kafka"]["peers"] else {})}
-    dns = {"to": DNS["peers"], "ports": DNS["ports"]}
+    dns = {"to": network["dns"]["peers"], "ports": network["dns"]["ports"]}
     region_port = site.get("region_service", {}).get("port", 7070)
     to_region = {"to": [component_peer("region")], "ports": [port(region_port)]}
     for component in COMPONENTS[name]:
