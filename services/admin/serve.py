@@ -31,6 +31,25 @@ compared in constant time.  The page itself and its assets hold no data and are
 served to anyone; the page asks for the token once and keeps it in the tab's
 sessionStorage.
 
+Forged requests (issue 17).  A browser sends a request to this page for any
+site the user visits, and without a token nothing else would tell the two
+apart.  So, token or not, every request that changes state (any method but
+GET, HEAD and OPTIONS) is refused with 403 and a JSON error naming why when
+
+* ``Sec-Fetch-Site`` says another site sent it (anything but ``same-origin``
+  or ``none``: ``same-site`` includes another port of the same host),
+* its ``Origin`` (or, without one, its ``Referer``) is not this page's own
+  origin (the host and port of the ``Host`` header), or
+* it lacks ``content-type: application/json``: a cross-site form cannot send
+  that, and a cross-site script needs a CORS preflight, which this page never
+  answers.  The page's own script sends it, with the body ``{}``.
+
+Bodies are capped at ``BODY_BYTES_MAX`` before anything parses them (413);
+the actions take no data.  A page without a token answers only to loopback
+host names when it listens on a loopback address, so a DNS-rebinding site
+(its own name resolved to 127.0.0.1) gets 403 too; and it refuses to start on
+any other address unless ``--allow-unauthenticated`` says that is meant.
+
 The sampler's lifecycle::
 
     NEW ──start()──► RUNNING ──stop()──► STOPPING ──► STOPPED
@@ -43,6 +62,7 @@ import argparse
 import collections
 import hashlib
 import hmac
+import ipaddress
 import logging
 import os
 import signal
@@ -53,12 +73,14 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
+from urllib.parse import urlsplit
 
 import orjson
 import uvicorn
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Path as PathParam, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
+from starlette.concurrency import run_in_threadpool
 
 from ..core.config import SiteConfig, load_config
 from ..core.errors import ConfigError, InvalidRequest, SluiceError
@@ -74,6 +96,12 @@ TOKEN_ENV = "SLUICE_ADMIN_TOKEN"
 #: What the region service puts before its URL in its consumer-group client.id.
 #: The page's poll period; the sampler never needs to be faster than this.
 PAGE_POLL_S = 2.0
+#: The largest request body read: the actions take no data (the page sends ``{}``).
+BODY_BYTES_MAX = 1024
+#: Methods that change nothing; every other one is checked for forgery.
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+#: Sec-Fetch-Site values of a request the page itself (or the user, typing) sent.
+OWN_FETCH_SITES = frozenset({"same-origin", "none"})
 
 EXAMPLE = """\
 serve (the status page):
@@ -85,8 +113,12 @@ serve (the status page):
   head -c 24 /dev/urandom | base64 > admin.token
   sluice admin -c deploy/sites/site-a.yaml serve --host 0.0.0.0 --token-file admin.token
   curl -s -H "Authorization: Bearer $(cat admin.token)" 127.0.0.1:7090/api/status
-  curl -s -XPOST -H "Authorization: Bearer $(cat admin.token)" 127.0.0.1:7090/api/queues/orders-jdbc/pause
+  curl -s -XPOST -H "Authorization: Bearer $(cat admin.token)" -H "content-type: application/json" -d '{}' \
+       127.0.0.1:7090/api/queues/orders-jdbc/pause
   (or SLUICE_ADMIN_TOKEN=... instead of --token-file; the page asks for the token once per tab)
+
+  # on a trusted network only: listen beyond loopback with no token at all
+  sluice admin -c deploy/sites/site-a.yaml serve --host 0.0.0.0 --allow-unauthenticated
 """
 
 
@@ -97,6 +129,9 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--port", type=int, default=7090, help="port to listen on, 0 for any free port (default 7090)")
     group.add_argument("--token-file", help=f"file holding the bearer token the page's API requires "
                                             f"(default: ${TOKEN_ENV} when set, else no token)")
+    group.add_argument("--allow-unauthenticated", action="store_true",
+                       help="serve with no token on an address other than loopback (127.0.0.1, ::1, localhost): "
+                            "anyone who reaches it can pause or stop the site's queues; refused without this flag")
     group.add_argument("--interval-s", type=float, default=PAGE_POLL_S,
                        help=f"seconds between two samples of the site (default {PAGE_POLL_S:g}, at least 0.5)")
     group.add_argument("--history-s", type=float, default=600.0,
@@ -364,21 +399,150 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
 
-def create_app(sampler: StatusSampler, token: str | None) -> FastAPI:
+def is_loopback(host: str) -> bool:
+    """``host`` (an address or a name, as --host takes it) is loopback only."""
+    host = host.strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_problem(host: str, token: str | None, allow_unauthenticated: bool) -> str | None:
+    """Why the page must not start on ``host``, or None."""
+    if token is not None or allow_unauthenticated or is_loopback(host):
+        return None
+    return (f"--host {host} is reachable beyond this machine and no token is set: anyone who reaches it could pause "
+            f"or stop the site's queues. Give --token-file FILE (or ${TOKEN_ENV}), listen on 127.0.0.1, or add "
+            "--allow-unauthenticated if the network is trusted")
+
+
+def _host_and_port(netloc: str) -> tuple[str, int | None]:
+    """(lowercase host name, explicit port or None) of ``host[:port]``, IPv6 in brackets or not."""
+    netloc = netloc.strip().lower()
+    if netloc.startswith("["):
+        host, _, rest = netloc[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    else:
+        host, sep, port = netloc.rpartition(":")
+        if not sep or not port.isdigit() or ":" in host:
+            host, port = netloc, ""
+    return host, int(port) if port.isdigit() else None
+
+
+def _same_origin(url: str, host_header: str) -> bool:
+    """``url``'s origin is this page's: the host and port the browser addressed (the Host header).
+
+    A Host without a port means the default port of the scheme the browser
+    used, which behind a TLS proxy is not the scheme this server sees; so
+    any default port then matches, and only a default port does.
+    """
+    try:
+        parts = urlsplit(url)
+        origin_port = parts.port
+    except ValueError:
+        return False
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return False
+    own_host, own_port = _host_and_port(host_header)
+    if parts.hostname.lower() != own_host:
+        return False
+    effective = origin_port if origin_port is not None else (443 if parts.scheme == "https" else 80)
+    return effective == own_port if own_port is not None else effective in (80, 443)
+
+
+def _refusal(status: int, error: str, field: str, value: Any, reason: str) -> JSONResponse:
+    shown = value if not isinstance(value, str) or len(value) <= 200 else value[:200] + "…"
+    return JSONResponse({"error": error, "field": field, "value": shown, "reason": reason,
+                         "message": f"{field}: {reason}", "retriable": False}, status_code=status)
+
+
+def forgery_problem(request: Request) -> tuple[str, str, str] | None:
+    """(field, value, reason) when a state-changing request may have been forged by another site, else None."""
+    headers = request.headers
+    fetch_site = headers.get("sec-fetch-site")
+    if fetch_site is not None and fetch_site.lower() not in OWN_FETCH_SITES:
+        return ("sec-fetch-site", fetch_site, "the browser says another site sent this request; actions are taken "
+                                              "only from this page")
+    own = headers.get("host", "")
+    origin = headers.get("origin")
+    if origin is not None:
+        if not _same_origin(origin, own):
+            return ("origin", origin, f"is not this page's origin (host {own!r}); actions are taken only from this "
+                                      "page")
+    elif (referer := headers.get("referer")) is not None and not _same_origin(referer, own):
+        return ("referer", referer, f"is not on this page's origin (host {own!r}); actions are taken only from "
+                                    "this page")
+    media_type = headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        return ("content-type", headers.get("content-type"),
+                "must be application/json (send the body {}): a form on another site cannot send that")
+    return None
+
+
+async def _read_body(request: Request) -> bytes | None:
+    """The body, or None once it grows past BODY_BYTES_MAX (nothing more is read)."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > BODY_BYTES_MAX:
+            return None
+    return bytes(body)
+
+
+def _action_openapi(queue_ids: list[str]) -> dict[str, Any]:
+    """The action's body and answers, for /api/openapi.json (FastAPI does not read the body itself:
+    it is capped and parsed by hand)."""
+    def answer(description: str) -> dict[str, Any]:
+        return {"description": description, "content": {"application/json": {"schema": {"type": "object"}}}}
+
+    return {
+        "requestBody": {"required": True, "description": "the actions take no data: {}", "content": {
+            "application/json": {"schema": {"type": "object", "additionalProperties": False, "maxProperties": 0}}}},
+        "responses": {
+            "400": answer("the body is not the JSON object {}"),
+            "401": answer("missing or wrong bearer token"),
+            "403": answer("refused: the request may come from another site (origin, referer, sec-fetch-site, "
+                          "content-type), or a host name this page does not answer to"),
+            "404": answer("no such queue or action"),
+            "413": answer(f"the body is larger than {BODY_BYTES_MAX} bytes"),
+            "500": answer("the control record could not be written"),
+            "503": answer("Kafka did not take the control record; try again"),
+        },
+    }
+
+
+def create_app(sampler: StatusSampler, token: str | None, *, loopback_only: bool = False) -> FastAPI:
+    """The page's app.  ``loopback_only``: answer only requests whose Host names a loopback
+    address (a page without a token on loopback; see the module docstring)."""
     cfg = sampler.cfg
     # Compare digests: equal length whatever is offered, so the comparison's
     # time says nothing about the token's length either.
     expected = _digest(token) if token else None
     app = FastAPI(title=f"Sluice status page of site {cfg.site}", version="1", docs_url=None, redoc_url=None,
                   openapi_url="/api/openapi.json")
+    queue_ids = sorted(q.id for q in cfg.all_attached_queues())
 
     @app.middleware("http")
-    async def authenticate(request: Request, call_next: Any) -> Response:
+    async def guard(request: Request, call_next: Any) -> Response:
+        if loopback_only and not is_loopback(_host_and_port(request.headers.get("host", ""))[0]):
+            return _refusal(403, "Forbidden", "host", request.headers.get("host"),
+                            "this page has no token and answers only to localhost or a loopback address (another "
+                            "name may be a DNS-rebinding site)")
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > BODY_BYTES_MAX):
+            return _refusal(413 if length.isdigit() else 400, "InvalidRequest", "content-length", length,
+                            f"a body is at most {BODY_BYTES_MAX} bytes (the actions take no data)")
         if expected is not None and request.url.path.startswith("/api/"):
             scheme, _, credential = request.headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(_digest(credential.strip()), expected):
                 return JSONResponse({"error": "Unauthorized", "message": "missing or wrong bearer token",
                                      "retriable": False}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        if request.method not in SAFE_METHODS and (problem := forgery_problem(request)) is not None:
+            log.warning("refused %s %s: %s %r: %s", request.method, request.url.path, *problem)
+            return _refusal(403, "Forbidden", *problem)
         return await call_next(request)
 
     @app.get("/", include_in_schema=False)
@@ -402,8 +566,11 @@ def create_app(sampler: StatusSampler, token: str | None) -> FastAPI:
         """The latest snapshot and the chart's history (what the page polls)."""
         return Response(sampler.status_json, media_type="application/json", headers={"Cache-Control": "no-store"})
 
-    @app.post("/api/queues/{queue_id}/{action}")
-    def act(queue_id: str, action: str) -> JSONResponse:
+    queue_schema = {"enum": queue_ids} if queue_ids else {}
+
+    @app.post("/api/queues/{queue_id}/{action}", openapi_extra=_action_openapi(queue_ids))
+    async def act(request: Request, queue_id: str = PathParam(json_schema_extra=queue_schema),
+                  action: str = PathParam(json_schema_extra={"enum": sorted(STATES)})) -> JSONResponse:
         """pause, resume, stop or start a gateway sender or async event queue, as ``sluice admin`` does."""
         if action not in STATES:
             err = InvalidRequest("action", action, f"not one of {sorted(STATES)}")
@@ -412,13 +579,46 @@ def create_app(sampler: StatusSampler, token: str | None) -> FastAPI:
             kind_of(cfg, queue_id)
         except InvalidRequest as exc:
             return JSONResponse(exc.to_dict(), status_code=404)
+        body = await _read_body(request)
+        if body is None:
+            return _refusal(413, "InvalidRequest", "body", None, f"is larger than {BODY_BYTES_MAX} bytes "
+                                                                 "(the actions take no data)")
         try:
-            set_state(cfg, queue_id, STATES[action], issued_by="sluice admin serve")
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            data = None
+        if data != {}:
+            shown = body.decode("utf-8", "replace")
+            return _refusal(400, "InvalidRequest", "body", shown, "must be the JSON object {} (the actions take "
+                                                                  "no data)")
+        try:
+            await run_in_threadpool(set_state, cfg, queue_id, STATES[action], issued_by="sluice admin serve")
         except SluiceError as exc:
             return JSONResponse(exc.to_dict(), status_code=503 if exc.retriable else 500)
         sampler.wake()
         return JSONResponse({"queue": queue_id, "action": action, "state": STATES[action],
                              "message": f"{action} requested; the queue's dispatchers follow within a poll"})
+
+    if expected is not None:
+        # Say so in the document too: every /api/ operation needs the bearer token.
+        build_openapi = app.openapi
+
+        def openapi_with_bearer() -> dict[str, Any]:
+            if app.openapi_schema is None:
+                document = build_openapi()
+                document.setdefault("components", {})["securitySchemes"] = {
+                    "bearer": {"type": "http", "scheme": "bearer"}}
+                for path, operations in document.get("paths", {}).items():
+                    if path.startswith("/api/"):
+                        for operation in operations.values():
+                            operation["security"] = [{"bearer": []}]
+                            operation["responses"].setdefault("401", {
+                                "description": "missing or wrong bearer token",
+                                "content": {"application/json": {"schema": {"type": "object"}}}})
+                app.openapi_schema = document
+            return app.openapi_schema
+
+        app.openapi = openapi_with_bearer  # type: ignore[method-assign]
 
     return app
 
@@ -456,6 +656,13 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, InvalidRequest) as exc:
         print(f"sluice admin serve: {exc}", file=sys.stderr)
         return 2
+    problem = exposure_problem(args.host, token, args.allow_unauthenticated)
+    if problem is not None:
+        print(f"sluice admin serve: {problem}", file=sys.stderr)
+        return 2
+    # Without a token on loopback, only loopback names: a DNS-rebinding site
+    # (its own name resolved to 127.0.0.1) is then another host.
+    loopback_only = token is None and is_loopback(args.host)
     try:
         family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
         sock = socket.create_server((args.host, args.port), family=family)
@@ -463,8 +670,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"sluice admin serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
     host, port = sock.getsockname()[:2]
-    server = uvicorn.Server(uvicorn.Config(create_app(sampler, token), log_level="warning", access_log=False,
-                                           lifespan="off", timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(create_app(sampler, token, loopback_only=loopback_only), log_level="warning",
+                                           access_log=False, lifespan="off", timeout_graceful_shutdown=5))
 
     def on_signal(signum: int, _frame: Any) -> None:
         server.should_exit = True
@@ -485,6 +692,9 @@ def run(args: argparse.Namespace) -> int:
     shown = f"[{host}]" if ":" in host else host
     print(f"admin page on http://{shown}:{port}/ (site {cfg.site}, dsid {cfg.dsid}; "
           f"{'bearer token required' if token else 'no token'})", flush=True)
+    if token is None and not loopback_only:
+        log.warning("serving on %s with no token (--allow-unauthenticated): anyone who reaches it can pause or "
+                    "stop the site's queues", args.host)
     threading.Thread(target=watch_crash, name="crash-watch", daemon=True).start()
     try:
         server.run(sockets=[sock])

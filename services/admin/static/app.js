@@ -316,8 +316,12 @@ async function act(queueId, action) {
   const result = document.getElementById("action-result");
   result.textContent = action + " " + queueId + "…";
   try {
-    const response = await fetch("api/queues/" + encodeURIComponent(queueId) + "/" + action,
-                                 { method: "POST", headers: authHeaders() });
+    // The server takes actions only as JSON from this page's own origin (a form on another site cannot
+    // send application/json): the content type and the empty body {} are required.
+    const response = await fetch("api/queues/" + encodeURIComponent(queueId) + "/" + action, {
+      method: "POST", headers: { ...authHeaders(), "Content-Type": "application/json" }, body: "{}",
+      credentials: "same-origin",
+    });
     const body = await response.json().catch(() => ({}));
     if (response.status === 401) { askForToken("that token was refused"); return; }
     result.textContent = queueId + ": " +
