@@ -11,12 +11,19 @@ seed, or a public key), which fits on one line of a site file, or as PEM
 (PKCS#8 for a private key, SubjectPublicKeyInfo for a public one), as
 ``openssl genpkey -algorithm ed25519`` writes it.  ``sluice keys generate``
 writes a pair in the base64 form.
+
+A site's public key text may hold several keys (base64 ones separated by
+spaces, commas or new lines, or PEM blocks one after another): during a key
+rotation the other sites hold the old and the new public key of a site at
+once and accept what either signed, so the site can switch to its new
+private key with nothing refused (``load_public_keys``).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import re
 
 from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
@@ -57,8 +64,36 @@ def load_private_key(text: str) -> Ed25519PrivateKey:
     return key
 
 
+_PEM_PUBLIC = re.compile(r"-----BEGIN [A-Z ]+-----.*?-----END [A-Z ]+-----", re.DOTALL)
+_SEPARATORS = re.compile(r"[\s,]+")
+
+
+def _public_key_texts(text: str) -> list[str]:
+    """The keys of a text holding one or several: PEM blocks, or base64 keys between spaces, commas or lines."""
+    text = text.strip()
+    if "-----BEGIN" in text:
+        blocks = _PEM_PUBLIC.findall(text)
+        if _PEM_PUBLIC.sub("", text).strip():
+            raise KeyFormatError("not Ed25519 public keys: text outside the PEM blocks")
+        return blocks
+    return [t for t in _SEPARATORS.split(text) if t]
+
+
+def load_public_keys(text: str) -> tuple[Ed25519PublicKey, ...]:
+    """Every public key a text holds (one, or the old and the new during a rotation), in order."""
+    texts = _public_key_texts(text)
+    if not texts:
+        raise KeyFormatError("not an Ed25519 public key: the text is empty")
+    return tuple(_load_one_public_key(t) for t in texts)
+
+
 def load_public_key(text: str) -> Ed25519PublicKey:
-    """A public key from its base64 raw bytes or SubjectPublicKeyInfo PEM."""
+    """A public key from its base64 raw bytes or SubjectPublicKeyInfo PEM.  Of a text holding several
+    (a rotation), every one is checked and the first is returned; ``load_public_keys`` gives them all."""
+    return load_public_keys(text)[0]
+
+
+def _load_one_public_key(text: str) -> Ed25519PublicKey:
     raw = _raw(text, "public")
     if raw is not None:
         return Ed25519PublicKey.from_public_bytes(raw)
@@ -91,4 +126,5 @@ def generate() -> tuple[str, str]:
     return private_text(key), public_text(key)
 
 
-__all__ = ["KeyFormatError", "generate", "load_private_key", "load_public_key", "private_text", "public_text"]
+__all__ = ["KeyFormatError", "generate", "load_private_key", "load_public_key", "load_public_keys", "private_text",
+           "public_text"]
