@@ -10,25 +10,43 @@ one batch, step by step:
    other partitions work at the same time (a sender partition always writes
    to the same inbound partition, so per-key order holds).  A lane more than
    a few batches behind pauses its partition's fetching.
-1. A record that cannot be decoded goes to the site's region dead-letter
-   topic with the reason.  A batch from a dsid not in ``receiver.accepted_dsids``,
-   or, when ``receiver.sender_keys`` is set, without a valid signature of
-   its site's key (core/signing.py), is rejected: counted, dead-lettered,
-   never applied, never acknowledged.
+1. A signing site (``gateway_private_key``; core/signing.py) first verifies
+   the record's Ed25519 signature over the value bytes as received, with the
+   public key of the dsid its ``sluice-signer`` header names, before reading
+   anything else; a record that cannot be decoded goes to the site's region
+   dead-letter topic with the reason.  A batch is rejected (counted,
+   dead-lettered, never applied, never acknowledged) when its signature is
+   missing or wrong, when its ``source_dsid`` is not the signer (a batch
+   cannot be re-labelled), when it comes from a dsid not in
+   ``receiver.accepted_dsids`` or is meant for another dsid, and when its
+   ``created_at`` is older than ``receiver.batch_max_age_ms`` or later than
+   now + ``region_service.max_clock_skew_ms`` (a signed batch recorded from
+   the wire is not replayed once the acks that mark it a duplicate have
+   expired; a sender stamps every send anew).
 2. A batch id at or below the last one applied for its sender partition is
    acknowledged again (``duplicate_batch``) and not applied again (Geode's
    duplicateBatchesReceived).  That tracking survives restarts and failovers:
-   it is rebuilt from the acks this site already wrote.
-3. Each event is checked (its region exists here, it is an operation that
-   crosses sites, it did not come from this site); one that fails becomes a
-   per-event exception in the ack.  The rest go to the local region service
-   (``apply_remote``), which discards repeats by EventID, resolves WAN
-   conflicts by version tag, and writes changelog and queues.  Transient
-   failures are retried here, for as long as it takes.
+   it is rebuilt from the acks this site already wrote, each verified with
+   this site's own key, so no other writer of the acks topic can pin a
+   sender partition.  Every ack carries ``last_batch_id``, the highest id
+   applied for the sender partition: a sender whose batch ids started over
+   (its removals topic lost) opens an epoch above it (sender/service.py).
+3. Each event is checked by the rules the region applies to every remote
+   event (core/eventchecks.py ``remote_problem``: region, key, value,
+   EventID, dsids, clock skew); one that fails becomes a per-event exception
+   in the ack, dead-lettered at the sending site.  The rest go to the local
+   region service (``apply_remote``, with ``region_service.member_token``)
+   in calls of at most ``receiver.apply_events_max`` events, in order; it
+   discards repeats by EventID, resolves WAN conflicts by version tag, and
+   writes changelog and queues.  What the region service may do later (503,
+   no answer) is retried here, for as long as it takes; an event it refuses
+   becomes an exception in the ack, found by halving a refused call.  A
+   401 or 403 (a wrong member token) is an operator's error, not the
+   batch's: retried with backoff, with an alert, never dead-lettered.
 4. Only when every event is durably applied (or refused) is the ack written
-   to the acks topic (same key, same partition), and then the inbound offset
-   committed.  A crash before that means the batch is read again; its events
-   come back as duplicates.
+   to the acks topic (same key, same partition), signed, and then the
+   inbound offset committed.  A crash before that means the batch is read
+   again; its events come back as duplicates.
 
 Region-service instances are found through their consumer group, whose
 members' client ids carry their URLs, so the receiver needs no address list.
@@ -44,19 +62,18 @@ import uuid
 from collections import defaultdict
 from typing import Any, Callable
 
-from tenacity import Retrying, retry_if_exception_type, wait_exponential
-
-from ..client.region import RegionClient, RegionError
 from opentelemetry.trace import SpanKind
 
+from ..client.region import RegionClient, RegionError
 from ..core import telemetry
 from ..core.codec import get_codec
 from ..core.config import SiteConfig
-from ..region.directory import live_urls, read_instances
-from ..core.errors import CodecError, SluiceError
-from ..core.events import EntryEvent, goes_to_gateway
+from ..core.errors import CodecError, InvalidRequest, SluiceError
+from ..core.eventchecks import remote_problem
+from ..core.events import EntryEvent
 from ..core.lifecycle import ServiceState
-from ..core.signing import verify
+from ..core.signing import BadSignature, Headers, Signer, Verifier, site_signer, site_verifier
+from ..region.directory import live_urls, read_instances
 from ..core.kafka import (
     Consumer,
     Interrupted,
@@ -76,6 +93,13 @@ log = logging.getLogger("sluice.receiver")
 
 #: The pause before reading the acks on assignment again.
 READ_RETRY_BACKOFF_S = 1.0
+#: Applying to the region service again: the first pause, doubled each time up to the last.
+APPLY_BACKOFF_FIRST_S = 0.1
+APPLY_BACKOFF_MAX_S = 5.0
+#: An alert that goes on is logged again this often (and counted each time).
+ALERT_REPEAT_S = 30.0
+#: Answers of the region service that say the receiver's credential is wrong, not the events.
+UNAUTHORIZED = (401, 403)
 
 
 class _NoRegionService(SluiceError):
@@ -84,6 +108,33 @@ class _NoRegionService(SluiceError):
 
 class _Stopping(Exception):
     """The receiver is stopping in the middle of a batch: it is neither acked nor committed."""
+
+
+class RejectedBatch(InvalidRequest):
+    """A batch this site does not apply: from a dsid it does not accept, or meant for another one."""
+
+
+class StaleBatch(RejectedBatch):
+    """A batch whose ``created_at`` is older than ``receiver.batch_max_age_ms`` or in the future."""
+
+
+class _SignedProducer:
+    """``produce_durably`` (core/kafka.py) takes no record headers: this hands it the receiver's
+    producer with the ack's signature headers added to its one ``produce`` call.  Fragile on
+    purpose, until ``produce_durably`` takes headers itself."""
+
+    def __init__(self, producer: Any, headers: list[tuple[str, bytes]]) -> None:
+        self._producer = producer
+        self._headers = headers
+
+    def produce(self, *args: Any, **kwargs: Any) -> None:
+        self._producer.produce(*args, headers=self._headers, **kwargs)
+
+    def poll(self, timeout_s: float) -> int:
+        return int(self._producer.poll(timeout_s))
+
+    def flush(self, timeout_s: float) -> int:
+        return int(self._producer.flush(timeout_s))
 
 
 def region_service_urls(cfg: SiteConfig) -> list[str]:
@@ -166,15 +217,25 @@ class ReceiverService:
         self._client_lock = threading.Lock()
         self._lanes: dict[int, _Lane] = {}
         self._done: queue.Queue[TopicPartition] = queue.Queue()  # offsets to commit, from the lanes
-        self._sender_keys = {dsid: key.get_secret_value().encode()
-                             for dsid, key in cfg.receiver.sender_keys.items()}
-        if not self._sender_keys:
-            log.warning("receiver of dsid %d: no sender_keys, batches are not verified (accepted dsids %s)",
-                        cfg.dsid, sorted(self.accepted))
+        rs = cfg.region_service
+        self._member_token = rs.member_token.get_secret_value() if rs.member_token is not None else None
+        self._batch_max_age_ms = cfg.receiver.batch_max_age_ms
+        self._clock_skew_ms = rs.max_clock_skew_ms
+        self._apply_events_max = cfg.receiver.apply_events_max
+        # Signing is all or nothing per site (the site file is refused otherwise): with a private
+        # key, every accepted dsid has a public key, batches are verified and acks signed.
+        self._signer: Signer | None = site_signer(cfg)
+        self._verifier: Verifier | None = site_verifier(cfg, self.accepted)
+        #: This site's own acks, verified when the duplicate tracking is rebuilt from them.
+        self._own_acks = Verifier({cfg.dsid: [self._signer.public_key]}) if self._signer is not None else None
+        if self._verifier is None:
+            log.warning("receiver of dsid %d: no gateway keys, batches are not verified (accepted dsids %s); "
+                        "set gateway_private_key and gateway_public_keys", cfg.dsid, sorted(self.accepted))
         self._stats_lock = threading.Lock()
         self.stats = {"batches": 0, "duplicate_batches": 0, "rejected_batches": 0, "bad_signatures": 0,
-                      "events_applied": 0, "events_duplicate": 0, "conflicts": 0, "exceptions": 0,
-                      "dead_lettered": 0}
+                      "stale_batches": 0, "events_applied": 0, "events_duplicate": 0, "conflicts": 0,
+                      "exceptions": 0, "dead_lettered": 0, "acks_unverified": 0, "unauthorized_alerts": 0}
+        self._unauthorized_logged_at = 0.0
         #: The group has given this member its assignment (possibly none) and it was not lost since.
         self.assigned = False
         self._instrument()
@@ -197,6 +258,9 @@ class ReceiverService:
         telemetry.observe(telemetry.DEAD_LETTERED, self._read_stats("dead_lettered"))
         telemetry.observe(telemetry.BATCHES_REJECTED, self._read_stats("rejected_batches", "bad_signatures"))
         telemetry.observe(telemetry.BATCHES_ACKNOWLEDGED, self._read_stats("batches", "duplicate_batches"))
+        telemetry.observe(telemetry.ALERTS, telemetry.reader(
+            self, lambda receiver: receiver.stats["unauthorized_alerts"],
+            lambda receiver: receiver._attributes(**{"sluice.alert.name": "region_unauthorized"})))
 
     def _attributes(self, **more: Any) -> dict[str, Any]:
         return {**telemetry.base_attributes(self.cfg.site), "sluice.component": "receiver",
@@ -352,20 +416,37 @@ class ReceiverService:
         self.assigned = True
 
     def _read_acks(self, partitions: list[TopicPartition]) -> None:
+        """The highest batch id applied per sender partition, from the acks this site wrote.  An ack not
+        signed with this site's key is left out: whoever else can write the acks topic must not make the
+        receiver take a sender partition's next batches for repeats and drop them."""
         reader = make_consumer(self.cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 10})
+        unverified = 0
         try:
             for tp in partitions:
                 for msg in read_to_end(reader, self.acks, tp.partition, deadline_s=30):
+                    if self._own_acks is not None:
+                        try:
+                            self._own_acks.signer(msg.value(), msg.headers())
+                        except BadSignature:
+                            unverified += 1
+                            continue
                     try:
                         ack = self._codec.decode_as("GatewayAck", msg.value())
                     except CodecError:
                         continue
-                    key = (msg.key() or b"").decode("utf-8", "replace")
+                    if ack["receiver_dsid"] != self.cfg.dsid:
+                        continue
+                    # The key from the signed record, not the record key, which nobody signed.
+                    key = f"{ack['source_dsid']}/{ack['sender_id']}/{ack['queue_partition']}"
                     self._last_batch[key] = max(self._last_batch.get(key, -1), ack["batch_id"])
         except KafkaException as exc:
             raise translate(exc, f"reading {self.acks}") from exc
         finally:
             reader.close()
+        if unverified:
+            self._count("acks_unverified", unverified)
+            log.warning("receiver %s: %d records of %s not signed with this site's key were left out of the "
+                        "duplicate-batch tracking", self.member_id, unverified, self.acks)
 
     # --- one batch -----------------------------------------------------------------------
 
@@ -384,36 +465,47 @@ class ReceiverService:
 
     def _handle(self, msg: Message, stop: threading.Event) -> None:
         """One batch, on its partition's lane; ``stop`` cuts retries short (revoke, shutdown)."""
+        value = msg.value()
+        signer = None
+        if self._verifier is not None:
+            try:
+                # Once per batch, over the bytes as received: nothing is decoded before.
+                signer = self._verifier.signer(value, msg.headers())
+            except BadSignature as exc:
+                self._reject(msg, exc, stop)
+                return
         try:
-            batch = self._codec.decode_as("GatewayBatch", msg.value())
+            batch = self._codec.decode_as("GatewayBatch", value)
         except CodecError as exc:
             self._dead_letter(msg, f"undecodable gateway batch: {exc}", type(exc).__name__, stop)
             self._commit(msg)
             return
+        now_ms = int(time.time() * 1000)
+        problem = self._batch_problem(batch, signer, now_ms)
+        if problem is not None:
+            self._reject(msg, problem, stop, batch)
+            return
         source = batch["source_dsid"]
         key = f"{source}/{batch['sender_id']}/{batch['queue_partition']}"
-        rejection = self._rejection(batch)
-        if rejection is not None:
-            self._count("rejected_batches")
-            log.warning("%s (sender %s)", rejection[1], batch["sender_id"])
-            self._dead_letter(msg, rejection[1], rejection[0], stop)
-            self._commit(msg)
-            return
         if batch["batch_id"] <= self._last_batch.get(key, -1):
             self._count("duplicate_batches")
             self._ack(msg, key, batch, last_applied=len(batch["events"]) - 1, exceptions=[], duplicate=True,
-                      stop=stop)
+                      stop=stop, last_batch_id=self._last_batch[key])
             self._commit(msg)
             return
-        events = [EntryEvent.from_record(e) for e in batch["events"]]
-        traces, spans = self._receive_spans(msg, batch, len(events))
+        traces, spans = self._receive_spans(msg, batch, len(batch["events"]))
         try:
-            exceptions, last_applied = self._apply(events, stop, traces)
+            exceptions, last_applied = self._apply(batch["events"], stop, traces, now_ms)
         finally:
             for span in spans:
                 span.end()
-        self._ack(msg, key, batch, last_applied=last_applied, exceptions=exceptions, duplicate=False, stop=stop)
-        self._last_batch[key] = batch["batch_id"]
+        # Tracked once acknowledged: a batch whose ack was not written is applied again when it comes
+        # again (its events are repeats by EventID), rather than answered duplicate_batch to a sender
+        # that never had an ack of it.
+        last_batch_id = max(self._last_batch.get(key, -1), batch["batch_id"])
+        self._ack(msg, key, batch, last_applied=last_applied, exceptions=exceptions, duplicate=False, stop=stop,
+                  last_batch_id=last_batch_id)
+        self._last_batch[key] = last_batch_id
         self._count("batches")
         self._commit(msg)
 
@@ -440,94 +532,152 @@ class ReceiverService:
                 traces[i] = telemetry.traceparent_of(span)
         return traces, spans
 
-    def _rejection(self, batch: dict[str, Any]) -> tuple[str, str] | None:
-        """(error class, reason) when the batch must not be applied here."""
+    def _batch_problem(self, batch: dict[str, Any], signer: int | None, now_ms: int) -> InvalidRequest | None:
+        """Why the batch must not be applied here, or None."""
         source = batch["source_dsid"]
+        if signer is not None and source != signer:
+            return BadSignature("source_dsid", source, f"batch {batch['batch_id']} was signed by dsid {signer}: a "
+                                "site signs only batches it sends")
         if source not in self.accepted:
-            return "RejectedBatch", (f"batch {batch['batch_id']} from dsid {source} rejected: accepted dsids are "
-                                     f"{sorted(self.accepted)}")
+            return RejectedBatch("source_dsid", source, f"batch {batch['batch_id']} from dsid {source} rejected: "
+                                 f"accepted dsids are {sorted(self.accepted)}")
         if batch["target_dsid"] != self.cfg.dsid:
-            return "RejectedBatch", f"batch for dsid {batch['target_dsid']} reached dsid {self.cfg.dsid}"
-        if self._sender_keys and not verify(self._codec, self._sender_keys[source], batch):
+            return RejectedBatch("target_dsid", batch["target_dsid"], f"batch {batch['batch_id']} for dsid "
+                                 f"{batch['target_dsid']} reached dsid {self.cfg.dsid}")
+        created = batch["created_at"]
+        if created < now_ms - self._batch_max_age_ms:
+            return StaleBatch("created_at", created, f"batch {batch['batch_id']} from dsid {source} was sent "
+                              f"{now_ms - created} ms ago, longer than receiver.batch_max_age_ms="
+                              f"{self._batch_max_age_ms}: a replay")
+        if created > now_ms + self._clock_skew_ms:
+            return StaleBatch("created_at", created, f"batch {batch['batch_id']} from dsid {source} is stamped "
+                              f"{created - now_ms} ms in the future, beyond region_service.max_clock_skew_ms="
+                              f"{self._clock_skew_ms}")
+        return None
+
+    def _reject(self, msg: Message, problem: InvalidRequest, stop: threading.Event,
+                batch: dict[str, Any] | None = None) -> None:
+        """Counted, logged, dead-lettered, never applied nor acknowledged."""
+        self._count("rejected_batches")
+        if isinstance(problem, BadSignature):
             self._count("bad_signatures")
-            return "BadSignature", (f"batch {batch['batch_id']} from dsid {source} rejected: "
-                                    + ("it is not signed" if not batch.get("signature") else
-                                       "its signature does not match dsid's key in receiver.sender_keys"))
-        return None
+        elif isinstance(problem, StaleBatch):
+            self._count("stale_batches")
+        sender = f" (sender {batch['sender_id']})" if batch is not None else ""
+        log.warning("batch at %s[%d]@%d rejected%s: %s", msg.topic(), msg.partition(), msg.offset(), sender, problem)
+        self._dead_letter(msg, str(problem), type(problem).__name__, stop)
+        self._commit(msg)
 
-    def _refusal(self, event: EntryEvent) -> tuple[str, str] | None:
-        region = self.regions.get(event.region)
-        if region is None:
-            return "UnknownRegion", f"region {event.region!r} is not configured at dsid {self.cfg.dsid}"
-        if not goes_to_gateway(event.operation):
-            return "InvalidRequest", f"{event.operation.value} does not cross sites"
-        if event.origin_dsid == self.cfg.dsid:
-            return "InvalidRequest", f"event of dsid {self.cfg.dsid} came back to it"
-        if len(event.key.encode("utf-8")) > region.key_max_bytes:
-            return "EntryTooLarge", f"key of {len(event.key.encode())} bytes > key_max_bytes {region.key_max_bytes}"
-        if event.value is not None and len(event.value) > region.value_max_bytes:
-            return "EntryTooLarge", f"value of {len(event.value)} bytes > value_max_bytes {region.value_max_bytes}"
-        return None
+    def _screen(self, records: list[dict[str, Any]], now_ms: int) -> tuple[list[tuple[int, EntryEvent]],
+                                                                            list[dict[str, Any]]]:
+        """The events to apply, as (index, event), and the exceptions of those refused here by the rules
+        the region service applies to every remote event (it checks them again)."""
+        accepted: list[tuple[int, EntryEvent]] = []
+        exceptions: list[dict[str, Any]] = []
+        for i, record in enumerate(records):
+            event = EntryEvent.from_record(record)
+            problem = remote_problem(self.cfg, event, now_ms, f"events[{i}]")
+            if problem is None:
+                accepted.append((i, event))
+            else:
+                exceptions.append({"index": i, "event_id": record["event_id"],
+                                   "exception_class": type(problem).__name__, "message": str(problem)})
+        return accepted, exceptions
 
-    def _apply(self, events: list[EntryEvent], stop: threading.Event,
-               traces: list[str | None]) -> tuple[list[dict[str, Any]], int]:
+    def _apply(self, records: list[dict[str, Any]], stop: threading.Event, traces: list[str | None],
+               now_ms: int) -> tuple[list[dict[str, Any]], int]:
         """Apply what can be applied; (per-event exceptions, index of the last applied event).
         ``traces``: each event's trace context, passed on to the region service."""
-        exceptions: list[dict[str, Any]] = []
+        accepted, exceptions = self._screen(records, now_ms)
         by_region: dict[str, list[tuple[int, EntryEvent]]] = defaultdict(list)
-        for i, event in enumerate(events):
-            refusal = self._refusal(event)
-            if refusal is not None:
-                exceptions.append({"index": i, "event_id": event.event_id.to_record(),
-                                   "exception_class": refusal[0], "message": refusal[1]})
-                continue
+        for i, event in accepted:
             by_region[event.region].append((i, event))
         applied: set[int] = set()
         for region, items in by_region.items():
-            contexts = [traces[i] for i, _ in items]
-            answer = self._apply_region(region, [e for _, e in items], stop,
-                                        contexts if any(contexts) else None)
-            for (i, event), outcome in zip(items, answer["outcomes"]):
-                status = outcome["status"]
-                if status == "error":
-                    err = outcome.get("error", {})
-                    exceptions.append({"index": i, "event_id": event.event_id.to_record(),
-                                       "exception_class": err.get("error", "Error"),
-                                       "message": err.get("message", "")})
-                    continue
-                applied.add(i)
-                self._count("events_applied" if status == "ok" else "events_duplicate" if status == "duplicate"
-                            else "conflicts")
+            # Calls of at most apply_events_max events, in order: a batch larger than that (a sender's
+            # batch_size, a grouped transaction) is never refused for its size.
+            for start in range(0, len(items), self._apply_events_max):
+                for i, outcome in self._apply_chunk(region, items[start:start + self._apply_events_max], stop,
+                                                    traces):
+                    status = outcome["status"]
+                    if status == "error":
+                        err = outcome.get("error", {})
+                        exceptions.append({"index": i, "event_id": records[i]["event_id"],
+                                           "exception_class": err.get("error", "Error"),
+                                           "message": err.get("message", "")})
+                        continue
+                    applied.add(i)
+                    self._count("events_applied" if status == "ok" else "events_duplicate"
+                                if status == "duplicate" else "conflicts")
         self._count("exceptions", len(exceptions))
         for e in exceptions:
             log.warning("event %d refused: %s: %s", e["index"], e["exception_class"], e["message"])
         return sorted(exceptions, key=lambda e: e["index"]), max(applied, default=-1)
 
+    def _apply_chunk(self, region: str, items: list[tuple[int, EntryEvent]], stop: threading.Event,
+                     traces: list[str | None]) -> list[tuple[int, dict[str, Any]]]:
+        """(index, outcome) of each event of one call.  A call the region service refuses as a whole
+        (an event it will never take: 400, 413, or a refused outcome, which RegionClient raises) is
+        halved, in order, until the refused events stand alone; each is then an error outcome."""
+        contexts = [traces[i] for i, _ in items]
+        try:
+            answer = self._apply_region(region, [e for _, e in items], stop, contexts if any(contexts) else None)
+        except RegionError as exc:
+            if len(items) == 1:
+                return [(items[0][0], {"status": "error", "error": {
+                    "error": exc.error, "message": str(exc.body.get("message", exc))}})]
+            half = len(items) // 2
+            return (self._apply_chunk(region, items[:half], stop, traces)
+                    + self._apply_chunk(region, items[half:], stop, traces))
+        return [(i, outcome) for (i, _), outcome in zip(items, answer["outcomes"])]
+
     def _apply_region(self, region: str, events: list[EntryEvent], stop: threading.Event,
                       traces: list[str | None] | None = None) -> dict[str, Any]:
-        """Retried here until the region service answers: nothing is acknowledged before that.
+        """The region service's answer, asked again until it gives one.  Raises ``RegionError`` when it
+        refuses the events (not retriable, not 401/403), for ``_apply_chunk`` to split.
 
         ``RegionClient`` retries transient failures for its own ``retry_for_s``
         and then raises a retriable ``SluiceError``: while this site's broker
         is unreachable for longer than that (the region service answers 503
         "not acknowledged by Kafka in time" to every write), it is retried
-        here, for as long as it takes.
+        here, for as long as it takes.  A 401 or 403 says the member token is
+        wrong: the operator's to mend, so it is retried too, with an alert,
+        and no batch is dead-lettered over it.
         """
-        for attempt in Retrying(
-            retry=retry_if_exception_type((SluiceError,)),
-            wait=wait_exponential(multiplier=0.1, max=5),
-            sleep=lambda s: stop.wait(s) and None,
-            before_sleep=lambda state: self._forget_region_client(
-                f"applying {len(events)} events to {region}, attempt {state.attempt_number}: "
-                f"{state.outcome.exception() if state.outcome else None}; trying again"),
-            reraise=True,
-        ):
-            with attempt:
-                if stop.is_set():
-                    raise _Stopping
-                answer = self._region_client().apply_remote(region, events, outcomes="all", traces=traces)
-                return answer
-        raise AssertionError("unreachable")  # pragma: no cover
+        backoff_s = APPLY_BACKOFF_FIRST_S
+        attempt = 0
+        while True:
+            if stop.is_set():
+                raise _Stopping
+            attempt += 1
+            try:
+                return self._region_client().apply_remote(region, events, outcomes="all", traces=traces)
+            except RegionError as exc:
+                if exc.status in UNAUTHORIZED:
+                    self._alert_unauthorized(exc)
+                elif not exc.retriable:
+                    raise
+                failure: SluiceError = exc
+            except SluiceError as exc:  # no answer: the region service or this site's broker away
+                failure = exc
+            self._forget_region_client(f"applying {len(events)} events to {region}, attempt {attempt}: {failure}; "
+                                       f"trying again in {backoff_s:.1f} s")
+            if stop.wait(backoff_s):
+                raise _Stopping
+            backoff_s = min(backoff_s * 2, APPLY_BACKOFF_MAX_S)
+
+    def _alert_unauthorized(self, exc: RegionError) -> None:
+        """The region service refused the receiver's credential: an alert (logged when it starts, then
+        every ``ALERT_REPEAT_S``, counted each time) until an operator mends member_token."""
+        now = time.monotonic()
+        with self._stats_lock:
+            if self._unauthorized_logged_at and now - self._unauthorized_logged_at < ALERT_REPEAT_S:
+                return
+            self._unauthorized_logged_at = now
+            self.stats["unauthorized_alerts"] += 1
+        log.error("ALERT receiver %s: the region service refused its credential (%s): no batch is applied until "
+                  "region_service.member_token is the one the region service takes; retrying", self.member_id, exc,
+                  extra={"alert": "region_unauthorized", "status": exc.status, "member": self.member_id})
 
     def _configured_region_url(self) -> list[str]:
         """When the group lists no members (a broker that describes groups
@@ -554,13 +704,15 @@ class ReceiverService:
                     raise _NoRegionService("no region-service instance is running at this site")
                 # Short: _apply_region retries for as long as it takes, and checks between
                 # attempts whether the lane must stop (a rebalance waits for that).
-                self._client = RegionClient(urls, retry_for_s=3)
+                self._client = RegionClient(urls, token=self._member_token, retry_for_s=3)
             return self._client
 
     # --- acks, dead letters, commits ---------------------------------------------------------
 
     def _ack(self, msg: Message, key: str, batch: dict[str, Any], *, last_applied: int,
-             exceptions: list[dict[str, Any]], duplicate: bool, stop: threading.Event) -> None:
+             exceptions: list[dict[str, Any]], duplicate: bool, stop: threading.Event, last_batch_id: int) -> None:
+        """The signed ack of a batch.  ``last_batch_id``: the highest batch id applied for its sender
+        partition, what a sender whose batch ids started over needs to open an epoch above."""
         events = batch["events"]
         record = {
             "sender_id": batch["sender_id"],
@@ -573,9 +725,11 @@ class ReceiverService:
             "duplicate_batch": duplicate,
             "exceptions": exceptions,
             "acked_at": int(time.time() * 1000),
+            "last_batch_id": last_batch_id,
         }
-        self._write(f"ack of batch {batch['batch_id']} ({key})", self.acks, self._codec.encode("GatewayAck", record),
-                    key.encode(), stop, partition=msg.partition())
+        value = self._codec.encode("GatewayAck", record)
+        self._write(f"ack of batch {batch['batch_id']} ({key})", self.acks, value, key.encode(), stop,
+                    partition=msg.partition(), headers=self._signer.headers(value) if self._signer else None)
 
     def _dead_letter(self, msg: Message, reason: str, error_class: str, stop: threading.Event) -> None:
         record = {"source_topic": msg.topic(), "source_partition": msg.partition(), "source_offset": msg.offset(),
@@ -586,12 +740,13 @@ class ReceiverService:
         self._count("dead_lettered")
 
     def _write(self, what: str, topic: str, value: bytes, key: bytes | None, stop: threading.Event, *,
-               partition: int | None = None) -> None:
+               partition: int | None = None, headers: Headers = None) -> None:
         """One ack or dead letter, durable however long this site's broker is away
         (``produce_durably``).  Stopping raises ``_Stopping``: the batch is then
         not committed, so it is read again and acknowledged as a duplicate."""
+        producer = self._producer if headers is None else _SignedProducer(self._producer, list(headers))
         try:
-            produce_durably(self._producer, topic, value, key, what=what, stopping=stop, partition=partition)
+            produce_durably(producer, topic, value, key, what=what, stopping=stop, partition=partition)
         except Interrupted:
             raise _Stopping from None
 
@@ -618,4 +773,4 @@ class ReceiverService:
             log.warning("committing %s: %s", sorted(newest), exc)
 
 
-__all__ = ["ReceiverService", "RegionError", "region_service_urls"]
+__all__ = ["ReceiverService", "RegionError", "RejectedBatch", "StaleBatch", "region_service_urls"]
