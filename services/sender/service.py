@@ -14,9 +14,15 @@ is a round trip to the remote site, through Kafka only:
    event now carries this site and every site this region's senders send to
    in ``visited_dsids``, so the receiving site forwards it nowhere those
    already get it from here.
+   A signing site (``gateway_private_key``) signs each batch's record bytes
+   as written (Ed25519, record headers; core/signing.py), at every send,
+   with ``created_at`` stamped anew each time: the receiver refuses a batch
+   older than its ``receiver.batch_max_age_ms``.
 3. It then takes the receiver's ``GatewayAck``s on the remote acks topic
-   (read by one thread for the whole sender) in batch order; the batches
-   acknowledged, oldest first, are removed, and the filters'
+   (read by one thread for the whole sender) in batch order; with the remote
+   site's public key, only acks signed by it (an unsigned or forged one is
+   logged, counted and ignored: the batch goes again after the ack timeout).
+   The batches acknowledged, oldest first, are removed, and the filters'
    ``after_acknowledgement`` sees their events.  No ack within
    ``socket_read_timeout_ms`` (or the remote site unreachable): the batch is
    not delivered and the loop sends it again, with every batch after it, flagged
@@ -31,6 +37,17 @@ batch id it has seen without applying it again.  A new primary of a queue
 partition therefore starts a new epoch: it writes the partition's removal
 record with batch id ``epoch << 32`` (durably) before sending anything, and
 numbers its batches from there.
+
+Should the receiver nevertheless answer ``duplicate_batch`` to a batch this
+primary never sent before (or name a higher batch id applied than any it
+sent: ``last_batch_id``), its tracking is ahead of this epoch (the removals
+topic was lost, a previous run's acks remain): trusting it would remove
+events never applied.  The sender raises an alert
+(``unexpected_duplicate_ack``), removes nothing, opens an epoch above the
+receiver's ``last_batch_id`` (durably, as the partition's ``epoch/<p>``
+record of the removals topic, so later primaries open above it too) and
+sends the batches again under ids of that epoch: the receiver applies them,
+and the region's EventID tracking makes a repeat harmless.
 """
 
 from __future__ import annotations
@@ -62,7 +79,7 @@ from ..core.kafka import (
     until_answered,
 )
 from ..core.gatewayfilters import SenderFilters
-from ..core.signing import sign
+from ..core.signing import BadSignature, Signer, Verifier, site_signer, site_verifier
 from ..core.queueloop import DesiredState, QueuePartition, QueuePrimary, ServiceState, event_traceparent
 from ..core.topics import TopicNames
 
@@ -71,17 +88,29 @@ log = logging.getLogger("sluice.sender")
 __all__ = ["DesiredState", "GatewaySenderService", "ServiceState"]
 
 EPOCH_SHIFT = 32
+#: Batch ids are Avro longs: the highest epoch whose ids still fit.
+EPOCH_MAX = (1 << (63 - EPOCH_SHIFT)) - 1
+#: An alert that goes on is logged again this often.
+ALERT_REPEAT_S = 30.0
+
+
+def epoch_marker_key(partition: int) -> bytes:
+    """The removals-topic key of a queue partition's epoch marker, beside its removal record (keyed
+    by the partition alone): the highest epoch opened outside ``first_batch_id``."""
+    return f"epoch/{partition}".encode()
 
 
 class _InFlight:
     """A batch written to the remote inbound topic and waiting for its ack."""
 
-    __slots__ = ("sent", "written_at", "ack")
+    __slots__ = ("sent", "written_at", "ack", "wire_id", "first_send")
 
-    def __init__(self) -> None:
+    def __init__(self, wire_id: int, first_send: bool) -> None:
         self.sent: list[AsyncEvent] | None = None  # what it carried (after before_transmit); None until written
         self.written_at = 0.0
         self.ack: dict[str, Any] | None = None
+        self.wire_id = wire_id  # its batch id on the wire (``_wire_id``)
+        self.first_send = first_send  # this primary had never written the batch before
 
 
 class GatewaySenderService(QueuePrimary):
@@ -114,22 +143,43 @@ class GatewaySenderService(QueuePrimary):
         self._remote_producer: Any = None
         self._ack_reader: Any = None
         self._ack_thread: threading.Thread | None = None
-        # (queue partition, batch id) -> the batch written and waiting for its ack.
+        # (queue partition, batch id on the wire, which the acks carry) -> the batch written and waiting
+        # for its ack.
         self._in_flight: dict[tuple[int, int], _InFlight] = {}
         self._acked = threading.Condition()
         self._inbound_partitions = 0
         self._removals: dict[int, dict[str, Any]] = {}
         self._removals_read_at: float | None = None
-        self._sent: set[tuple[int, int]] = set()  # batches sent at least once and not yet acknowledged (guarded by _acked)
+        # Batches written at least once (or tried: a write that timed out may have landed) and not yet
+        # acknowledged, by (partition, batch id); guarded by _acked.
+        self._sent: set[tuple[int, int]] = set()
+        # Per queue partition: what is added to a batch id on the wire (0 until the receiver's tracking
+        # is found ahead of this epoch), and the highest batch id on the wire written in this epoch.
+        # Set by first_batch_id (loop thread, at assignment) and by the partition's one worker.
+        self._id_shift: dict[int, int] = {}
+        self._max_sent: dict[int, int] = {}
+        self._epoch_markers: dict[int, dict[str, Any]] = {}
         self.stats.update({"batches_sent": 0, "resends": 0, "acks": 0, "event_exceptions": 0,
-                           "filtered_at_transmit": 0})
+                           "filtered_at_transmit": 0, "acks_unverified": 0, "duplicate_ack_alerts": 0,
+                           "unverified_ack_alerts": 0})
+        self._unverified_logged_at = 0.0
         self._filters = SenderFilters(sender)
         # A batch that could not be sent or was not acknowledged goes again
         # with backoff up to retry_interval_ms (Geode: every 5 s while no
         # receiver answers).
         self.backoff_max_s = sender.retry_interval_ms / 1000
-        key = cfg.gateway_signing_key
-        self._signing_key = key.get_secret_value().encode() if key is not None else None
+        # Signing is all or nothing per site (the site file is refused otherwise): with a private key the
+        # remote site has a public key here, and only acks signed with it are taken.
+        self._signer: Signer | None = site_signer(cfg)
+        self._ack_verifier: Verifier | None = site_verifier(cfg, [self.remote_dsid])
+        self._ack_key_prefix = f"{cfg.dsid}/{sender_id}/".encode()
+        telemetry.observe(telemetry.ALERTS, self._read_gateway_alerts)
+
+    def _read_gateway_alerts(self) -> telemetry.Reading:
+        """The sender's own alerts, beside the queue's alert_threshold."""
+        return [(self.stats["duplicate_ack_alerts"], {**self.attributes(),
+                                                      "sluice.alert.name": "unexpected_duplicate_ack"}),
+                (self.stats["unverified_ack_alerts"], {**self.attributes(), "sluice.alert.name": "unverified_ack"})]
 
     # --- the remote site ---------------------------------------------------------------
 
@@ -191,19 +241,53 @@ class GatewaySenderService(QueuePrimary):
             for msg in msgs:
                 if msg.error() is not None:
                     continue
-                try:
-                    ack = self._codec.decode_as("GatewayAck", msg.value())
-                except CodecError as exc:
-                    log.error("unreadable ack at %s[%d]@%d: %s", msg.topic(), msg.partition(), msg.offset(), exc)
-                    continue
-                if ack["sender_id"] != self.queue_id or ack["source_dsid"] != self.cfg.dsid:
-                    continue
-                with self._acked:
-                    entry = self._in_flight.get((ack["queue_partition"], ack["batch_id"]))
-                    if entry is not None:
-                        entry.ack = ack
-                        self._acked.notify_all()
+                self._take_ack_record(msg)
         reader.close()
+
+    def _take_ack_record(self, msg: Any) -> None:
+        """One record of the remote acks topic (ack thread): an ack of a batch in flight is handed to the
+        worker waiting for it, once its signature is verified."""
+        key = msg.key() or b""
+        if not key.startswith(self._ack_key_prefix):
+            return  # another sender's (unsigned, the key only saves verifying what is not ours)
+        if self._ack_verifier is not None:
+            try:
+                self._ack_verifier.signer(msg.value(), msg.headers())
+            except BadSignature as exc:
+                self._unverified_ack(msg, exc)
+                return
+        try:
+            ack = self._codec.decode_as("GatewayAck", msg.value())
+        except CodecError as exc:
+            log.error("unreadable ack at %s[%d]@%d: %s", msg.topic(), msg.partition(), msg.offset(), exc)
+            return
+        if ack["sender_id"] != self.queue_id or ack["source_dsid"] != self.cfg.dsid:
+            return
+        if ack["receiver_dsid"] != self.remote_dsid:
+            self._unverified_ack(msg, BadSignature("receiver_dsid", ack["receiver_dsid"], f"an ack in dsid "
+                                                   f"{self.remote_dsid}'s acks topic names another site"))
+            return
+        with self._acked:
+            entry = self._in_flight.get((ack["queue_partition"], ack["batch_id"]))
+            # A batch read twice by the receiver (a crash before its commit) is acknowledged twice: the
+            # ack that applied it, then duplicate_batch.  The first one tells what happened.
+            if entry is not None and (entry.ack is None or entry.ack["duplicate_batch"]):
+                entry.ack = ack
+                self._acked.notify_all()
+
+    def _unverified_ack(self, msg: Any, problem: BadSignature) -> None:
+        """Counted and ignored (the batch goes again after the ack timeout); an alert, logged when it
+        starts and then every ``ALERT_REPEAT_S`` at most: whoever writes it is not the remote site."""
+        self.stats["acks_unverified"] += 1
+        now = time.monotonic()
+        if self._unverified_logged_at and now - self._unverified_logged_at < ALERT_REPEAT_S:
+            return
+        self._unverified_logged_at = now
+        self.stats["unverified_ack_alerts"] += 1
+        log.error("ALERT sender %s: ack at %s[%d]@%d ignored: %s (%d ignored so far)", self.queue_id, msg.topic(),
+                  msg.partition(), msg.offset(), problem, self.stats["acks_unverified"],
+                  extra={"alert": "unverified_ack", "queue_id": self.queue_id, "remote_dsid": self.remote_dsid,
+                         "ignored": self.stats["acks_unverified"]})
 
     # --- what crosses ---------------------------------------------------------------------
 
@@ -213,9 +297,12 @@ class GatewaySenderService(QueuePrimary):
         return event.origin_dsid != self.remote_dsid and self.remote_dsid not in event.visited_dsids
 
     def first_batch_id(self, partition: int) -> int:
-        """Open a new epoch for the partition, durably, before anything is sent."""
+        """Open a new epoch for the partition, durably, before anything is sent: above the last
+        removal's, and above an epoch a primary opened when the receiver's tracking was ahead."""
         last = self._last_removal(partition)
-        epoch = (last["batch_id"] >> EPOCH_SHIFT) + 1 if last else 1
+        marker = self._epoch_markers.get(partition)
+        epoch = max((r["batch_id"] >> EPOCH_SHIFT) + 1 for r in (last, marker) if r is not None) \
+            if last or marker else 1
         first = epoch << EPOCH_SHIFT
         record = {
             "queue_id": self.queue_id,
@@ -230,6 +317,8 @@ class GatewaySenderService(QueuePrimary):
                         str(partition).encode(), what=f"epoch {epoch} of {self.queue_id}[{partition}]",
                         stopping=self._stopping)
         self._removals[partition] = record
+        self._id_shift[partition] = 0
+        self._max_sent[partition] = first
         log.info("sender %s[%d]: epoch %d", self.queue_id, partition, epoch)
         return first + 1
 
@@ -244,28 +333,83 @@ class GatewaySenderService(QueuePrimary):
         epochs of all its partitions one after another: one read of the
         removals topic (per assignment) serves them all."""
         if self._removals_read_at is None:
-            self._removals = self._read_removals()
+            self._removals, self._epoch_markers = self._read_removals()
             self._removals_read_at = time.monotonic()
         return self._removals.get(partition)
 
-    def _read_removals(self) -> dict[int, dict[str, Any]]:
+    def _read_removals(self) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
         """The removals topic, read whole (again while its broker does not answer): a new epoch must be
         above every one opened before."""
         return until_answered(self._read_removals_once, f"sender {self.queue_id}: reading {self.removals_topic}",
                               stopping=self._stopping)
 
-    def _read_removals_once(self) -> dict[int, dict[str, Any]]:
+    def _read_removals_once(self) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
+        """(latest removal, latest epoch marker) per queue partition."""
         reader = make_consumer(self.cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 10})
         latest: dict[int, dict[str, Any]] = {}
+        markers: dict[int, dict[str, Any]] = {}
         try:
             for msg in read_to_end(reader, self.removals_topic):
+                key = msg.key() or b""
+                found, key = (markers, key[len(b"epoch/"):]) if key.startswith(b"epoch/") else (latest, key)
                 try:
-                    latest[int(msg.key() or b"")] = self._codec.decode_as("RemovalRecord", msg.value())
+                    found[int(key)] = self._codec.decode_as("RemovalRecord", msg.value())
                 except (CodecError, ValueError):
                     continue
         finally:
             reader.close()
-        return latest
+        return latest, markers
+
+    def _wire_id(self, partition: int, batch_id: int) -> int:
+        """A batch's id in the GatewayBatch and its ack: its id in the queue's batcher, moved into a new
+        epoch when the receiver's tracking was found ahead (``_open_epoch_above``)."""
+        return batch_id + self._id_shift.get(partition, 0)
+
+    def _receiver_ahead(self, partition: int, entry: _InFlight, ack: dict[str, Any]) -> bool:
+        """The ack says duplicate_batch of a batch the receiver cannot have applied: this primary had
+        not written it before, or the receiver names a batch id applied that this primary never sent."""
+        return bool(ack["duplicate_batch"]) and (
+            entry.first_send or ack["last_batch_id"] > self._max_sent.get(partition, -1))
+
+    def _open_epoch_above(self, partition: int, batch: Batch[AsyncEvent], entry: _InFlight,
+                          ack: dict[str, Any]) -> None:
+        """The receiver's tracking is ahead of this epoch: alert, remove nothing, and number ``batch``
+        and those after it in a new epoch above what the receiver applied, durably recorded first.
+        When no epoch above fits a batch id (an ack claiming an absurd id), the batch just waits."""
+        highest = max(ack["last_batch_id"], entry.wire_id, self._max_sent.get(partition, -1))
+        epoch = (highest >> EPOCH_SHIFT) + 1
+        self.stats["duplicate_ack_alerts"] += 1
+        alert = {"alert": "unexpected_duplicate_ack", "queue_id": self.queue_id, "partition": partition,
+                 "remote_dsid": self.remote_dsid, "batch_id": entry.wire_id,
+                 "receiver_last_batch_id": ack["last_batch_id"]}
+        why = "this primary had not sent it before" if entry.first_send else \
+            f"dsid {self.remote_dsid} has applied batch {ack['last_batch_id']}, which this primary never sent"
+        if epoch > EPOCH_MAX:
+            log.error("ALERT sender %s[%d]: dsid %d answered batch %d as a duplicate, but %s; no epoch is above "
+                      "%d: the batch is not removed and waits", self.queue_id, partition, self.remote_dsid,
+                      entry.wire_id, why, ack["last_batch_id"], extra=alert)
+            return
+        first = epoch << EPOCH_SHIFT
+        last = self._removals.get(partition)
+        marker = {
+            "queue_id": self.queue_id,
+            "queue_partition": partition,
+            "batch_id": first,
+            "last_removed_offset": last["last_removed_offset"] if last else -1,
+            "last_event_id": None,
+            "removed_count": 0,
+            "removed_at": int(time.time() * 1000),
+        }
+        produce_durably(self._producer, self.removals_topic, self._codec.encode("RemovalRecord", marker),
+                        epoch_marker_key(partition), what=f"epoch {epoch} of {self.queue_id}[{partition}]",
+                        stopping=self._stopping)
+        self._epoch_markers[partition] = marker
+        self._id_shift[partition] = first + 1 - batch.batch_id
+        self._max_sent[partition] = first
+        log.error("ALERT sender %s[%d]: dsid %d answered batch %d as a duplicate, but %s: its tracking is ahead "
+                  "of this epoch (batch ids started over?). Nothing is removed; epoch %d opened above it, the "
+                  "batches go again from batch %d", self.queue_id, partition, self.remote_dsid, entry.wire_id, why,
+                  epoch, first + 1, extra={**alert, "epoch": epoch})
 
     # --- one batch --------------------------------------------------------------------------
 
@@ -290,16 +434,16 @@ class GatewaySenderService(QueuePrimary):
         partition = part.tp.partition
         try:
             for batch in batches:
-                if batch.events and (partition, batch.batch_id) not in self._in_flight:
+                if batch.events and (partition, self._wire_id(partition, batch.batch_id)) not in self._in_flight:
                     if not self._write(part, batch):
                         break
             acknowledged = 0
             waited = False
-            for batch in batches:
+            for i, batch in enumerate(batches):
                 if not batch.events:
                     acknowledged += 1
                     continue
-                entry = self._in_flight.get((partition, batch.batch_id))
+                entry = self._in_flight.get((partition, self._wire_id(partition, batch.batch_id)))
                 if entry is None:
                     break  # not written
                 if not waited:
@@ -309,6 +453,11 @@ class GatewaySenderService(QueuePrimary):
                         return 0
                 elif entry.ack is None:
                     break
+                assert entry.ack is not None
+                if self._receiver_ahead(partition, entry, entry.ack):
+                    self._forget(partition, batches[i:])
+                    self._open_epoch_above(partition, batch, entry, entry.ack)
+                    return acknowledged
                 self._take_ack(partition, batch, entry)
                 acknowledged += 1
             return acknowledged
@@ -329,13 +478,17 @@ class GatewaySenderService(QueuePrimary):
         """The batches will be written again (possibleDuplicate), not awaited as they are."""
         with self._acked:
             for batch in batches:
-                self._in_flight.pop((partition, batch.batch_id), None)
+                self._in_flight.pop((partition, self._wire_id(partition, batch.batch_id)), None)
 
     def _write(self, part: QueuePartition, batch: Batch[AsyncEvent]) -> bool:
         """One GatewayBatch into the remote inbound topic, durably, registered
         as in flight (before it is written, so its ack cannot be missed)."""
         partition = part.tp.partition
-        resend = batch.redeliveries > 0 or (partition, batch.batch_id) in self._sent
+        with self._acked:
+            resend = batch.redeliveries > 0 or (partition, batch.batch_id) in self._sent
+            # Before the write: one that times out may still land, and the next is then a resend.
+            self._sent.add((partition, batch.batch_id))
+        wire_id = self._wire_id(partition, batch.batch_id)
         key = f"{self.cfg.dsid}/{self.queue_id}/{partition}"
         if self._filters.at_transmit:
             events = [e for e in batch.events if self._filters.transmits(e)]
@@ -347,26 +500,28 @@ class GatewaySenderService(QueuePrimary):
             "source_dsid": self.cfg.dsid,
             "target_dsid": self.remote_dsid,
             "queue_partition": partition,
-            "batch_id": batch.batch_id,
+            "batch_id": wire_id,
             "first_offset": batch.first_offset,
             "last_offset": batch.last_offset,
             "possible_duplicate": resend,
+            # Stamped at every send: the receiver refuses a batch older than receiver.batch_max_age_ms.
             "created_at": int(time.time() * 1000),
             "events": [self._outgoing(e, resend) for e in events],
-            "signature": None,
+            "signature": None,  # no longer written: the signature is in the record headers
         }
-        if self._signing_key is not None:
-            record["signature"] = sign(self._codec, self._signing_key, record)
         inbound_partition = self._inbound_partition(partition)
         spans, headers = self._send_spans(part, batch, events) if self._tracing else ([], None)
-        entry = _InFlight()
-        with self._acked:
-            self._in_flight[(partition, batch.batch_id)] = entry
-        errors: list[Any] = []
         # Built from typed events: encoded without the validation pass.
-        self._remote_producer.produce(self.remote_inbound, self._codec.encode("GatewayBatch", record, validate=False),
-                                      key.encode(), partition=inbound_partition, headers=headers,
-                                      on_delivery=lambda err, _m: errors.append(err))
+        value = self._codec.encode("GatewayBatch", record, validate=False)
+        if self._signer is not None:
+            # Over the bytes exactly as written, once per send.
+            headers = (headers or []) + self._signer.headers(value)
+        entry = _InFlight(wire_id, first_send=not resend)
+        with self._acked:
+            self._in_flight[(partition, wire_id)] = entry
+        errors: list[Any] = []
+        self._remote_producer.produce(self.remote_inbound, value, key.encode(), partition=inbound_partition,
+                                      headers=headers, on_delivery=lambda err, _m: errors.append(err))
         unwritten = self._remote_producer.flush(self.cfg.kafka.delivery_timeout_ms / 1000) or errors != [None]
         for span in spans:
             if unwritten:
@@ -374,14 +529,13 @@ class GatewaySenderService(QueuePrimary):
             span.end()
         if unwritten:
             log.warning("sender %s[%d]: batch %d not written to dsid %d (%s)", self.queue_id, partition,
-                        batch.batch_id, self.remote_dsid, errors)
+                        wire_id, self.remote_dsid, errors)
             with self._acked:
-                self._in_flight.pop((partition, batch.batch_id), None)
+                self._in_flight.pop((partition, wire_id), None)
             return False
         entry.sent = events
         entry.written_at = time.monotonic()
-        with self._acked:
-            self._sent.add((partition, batch.batch_id))
+        self._max_sent[partition] = max(self._max_sent.get(partition, -1), wire_id)
         self.stats["batches_sent"] += 1
         if resend:
             self.stats["resends"] += 1
@@ -393,7 +547,8 @@ class GatewaySenderService(QueuePrimary):
         batch record's header carrying each event's context to the receiver (one
         line per event, empty for an event without)."""
         attributes = {**self.attributes(part.tp.partition), "messaging.operation.name": "send",
-                      "sluice.batch.id": batch.batch_id, "sluice.remote.destination": self.remote_inbound}
+                      "sluice.batch.id": self._wire_id(part.tp.partition, batch.batch_id),
+                      "sluice.remote.destination": self.remote_inbound}
         spans: list[Any] = []
         lines: list[str] = []
         for e in events:
@@ -417,13 +572,13 @@ class GatewaySenderService(QueuePrimary):
             while entry.ack is None:
                 if time.monotonic() > end:
                     log.warning("sender %s[%d]: no ack for batch %d in %.1fs; it will be sent again",
-                                self.queue_id, partition, batch.batch_id, self.ack_timeout_s)
+                                self.queue_id, partition, entry.wire_id, self.ack_timeout_s)
                     return False
                 if self._stopping.is_set() or part.revoked or self.desired is not DesiredState.RUNNING:
                     why = "stopping" if self._stopping.is_set() else "partition revoked" if part.revoked \
                         else self.desired.value.lower()
                     log.info("sender %s[%d]: %s while batch %d waits for its ack; it stays queued", self.queue_id,
-                             partition, why, batch.batch_id)
+                             partition, why, entry.wire_id)
                     return False
                 self._acked.wait(0.2)
         return True
@@ -436,7 +591,7 @@ class GatewaySenderService(QueuePrimary):
         if ack["exceptions"]:
             self._dead_letter_exceptions(sent, ack)
         with self._acked:
-            self._in_flight.pop((partition, batch.batch_id), None)
+            self._in_flight.pop((partition, entry.wire_id), None)
             self._sent.discard((partition, batch.batch_id))
         if self._filters.after_ack:
             self._filters.acknowledged(sent)
