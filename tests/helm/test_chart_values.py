@@ -96,6 +96,12 @@ REFUSED = [
                "receiver.kafkaSecrets[1].items[0].path=ca.crt"],
      r"sluice-receiver \(the receiver workload\): the Secrets kafka-cluster-ca-cert and other both project ca\.crt "
      r"into /etc/sluice/kafka"),
+    ("a database password in a listener's URL",
+     ["--set", "site.async_event_queues[0].id=orders-jdbc,site.async_event_queues[0].listener.type=sql,"
+               "site.async_event_queues[0].listener.settings.url=postgresql://sluice:secret@db:5432/orders"],
+     r"siteFileStorage: async_event_queues\[0\]\.listener\.settings\.url holds a password, which a ConfigMap "
+     r"would store in the clear: leave it out of the URL .* dispatchers\.byId\.orders-jdbc\.extraEnv .* or set "
+     r"siteFileStorage: Secret"),
     ("NetworkPolicy peers that are not peers", ["--set", "networkPolicy.regionClients[0].pods=x"],
      schema_error("networkPolicy.regionClients.0", "Additional property pods is not allowed|additional properties 'pods' not allowed")),
 ]
@@ -145,6 +151,10 @@ INLINE_SECRETS = {
         "gateway_senders": [{"id": "to-b", "remote_dsid": 2, "remote": {
             "bootstrap_servers": "kafka.site-b:9093", "topic_prefix": "site-b.", "security_protocol": "SASL_SSL",
             "sasl_mechanism": "SCRAM-SHA-512", "sasl_username": "site-a-senders", "sasl_password": "a-password"}}]},
+    "async_event_queues[0].listener.settings.sasl_password": {
+        "async_event_queues": [{"id": "downstream", "listener": {"type": "kafka", "settings": {
+            "topic": "downstream", "bootstrap_servers": "other:9093", "security_protocol": "SASL_SSL",
+            "sasl_mechanism": "SCRAM-SHA-512", "sasl_username": "forwarder", "sasl_password": "a-password"}}}]},
     "gateway_senders[0].remote.ssl_key_password": {
         "regions": [{"name": "example", "gateway_senders": ["to-b"]}],
         "gateway_senders": [{"id": "to-b", "remote_dsid": 2, "remote": {

@@ -148,6 +148,21 @@ service itself as it starts):
 {{- $secrets = append $secrets (list (printf "gateway_senders[%d].remote.sasl_password" $i) $remote "sasl_password") }}
 {{- $secrets = append $secrets (list (printf "gateway_senders[%d].remote.ssl_key_password" $i) $remote "ssl_key_password") }}
 {{- end }}
+{{- /* A Kafka listener's connection to another cluster takes the same passwords (read by the dispatcher, so
+its *_env may come from the dispatcher's own extraEnv and is not looked for in secretEnv). */}}
+{{- $listenerSecrets := list }}
+{{- range $i, $queue := (get $site "async_event_queues" | default list) }}
+{{- $settings := default dict (get (default dict (get $queue "listener")) "settings") }}
+{{- range $name := list "sasl_password" "ssl_key_password" }}
+{{- if and (hasKey $settings $name) (not (kindIs "invalid" (get $settings $name))) }}
+{{- $listenerSecrets = append $listenerSecrets (printf "async_event_queues[%d].listener.settings.%s" $i $name) }}
+{{- end }}
+{{- end }}
+{{- $url := get $settings "url" }}
+{{- if and (kindIs "string" $url) (regexMatch "^[A-Za-z][A-Za-z0-9+.-]*://[^/@:]*:[^/@]+@" $url) (ne $.Values.siteFileStorage "Secret") }}
+{{- fail (printf "siteFileStorage: async_event_queues[%d].listener.settings.url holds a password, which a ConfigMap would store in the clear: leave it out of the URL and give it to the dispatcher from a Secret (PGPASSWORD for PostgreSQL, in dispatchers.byId.%s.extraEnv with a secretKeyRef), or set siteFileStorage: Secret" $i (get $queue "id")) }}
+{{- end }}
+{{- end }}
 {{- $envNames := list }}
 {{- range .Values.secretEnv }}
 {{- $envNames = append $envNames .name }}
@@ -178,6 +193,7 @@ service itself as it starts):
 {{- fail (printf "secretEnv: the site file's %s_env names the variable %s, which no secretEnv entry sets: add {name: %s, secret: <Secret>, key: <key>} to secretEnv (the services, the config-check step and the topics Job all read it when they load the site file)" $where $variable $variable) }}
 {{- end }}
 {{- end }}
+{{- $inline = concat $inline $listenerSecrets }}
 {{- if and $inline (ne .Values.siteFileStorage "Secret") }}
 {{- $fixes := list }}
 {{- range $inline }}
