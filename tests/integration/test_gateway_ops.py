@@ -14,6 +14,7 @@ import yaml
 
 from sluice.admin.cli import queue_status, set_state
 from sluice.client import RegionClient
+from sluice.core import sitekeys
 from sluice.core.config import load_config
 from sluice.core.processes import ReceiverProcess, RegionProcess, SenderProcess
 from sluice.core.topics import apply_topics
@@ -21,7 +22,9 @@ from sluice.core.topics import apply_topics
 pytestmark = pytest.mark.timeout(300)
 
 HERE = str(Path(__file__).resolve().parent)
-SIGNING_KEY = "site-a-signing-key-0123456789"
+# Each site signs what it sends (batches, acks) with its own key and verifies the other's.
+A_PRIVATE, A_PUBLIC = sitekeys.generate()
+B_PRIVATE, B_PUBLIC = sitekeys.generate()
 FILTERS = ["gateway_filters:KeepLocalOut", "gateway_filters:HoldSecrets", "gateway_filters:RecordAcks"]
 
 
@@ -29,7 +32,7 @@ def _sites(tmp_path: Path, bootstrap: str, prefix: str) -> tuple[Path, Path, Any
     kafka = {"bootstrap_servers": bootstrap, "session_timeout_ms": 3000, "heartbeat_interval_ms": 500}
     site_a = {
         "site": "a", "dsid": 1, "kafka": {**kafka, "topic_prefix": f"{prefix}a."},
-        "gateway_signing_key": SIGNING_KEY,  # B verifies every batch with it
+        "gateway_private_key": A_PRIVATE, "gateway_public_keys": {2: B_PUBLIC},  # B verifies every batch
         "regions": [{"name": "orders", "buckets": 8, "gateway_senders": ["to-b"]}],
         "gateway_senders": [{
             "id": "to-b", "remote_dsid": 2, "parallel": True, "batch_size": 10, "batch_time_interval_ms": 20,
@@ -41,7 +44,8 @@ def _sites(tmp_path: Path, bootstrap: str, prefix: str) -> tuple[Path, Path, Any
     site_b = {
         "site": "b", "dsid": 2, "kafka": {**kafka, "topic_prefix": f"{prefix}b."},
         "regions": [{"name": "orders", "buckets": 8}],
-        "receiver": {"inbound_partitions": 2, "accepted_dsids": [1], "sender_keys": {1: SIGNING_KEY}},
+        "gateway_private_key": B_PRIVATE, "gateway_public_keys": {1: A_PUBLIC},  # A verifies every ack
+        "receiver": {"inbound_partitions": 2, "accepted_dsids": [1]},
     }
     paths = []
     cfg_a = None

@@ -1,10 +1,11 @@
 """Secrets at work: the region service's bearer token guards its API, and no secret reaches a log.
 
 The token comes from an environment variable (``region_service.token_env``),
-the gateway signing key from a file (``gateway_signing_key_file``): a request
-without the token or with a wrong one is answered 401 and changes nothing, the
-health endpoints need none, and neither secret appears in what the region
-service and a gateway sender (which signs every batch with the key) log.
+the site's Ed25519 private key from a file (``gateway_private_key_file``): a
+request without the token or with a wrong one is answered 401 and changes
+nothing, the health endpoints need none, and neither secret appears in what
+the region service and a gateway sender (which signs every batch with the
+key, in the record headers) log.
 """
 
 from __future__ import annotations
@@ -16,29 +17,58 @@ import httpx
 import pytest
 import yaml
 
+from confluent_kafka import Consumer, TopicPartition
+
 from sluice.client import RegionClient
 from sluice.client.region import RegionError
+from sluice.core import sitekeys
 from sluice.core.codec import get_codec
 from sluice.core.config import load_config
 from sluice.core.processes import RegionProcess, SenderProcess
+from sluice.core.signing import Verifier
 from sluice.core.topics import apply_topics
 
-from regionkit import read_topic, write_site
+from regionkit import write_site
 
 pytestmark = pytest.mark.timeout(180)
 
 TOKEN = "tok-9c1d2e3f4a5b6c7d"
-SIGNING_KEY = "key-0f1e2d3c4b5a69788796"
+MEMBER_TOKEN = "member-tok-5e6f7a8b9c0d1e2f"
+PRIVATE_KEY, PUBLIC_KEY = sitekeys.generate()
+_, REMOTE_PUBLIC_KEY = sitekeys.generate()
+
+
+def _records_with_headers(bootstrap: str, topic: str) -> list[tuple[bytes, list[tuple[str, bytes]]]]:
+    """(value, headers) of every record of a one-partition topic."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "sluice-test-reader",
+                         "enable.auto.commit": False, "fetch.wait.max.ms": 10})
+    out: list[tuple[bytes, list[tuple[str, bytes]]]] = []
+    try:
+        low, high = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)
+        consumer.assign([TopicPartition(topic, 0, low)])
+        end = time.monotonic() + 30
+        while len(out) < high - low and time.monotonic() < end:
+            for msg in consumer.consume(1000, 0.05):
+                if msg.error() is None:
+                    out.append((msg.value(), msg.headers() or []))
+    finally:
+        consumer.close()
+    return out
 
 
 def test_the_region_token_guards_the_api_and_no_secret_is_logged(site_a, unique_prefix, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch):
-    (tmp_path / "signing.key").write_text(SIGNING_KEY + "\n")
+    """The region token guards the API (401 without it or with a wrong one, nothing applied; health endpoints
+    open), a signing sender's batches carry a signature of the private key read from a file, and neither the
+    token nor the private key reaches the region service's or the sender's log."""
+    (tmp_path / "site-a.key").write_text(PRIVATE_KEY + "\n")
     monkeypatch.setenv("REGION_TOKEN", TOKEN)  # for load_config here, and inherited by the services
+    monkeypatch.setenv("REGION_MEMBER_TOKEN", MEMBER_TOKEN)
     path = tmp_path / "site.yaml"
     write_site(path, site="a", bootstrap=site_a.bootstrap, prefix=site_a.topic_prefix(unique_prefix),
-               extra={"region_service": {"token_env": "REGION_TOKEN", "request_timeout_s": 20, "load_timeout_s": 30},
-                      "gateway_signing_key_file": "signing.key",
+               extra={"region_service": {"token_env": "REGION_TOKEN", "member_token_env": "REGION_MEMBER_TOKEN",
+                                         "request_timeout_s": 20, "load_timeout_s": 30},
+                      "gateway_private_key_file": "site-a.key", "gateway_public_keys": {2: REMOTE_PUBLIC_KEY},
                       "gateway_senders": [{"id": "to-b", "remote_dsid": 2, "parallel": True, "remote": {
                           "bootstrap_servers": site_a.bootstrap,
                           "topic_prefix": site_a.topic_prefix(unique_prefix) + "b."}}]})
@@ -78,12 +108,16 @@ def test_the_region_token_guards_the_api_and_no_secret_is_logged(site_a, unique_
         member.put_all("orders", {f"s{i}": i for i in range(20)})
         member.close()
         end = time.monotonic() + 60
-        batches: list[dict] = []
-        while time.monotonic() < end and sum(len(b["events"]) for b in batches) < 21:
-            batches = [get_codec().decode_as("GatewayBatch", value)
-                       for _, _, value in read_topic(site_a.bootstrap, cfg_b.topics.gateway_inbound(), 1)]
+        records: list[tuple[bytes, list[tuple[str, bytes]]]] = []
+        while time.monotonic() < end and sum(
+                len(get_codec().decode_as("GatewayBatch", v)["events"]) for v, _ in records) < 21:
+            records = _records_with_headers(site_a.bootstrap, cfg_b.topics.gateway_inbound())
             time.sleep(0.5)
-        assert sum(len(b["events"]) for b in batches) >= 21 and all(b["signature"] for b in batches), batches
+        batches = [get_codec().decode_as("GatewayBatch", value) for value, _ in records]
+        assert sum(len(b["events"]) for b in batches) >= 21, batches
+        verifier = Verifier({1: sitekeys.load_public_keys(PUBLIC_KEY)})
+        assert all(verifier.signer(value, headers) == 1 for value, headers in records)
+        assert all(b["signature"] is None for b in batches), "the signature field is no longer written"
     finally:
         if sender is not None:
             sender.stop()
@@ -92,4 +126,4 @@ def test_the_region_token_guards_the_api_and_no_secret_is_logged(site_a, unique_
     for log in ("region.log", "sender.log"):
         text = (tmp_path / log).read_text()
         assert text, f"{log} is empty"
-        assert TOKEN not in text and SIGNING_KEY not in text, f"a secret in {log}"
+        assert TOKEN not in text and MEMBER_TOKEN not in text and PRIVATE_KEY not in text, f"a secret in {log}"
