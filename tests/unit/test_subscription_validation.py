@@ -89,6 +89,10 @@ def test_a_catastrophic_pattern_under_python_re_is_matched_in_linear_time() -> N
     interest.register(Registration.of_regex(r"o-\d+"))
     assert interest.delivery("o-12") is Delivery.VALUES
     assert interest.delivery("xo-12") is None and interest.delivery("o-12x") is None
+    interest.register(Registration.of_regex("a|ab"))
+    assert interest.delivery("ab") is Delivery.VALUES, "any alternative may match the whole key, as in re.fullmatch"
+    interest.unregister(Registration.of_regex(r"o-\d+"))
+    assert interest.delivery("o-12") is None and interest.delivery("ab") is Delivery.VALUES
 
 
 # --- the queue topic rule ---------------------------------------------------------------------------
