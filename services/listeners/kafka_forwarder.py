@@ -45,7 +45,14 @@ A batch goes out step by step:
    the offer returns True only when every record of the batch was
    acknowledged.  Anything else — a delivery error, a record still pending at
    the deadline, a fatal producer error — returns False, and the dispatcher
-   offers the very same batch again.
+   offers the very same batch again.  Except (issue 17) a record the
+   producer refuses for its size (``MSG_SIZE_TOO_LARGE`` from ``produce``,
+   past ``message.max.bytes``): no retry makes it fit, so when the dispatcher
+   keeps dead letters (``dead_letter_topic`` in the init config) its event is
+   returned in ``Accepted(dead_letters)`` once every other record is
+   acknowledged, instead of wedging the queue.  The broker's own refusal
+   (a topic whose ``max.message.bytes`` is lower) is not one: it names a whole
+   request of several records, so the batch is offered again.
 
 Delivery is at least once.  A failed offer may have written part of the batch
 (and a record pending at the deadline may still land later), so the re-offer
@@ -87,7 +94,7 @@ from typing import Any, Callable, ClassVar
 
 from pydantic import ValidationError
 
-from sluice.core.asyncevent import AsyncEvent
+from sluice.core.asyncevent import Accepted, AsyncEvent, DeadLetter
 from sluice.core.codec import get_codec
 from sluice.core.config import KafkaConnection, _problems_from_validation, _shown
 from sluice.core.errors import ClosedError, ConfigError, SluiceError
@@ -225,7 +232,8 @@ def parse_settings(settings: Any, topic_prefix: str = "", site_dir: str | Path |
             close = difflib.get_close_matches(str(key), _FIELDS, n=1, cutoff=0.6)
             secret = _LOOKS_SECRET.search(str(key)) or (close and _LOOKS_SECRET.search(close[0]))
             shown = "**********" if secret else _shown(str(key), settings[key])
-            problems.append((_field(str(key)), shown, "unknown setting of the kafka listener" + _suggest(str(key), _FIELDS)))
+            problems.append((_field(str(key)), shown,
+                             "unknown setting of the kafka listener" + _suggest(str(key), _FIELDS)))
 
     topic = settings.get("topic")
     problems += _topic_problems(topic, topic_prefix)
@@ -286,6 +294,10 @@ NOT_WRITTEN = frozenset({
 })
 
 
+#: produce() errors no retry can fix, for that one record: larger than message.max.bytes.
+NEVER_FITS = frozenset({KafkaError.MSG_SIZE_TOO_LARGE})
+
+
 class _Delivery:
     """Delivery reports of one offer, one slot per record, filled in by the producer's callbacks."""
 
@@ -308,6 +320,7 @@ class _Delivery:
     def errors(self) -> list[KafkaError]:
         return [outcome for outcome in self.outcomes if isinstance(outcome, KafkaError)]
 
+
     def maybe_written(self, produced: int) -> list[int]:
         """Indexes of the records that may be on the topic (the first ``produced`` were handed to the producer)."""
         return [i for i, outcome in enumerate(self.outcomes[:produced])
@@ -322,6 +335,8 @@ class KafkaForwarderListener:
         self.settings: ForwarderSettings | None = None
         self._queue_id = ""
         self._topic_prefix = ""
+        #: Where the dispatcher keeps dead letters; None: it keeps none.
+        self._dead_letter_topic: str | None = None
         #: The site's own connection (resolved by the dispatcher), when there is no other cluster.
         self._connection: dict[str, Any] = {}
         self._cluster: TargetCluster | None = None
@@ -344,6 +359,7 @@ class KafkaForwarderListener:
         self._topic_prefix = str(config.get("topic_prefix", ""))
         settings = parse_settings(config.get("settings"), self._topic_prefix, config.get("site_dir"))
         self._queue_id = str(config.get("queue_id", ""))
+        self._dead_letter_topic = config.get("dead_letter_topic") or None
         if settings.cluster is not None:
             # Another cluster: read its secrets now, so one that cannot be read stops the start, saying which.
             settings.cluster.client_settings()
@@ -380,8 +396,9 @@ class KafkaForwarderListener:
 
     # --- the listener contract ---------------------------------------------
 
-    def process_events(self, events: list[AsyncEvent]) -> bool:
-        """Write the batch downstream; True only when every record is acknowledged."""
+    def process_events(self, events: list[AsyncEvent]) -> bool | Accepted:
+        """Write the batch downstream; True only when every record is acknowledged (or
+        ``Accepted`` naming the records too large to ever be, see step 3)."""
         if self.state is ListenerState.CLOSED:
             raise ClosedError(f"the kafka forwarder of queue {self._queue_id!r} is closed")
         assert self.state is ListenerState.READY and self.settings is not None, "process_events() before init()"
@@ -409,14 +426,14 @@ class KafkaForwarderListener:
 
         # Step 2: produce; BufferError is back-pressure, waited out until the deadline.
         delivery = _Delivery(len(records))
-        produced = 0
+        produced = 0  # records handed to the producer (or refused by it for their size), from the first
+        too_large: list[int] = []  # refused by produce() for their size: never left, certainly not written
         failure: str | None = None
         for index, (topic, key, value, headers, timestamp) in enumerate(records):
             while failure is None:
                 try:
                     producer.produce(topic, value=value, key=key, headers=headers, timestamp=max(timestamp, 0),
                                      on_delivery=delivery.callback(index))
-                    produced += 1
                     break
                 except BufferError:
                     if time.monotonic() >= deadline:
@@ -424,9 +441,15 @@ class KafkaForwarderListener:
                     else:
                         producer.poll(BUFFER_WAIT_S)
                 except KafkaException as exc:
+                    error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+                    if error is not None and error.code() in NEVER_FITS:
+                        delivery.outcomes[index] = error
+                        too_large.append(index)
+                        break
                     failure = str(translate(exc, f"producing to {topic}"))
             if failure is not None:
                 break
+            produced = index + 1
             producer.poll(0)
 
         # Step 3: wait for the acknowledgements of what was produced.
@@ -440,15 +463,29 @@ class KafkaForwarderListener:
             failure = failure or f"{remaining} records unacknowledged after {self.settings.flush_timeout_s:g} s"
         if self._fatal is not None:
             failure = failure or str(self._fatal)
-        errors = delivery.errors
+        errors = [error for i, error in enumerate(delivery.outcomes)
+                  if isinstance(error, KafkaError) and i not in too_large]
         if failure is None and errors:
             failure = f"{len(errors)} delivery errors, first: {errors[0].str()}"
+        if failure is None and too_large and self._dead_letter_topic is None:
+            failure = (f"{len(too_large)} records too large for the producer or the topic, first "
+                       f"{events[too_large[0]]!r} (this host keeps no dead letters)")
         acked = delivery.acked
-        if failure is None and acked == len(events):
+        if failure is None and acked + len(too_large) == len(events):
             self._maybe_written = frozenset()
             self.batches_forwarded += 1
-            self.records_forwarded += len(events)
-            return True
+            self.records_forwarded += acked
+            if not too_large:
+                return True
+            letters = []
+            for i in too_large:
+                error = delivery.outcomes[i]
+                reason = (f"the record for {records[i][0]} ({len(records[i][2])} bytes) is larger than the "
+                          f"producer's message.max.bytes: {error.str() if isinstance(error, KafkaError) else error}")
+                log.error("queue %s: %r can never be forwarded: %s; it goes to %s", self._queue_id, events[i],
+                          reason, self._dead_letter_topic)
+                letters.append(DeadLetter(events[i], reason, "MSG_SIZE_TOO_LARGE"))
+            return Accepted(tuple(letters))
 
         # The re-offer is the same batch: remember which of its events may
         # already be downstream (from this offer or an earlier failed one).

@@ -2,7 +2,8 @@
 
 First the SQL write-behind on a real PostgreSQL, in process: which refusals
 are an event's own fault (a dead letter) and which may pass (the batch is
-offered again).  Then the whole path with real processes: the region
+offered again); and the Kafka forwarder on a real broker, whose topic refuses
+a record too large for it.  Then the whole path with real processes: the region
 service, the dispatcher running the shipped ``type: sql`` listener, a real
 broker and PostgreSQL; one poisoned event among good ones ends in the
 queue's dead-letter topic with the database's reason, the good ones in the
@@ -26,6 +27,8 @@ from sluice.client import RegionClient
 from sluice.core.asyncevent import Accepted, AsyncEvent
 from sluice.core.codec import get_codec
 from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
+from sluice.core.kafka import NewTopic, make_admin, wait_futures
+from sluice.listeners.kafka_forwarder import KafkaForwarderListener
 from sluice.listeners.sql import SqlWriteBehindListener, live_view_name
 
 from pg import PostgresServer
@@ -104,6 +107,59 @@ def test_a_lock_timeout_on_postgresql_is_offered_again_not_dead_lettered(
     assert sql.process_events(batch) is True
     assert live(postgres, sql.settings.table) == {"k": {"n": 2}}
     assert sql.stats.events_dead_lettered == 0
+
+
+def test_a_record_too_large_to_forward_is_a_dead_letter(site_a: Any, unique_prefix: str,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """On a real broker, the forwarder accepts a batch holding one record over the producer's message.max.bytes
+    (1 MB) naming that event as a dead letter, and the other records are on the topic.  A topic whose own
+    max.message.bytes refuses a smaller record refuses the whole request, so that batch is offered again."""
+    topic, strict = f"{unique_prefix}down", f"{unique_prefix}down-strict"
+    admin = make_admin({"bootstrap.servers": site_a.bootstrap})
+    wait_futures(admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1),
+                                      NewTopic(strict, num_partitions=1, replication_factor=1,
+                                               config={"max.message.bytes": "2000"})]), "creating the topics")
+    forwarders = []
+    for name in (topic, strict):
+        forwarder = KafkaForwarderListener()
+        forwarder.init({"settings": {"topic": name, "flush_timeout_s": 20}, "queue_id": "q", "site": "a",
+                        "dsid": 1, "kafka": {"bootstrap.servers": site_a.bootstrap}, "topic_prefix": "",
+                        "dead_letter_topic": DLQ})
+        forwarders.append(forwarder)
+    try:
+        batch = [event("a", {"n": 1}), event("huge", {"pad": "x" * 1_200_000}), event("b", {"n": 2})]
+        deadline = time.monotonic() + 60
+        result: Any = False
+        while result is False and time.monotonic() < deadline:  # the new topic's leader may take a moment
+            result = forwarders[0].process_events(batch)
+        assert isinstance(result, Accepted), result
+        assert [(d.event.key, d.error_class) for d in result.dead_letters] == [("huge", "MSG_SIZE_TOO_LARGE")]
+        keys = [key for _, _, key in read_keys(site_a.bootstrap, topic)]
+        assert keys.count(b"a") >= 1 and keys.count(b"b") >= 1 and b"huge" not in keys
+        small_batch = [event("a", {"n": 1}), event("big", {"pad": "x" * 8000})]
+        caplog.clear()
+        assert forwarders[1].process_events(small_batch) is False
+        assert "Message size too large" in caplog.text and forwarders[1].offers_failed == 1
+    finally:
+        for forwarder in forwarders:
+            forwarder.close()
+
+
+def read_keys(bootstrap: str, topic: str) -> list[tuple[int, int, bytes | None]]:
+    """(partition, offset, key) of every record of a one-partition topic."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "sluice-test-keys", "enable.auto.commit": False})
+    try:
+        low, high = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)
+        consumer.assign([TopicPartition(topic, 0, low)])
+        found: list[tuple[int, int, bytes | None]] = []
+        deadline = time.monotonic() + 30
+        while len(found) < high - low and time.monotonic() < deadline:
+            found += [(m.partition(), m.offset(), m.key()) for m in consumer.consume(100, 0.2) if m.error() is None]
+        return found
+    finally:
+        consumer.close()
 
 
 def test_a_poisoned_event_goes_to_the_queues_dead_letter_topic_and_the_queue_drains(

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from sluice.core.asyncevent import AsyncEvent
+from sluice.core.asyncevent import Accepted, AsyncEvent
 from sluice.core.codec import get_codec
 from sluice.core.errors import ClosedError, ConfigError
 from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
-from sluice.core.kafka import KafkaError
+from sluice.core.kafka import KafkaError, KafkaException
 from sluice.listeners import kafka_forwarder
 from sluice.listeners.kafka_forwarder import (
     ForwarderSettings,
@@ -254,7 +254,8 @@ def test_the_site_cluster_keeps_the_sites_connection(built: list[dict[str, Any]]
         ({"ssl_ca_location": "ca.pem"}, "ssl_ca_location", "is only used with SSL or SASL_SSL"),
         ({"sasl_username": "u"}, "sasl_username", "is only used with SASL_PLAINTEXT or SASL_SSL"),
         ({"security_protocol": "SSL", "ssl_ca_location": "missing.pem"}, "ssl_ca_location", "no such file"),
-        ({"security_protocol": "SSL", "ssl_certificate_location": "me.pem"}, "ssl_key_location", "mutual TLS needs both"),
+        ({"security_protocol": "SSL", "ssl_certificate_location": "me.pem"}, "ssl_key_location",
+         "mutual TLS needs both"),
         ({"security_protocol": "SASL_SSL", "sasl_mechanism": "PLAIN", "sasl_username": "u", "sasl_password": "p",
           "sasl_password_file": "sasl.pw"}, "sasl_password_file", "not both"),
         ({"security_protocol": "SASL_SSL", "sasl_mechanism": "PLAIN", "sasl_username": "u",
@@ -367,13 +368,15 @@ class ScriptedProducer:
 
 @pytest.fixture
 def scripted(monkeypatch: pytest.MonkeyPatch) -> Any:
-    def make(script: list[list[int | None]]) -> tuple[KafkaForwarderListener, ScriptedProducer]:
-        producer = ScriptedProducer(script)
+    def make(script: list[list[int | None]], *, producer: ScriptedProducer | None = None,
+             dead_letter_topic: str | None = None) -> tuple[KafkaForwarderListener, ScriptedProducer]:
+        producer = producer or ScriptedProducer(script)
         monkeypatch.setattr(KafkaForwarderListener, "_new_producer", lambda self: producer)
         listener = KafkaForwarderListener()
         listener.init({"settings": {"topic": "{topic_prefix}down.{region}", "flush_timeout_s": 1},
                        "queue_id": "orders-out", "site": "a", "dsid": 1,
-                       "kafka": {"bootstrap.servers": "127.0.0.1:1"}, "topic_prefix": "site-a."})
+                       "kafka": {"bootstrap.servers": "127.0.0.1:1"}, "topic_prefix": "site-a.",
+                       "dead_letter_topic": dead_letter_topic})
         return listener, producer
     return make
 
@@ -434,6 +437,47 @@ def test_failures_accumulate_over_reoffers(scripted: Any) -> None:
     assert listener.process_events(batch) is False
     assert listener.process_events(batch) is True
     assert [r["headers"]["sluice.possible_duplicate"] for r in producer.produced[4:]] == [b"true", b"false"]
+
+
+class TooLargeForProducer(ScriptedProducer):
+    """Refuses the record keyed ``huge`` at produce(), as librdkafka does past message.max.bytes."""
+
+    def produce(self, topic: str, *, key: bytes, **kwargs: Any) -> None:
+        if key == b"huge":
+            raise KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, "Message size too large"))
+        super().produce(topic, key=key, **kwargs)
+
+
+def test_a_record_too_large_for_the_producer_is_a_dead_letter(scripted: Any) -> None:
+    """A record the producer refuses at produce() for its size can never be forwarded: with a host that keeps dead
+    letters the batch is accepted once the others are acknowledged, naming that event and why (issue 17)."""
+    listener, producer = scripted([], producer=TooLargeForProducer([]), dead_letter_topic="dlq")
+    batch = [make_event("a", 1), make_event("huge", 2), make_event("c", 3)]
+    result = listener.process_events(batch)
+    assert isinstance(result, Accepted), result
+    [letter] = result.dead_letters
+    assert letter.event is batch[1] and letter.error_class == "MSG_SIZE_TOO_LARGE"
+    assert "message.max.bytes" in letter.reason and "site-a.down.orders" in letter.reason
+    assert [r["key"] for r in producer.produced] == [b"a", b"c"]
+    assert (listener.batches_forwarded, listener.records_forwarded, listener.offers_failed) == (1, 2, 0)
+
+
+def test_a_record_too_large_without_a_dead_letter_topic_refuses_the_batch(scripted: Any) -> None:
+    """A host that keeps no dead letters gets False: nothing is dropped unseen."""
+    listener, producer = scripted([], producer=TooLargeForProducer([]))
+    assert listener.process_events([make_event("a", 1), make_event("huge", 2)]) is False
+    assert listener.offers_failed == 1
+
+
+def test_the_brokers_size_refusal_is_offered_again(scripted: Any) -> None:
+    """The broker refuses a whole request of records for the size of one, so its MSG_SIZE_TOO_LARGE names no
+    single event: the batch is offered again, never dead-lettered; those records are certainly not downstream,
+    so the re-offer does not flag them."""
+    listener, producer = scripted([[None, KafkaError.MSG_SIZE_TOO_LARGE], [None, None]], dead_letter_topic="dlq")
+    batch = [make_event("a", 1), make_event("b", 2)]
+    assert listener.process_events(batch) is False
+    assert listener.process_events(batch) is True
+    assert [r["headers"]["sluice.possible_duplicate"] for r in producer.produced[2:]] == [b"true", b"false"]
 
 
 def test_empty_batch_and_close(scripted: Any) -> None:
