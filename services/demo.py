@@ -14,6 +14,13 @@ What runs (``sluice.verify.sites``):
   to part of ``orders``, which disconnects (keep-alive) and comes back
   midway.
 
+Both sites are set up as production sites should be: each signs its gateway
+batches and acks with its own Ed25519 key and verifies the other's, and each
+region service takes a client token (the writers, readers and the durable
+client send it) and a member token (its instances and the receiver).  The
+keys and tokens are made at start in the working folder's ``secrets/``, which
+the site files name; they go with the folder when the demo ends.
+
 The workload writes creates, updates, put_alls and destroys on both sites,
 and conflicting updates of the same keys on both; a live table shows each
 queue (size, oldest event, events/s, resends) while it runs, and halfway a
@@ -180,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"services: {len(sites.services)} processes ({instances} region instance(s) and a receiver "
                       "per site; senders orders a→b ×2, customers a→b (serial), orders b→a; a SQLite write-behind "
                       "on a; 2 subscription instances on b); logs in " + str(workdir))
+        console.print(f"signed gateway batches and acks (Ed25519), region tokens on: keys and tokens in "
+                      f"{workdir / 'secrets'}")
         cfg_b = sites.cfgs["b"]
         client = reconnect(cfg_b, sites)
         console.print(f"durable client demo-durable on b: interest /{DURABLE_PATTERN}/ in orders")
@@ -187,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
         budget = Budget(args.events, args.duration)
         written = Written()
         writers = [threading.Thread(target=write_site, args=(s, sites.urls(s), random.Random(f"{args.seed}{s}"),
-                                                               budget, written), daemon=True) for s in ("a", "b")]
+                                                               budget, written), kwargs={"token": sites.token(s)},
+                                    daemon=True) for s in ("a", "b")]
         for w in writers:
             w.start()
         progress = Progress(TextColumn("writing on a and b"), BarColumn(), TextColumn("{task.fields[done]} ops"),

@@ -42,11 +42,12 @@ def changelog(cfg: Any, region: str) -> list[EntryEvent]:
         consumer.close()
 
 
-def region_state(urls: list[str], region: str) -> dict[str, tuple[Any, Any]]:
-    """key → (value, version record) of every entry, read from the site's region service."""
+def region_state(urls: list[str], region: str, token: str | None = None) -> dict[str, tuple[Any, Any]]:
+    """key → (value, version record) of every entry, read from the site's region service (with its client
+    ``token``)."""
     from ..client import RegionClient
 
-    with RegionClient(urls) as client:
+    with RegionClient(urls, token=token) as client:
         keys = client.keys(region)
         entries = client.get_all(region, keys) if keys else {}
     return {k: (e["value"], e["version"]) for k, e in entries.items() if e is not None}
@@ -86,7 +87,8 @@ def converge(sites: TwoSites, timeout_s: float) -> float | None:
     started = time.monotonic()
     while time.monotonic() - started < timeout_s:
         try:
-            if queues_empty(sites) and all(region_state(sites.urls("a"), r) == region_state(sites.urls("b"), r)
+            if queues_empty(sites) and all(region_state(sites.urls("a"), r, sites.token("a"))
+                                           == region_state(sites.urls("b"), r, sites.token("b"))
                                            for r in REGIONS):
                 return time.monotonic() - started
         except Exception:  # noqa: BLE001 - a service still coming back: keep trying until the deadline
@@ -150,7 +152,8 @@ def verify_sites(sites: TwoSites, written: Written, *, converged_s: float | None
     from ..admin.cli import receiver_status
 
     v = Verification(issued=written.operations, acknowledged=written.acknowledged)
-    finals = {region: {site: region_state(sites.urls(site), region) for site in ("a", "b")} for region in REGIONS}
+    finals = {region: {site: region_state(sites.urls(site), region, sites.token(site)) for site in ("a", "b")}
+              for region in REGIONS}
     for region in REGIONS:
         a, b = finals[region]["a"], finals[region]["b"]
         diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
@@ -214,7 +217,7 @@ def check_client_cache(v: Verification, sites: TwoSites, client: Any, pattern: s
     ``wait_s`` for the last events still in its queue."""
     deadline = time.monotonic() + wait_s
     while True:
-        orders_b = region_state(sites.urls("b"), "orders")
+        orders_b = region_state(sites.urls("b"), "orders", sites.token("b"))
         mine = {k: val for k, (val, _) in orders_b.items() if re.fullmatch(pattern, k)}
         cache = client.region("orders").snapshot()
         differ = sorted(k for k in set(mine) | set(cache) if mine.get(k) != cache.get(k))

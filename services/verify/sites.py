@@ -9,12 +9,21 @@
 * region ``customers`` on a: a serial gateway sender a→b;
 * on b: subscription-service instances.
 
+Both sites run as a production site should (issue 17): each signs its
+gateway batches and acks with an Ed25519 key of its own and verifies the
+other's, and each region service takes a client token and a member token.
+``site_files`` makes the keys and tokens in the working folder's ``secrets/``
+(the private keys and tokens readable by their owner only) and the site
+files name them (``*_file``): nothing secret is written into a site file.
+
 ``TwoSites`` knows how to start each service again, so faults can kill -9 it,
 stop a whole site and start it again, or kill and restart a site's broker.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
 import socket
 import threading
 import time
@@ -59,6 +68,42 @@ class Layout:
         queues = 1 + (self.ledger_failure_rate is not None)
         return (2 * self.region_instances + 2 * self.receivers + self.parallel_senders + 1 + self.serial_senders
                 + queues * self.dispatchers + self.subscriptions)
+
+
+SECRETS_DIR = "secrets"
+
+
+def _write_secret(path: Path, text: str) -> None:
+    """A file only its owner can read, from the moment it exists."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="ascii") as f:
+        f.write(text + "\n")
+
+
+def site_secrets(workdir: Path, sites: tuple[str, ...] = ("a", "b")) -> dict[str, dict[str, str]]:
+    """Per site, its Ed25519 key pair (``sluice keys generate``'s files: ``<site>.key``, ``<site>.pub``), a
+    region client token and a member token, made in ``workdir/secrets``: each site's settings naming them,
+    relative to a site file in ``workdir``.  Made once; a site started again finds them there."""
+    from ..core import sitekeys
+
+    folder = workdir / SECRETS_DIR
+    folder.mkdir(mode=0o700, exist_ok=True)
+    settings = {}
+    for site in sites:
+        private_path = folder / f"site-{site}.key"
+        if not private_path.exists():
+            private, public = sitekeys.generate()
+            _write_secret(private_path, private)
+            (folder / f"site-{site}.pub").write_text(public + "\n", encoding="ascii")
+            _write_secret(folder / f"site-{site}.token", secrets.token_urlsafe(24))
+            _write_secret(folder / f"site-{site}.member-token", secrets.token_urlsafe(24))
+        settings[site] = {
+            "gateway_private_key_file": f"{SECRETS_DIR}/site-{site}.key",
+            "token_file": f"{SECRETS_DIR}/site-{site}.token",
+            "member_token_file": f"{SECRETS_DIR}/site-{site}.member-token",
+            "public_key_file": f"{SECRETS_DIR}/site-{site}.pub",
+        }
+    return settings
 
 
 def site_files(workdir: Path, bootstrap: dict[str, str], prefix: str, layout: Layout,
@@ -115,8 +160,16 @@ def site_files(workdir: Path, bootstrap: dict[str, str], prefix: str, layout: La
                               "maximum_time_between_pings_ms": 10000},
         },
     }
+    made = site_secrets(workdir)
+    dsids = {"a": 1, "b": 2}
+    for name, data in sites.items():
+        mine = made[name]
+        data["gateway_private_key_file"] = mine["gateway_private_key_file"]
+        data["gateway_public_keys_file"] = {dsids[other]: made[other]["public_key_file"]
+                                            for other in sites if other != name}
+        data["region_service"] = {"token_file": mine["token_file"], "member_token_file": mine["member_token_file"]}
     for name, port in (region_ports or {}).items():
-        sites[name]["region_service"] = {"port": port}
+        sites[name]["region_service"]["port"] = port
     paths = {}
     for name, data in sites.items():
         paths[name] = workdir / f"site-{name}.yaml"
@@ -288,6 +341,11 @@ class TwoSites:
 
     def urls(self, site: str) -> list[str]:
         return [s.proc.url for s in self.of("region", site) if isinstance(s.proc, RegionProcess) and s.proc.url]
+
+    def token(self, site: str) -> str | None:
+        """The site's region client token (what its writers and readers send), None when it has none."""
+        token = self.cfgs[site].region_service.token
+        return None if token is None else token.get_secret_value()
 
     def processes(self) -> Iterator[ServiceProcess]:
         for s in self.services:

@@ -283,7 +283,8 @@ def run_soak(*, seed: int, minutes: float, faults: list[str], interval_s: float,
         budget = Budget(0, minutes * 60)
         written = Written()
         writers = [threading.Thread(target=write_site, args=(s, sites.urls(s), random.Random(f"{seed}{s}"), budget,
-                                                             written, rate_per_s), daemon=True) for s in ("a", "b")]
+                                                             written, rate_per_s, sites.token(s)), daemon=True)
+                   for s in ("a", "b")]
         for w in writers:
             w.start()
         todo = list(plan) if plan is not None else schedule(faults, minutes, interval_s, rng)

@@ -86,17 +86,17 @@ class Budget:
 
 
 def write_site(site: str, urls: list[str], rng: random.Random, budget: Budget, written: Written,
-               rate_per_s: float | None = None) -> None:
+               rate_per_s: float | None = None, token: str | None = None) -> None:
     """One site's writer: puts, put_alls and destroys of ``orders``, puts of ``customers``, and updates of the
     hot keys both sites write.  ``urls``: the site's region-service instances (restarted on the same ports
-    under faults).  ``rate_per_s``: at most this many calls a second."""
+    under faults).  ``rate_per_s``: at most this many calls a second.  ``token``: the region's client token."""
     from ..client import RegionClient, RegionError
     from ..core.errors import SluiceError
 
     # Each site writes its own half of the keys past the hot ones: no conflicts there.
     lo = HOT_KEYS if site == "a" else (HOT_KEYS + KEYS) // 2
     hi = (HOT_KEYS + KEYS) // 2 if site == "a" else KEYS
-    client = RegionClient(urls, member_id=f"demo-writer-{site}", retry_for_s=60)
+    client = RegionClient(urls, token=token, member_id=f"demo-writer-{site}", retry_for_s=60)
     present: set[str] = set()
     pace = 1.0 / rate_per_s if rate_per_s else 0.0
     next_at = time.monotonic()
