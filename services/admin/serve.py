@@ -459,7 +459,7 @@ def _refusal(status: int, error: str, field: str, value: Any, reason: str) -> JS
                          "message": f"{field}: {reason}", "retriable": False}, status_code=status)
 
 
-def forgery_problem(request: Request) -> tuple[str, str, str] | None:
+def forgery_problem(request: Request) -> tuple[str, Any, str] | None:
     """(field, value, reason) when a state-changing request may have been forged by another site, else None."""
     headers = request.headers
     fetch_site = headers.get("sec-fetch-site")
@@ -492,7 +492,7 @@ async def _read_body(request: Request) -> bytes | None:
     return bytes(body)
 
 
-def _action_openapi(queue_ids: list[str]) -> dict[str, Any]:
+def _action_openapi() -> dict[str, Any]:
     """The action's body and answers, for /api/openapi.json (FastAPI does not read the body itself:
     it is capped and parsed by hand)."""
     def answer(description: str) -> dict[str, Any]:
@@ -568,7 +568,7 @@ def create_app(sampler: StatusSampler, token: str | None, *, loopback_only: bool
 
     queue_schema = {"enum": queue_ids} if queue_ids else {}
 
-    @app.post("/api/queues/{queue_id}/{action}", openapi_extra=_action_openapi(queue_ids))
+    @app.post("/api/queues/{queue_id}/{action}", openapi_extra=_action_openapi())
     async def act(request: Request, queue_id: str = PathParam(json_schema_extra=queue_schema),
                   action: str = PathParam(json_schema_extra={"enum": sorted(STATES)})) -> JSONResponse:
         """pause, resume, stop or start a gateway sender or async event queue, as ``sluice admin`` does."""
