@@ -98,7 +98,8 @@ class DispatcherService(QueuePrimary):
             span.set_attribute("sluice.batch.dead_lettered", len(dead_letters))
         return accepted
 
-    def _write_dead_letters(self, listener: Any, batch: Batch[AsyncEvent], dead_letters: tuple[DeadLetter, ...]) -> None:
+    def _write_dead_letters(self, listener: Any, batch: Batch[AsyncEvent],
+                            dead_letters: tuple[DeadLetter, ...]) -> None:
         """Each event the listener rejected, durably in the dead-letter topic, before the batch is accepted."""
         offered = {(e.partition, e.offset) for e in batch.events}
         for letter in dead_letters:
