@@ -34,7 +34,14 @@ from ..core.kafka import (
     read_to_end,
     translate,
 )
-from ..subscriptions.registry import last_heard, registry_partition
+from ..subscriptions.registry import (
+    check_ack,
+    check_authorized,
+    check_registration,
+    configured_token,
+    last_heard,
+    registry_partition,
+)
 
 STATES = {"pause": "PAUSED", "resume": "RUNNING", "stop": "STOPPED", "start": "RUNNING"}
 
@@ -298,18 +305,25 @@ def client_status(cfg: SiteConfig) -> list[ClientStatus]:
     now_ms = int(time.time() * 1000)
     try:
         tables: dict[str, dict[str, dict[str, Any]]] = {"ClientRegistration": {}, "ClientAck": {}}
+        token = configured_token(cfg)
+        checks = {"ClientRegistration": check_registration, "ClientAck": check_ack}
         for topic, schema in ((names.subscription_registry(), "ClientRegistration"),
                               (names.subscription_acks(), "ClientAck")):
             for p in range(partitions):
                 for msg in read_to_end(consumer, topic, p):
+                    # What the subscription service refuses (a forged or malformed record) is not shown
+                    # either, and never names the queue this command then reads.
                     key = (msg.key() or b"").decode("utf-8", "replace")
-                    if msg.value() is None:
-                        tables[schema].pop(key, None)
-                        continue
                     try:
-                        tables[schema][key] = codec.decode_as(schema, msg.value())
-                    except CodecError:
+                        check_authorized(msg.headers(), token, "record")
+                        if msg.value() is None:
+                            tables[schema].pop(key, None)
+                            continue
+                        record = codec.decode_as(schema, msg.value())
+                        checks[schema](cfg, key, p, record)
+                    except (CodecError, InvalidRequest):
                         continue
+                    tables[schema][key] = record
         try:
             members = describe_group_members(make_admin(cfg.kafka.client_settings()),
                                              f"{cfg.kafka.topic_prefix}subscriptions")

@@ -266,7 +266,7 @@ def test_status_page_shows_the_site_guards_its_api_and_renders_in_chromium(site_
         assert httpx.post(f"{page.url}/api/queues/writer/stop", timeout=10).status_code == 401
         assert control_records(cfg, "writer") == [], "a refused action reached the control topic"
         assert httpx.get(f"{page.url}/", timeout=10).status_code == 200  # the page shell holds no data
-        unknown = httpx.post(f"{page.url}/api/queues/nope/pause", headers=auth, timeout=10)
+        unknown = httpx.post(f"{page.url}/api/queues/nope/pause", headers=auth, json={}, timeout=10)
         assert unknown.status_code == 404 and unknown.json()["field"] == "queue"
         phase("token")
 
@@ -315,12 +315,12 @@ def test_status_page_shows_the_site_guards_its_api_and_renders_in_chromium(site_
         phase("Chromium with token, screenshot")
 
         # With the token an action is carried out: the dispatcher pauses, then runs again.
-        paused = httpx.post(f"{page.url}/api/queues/writer/pause", headers=auth, timeout=30)
+        paused = httpx.post(f"{page.url}/api/queues/writer/pause", headers=auth, json={}, timeout=30)
         assert paused.status_code == 200 and paused.json()["state"] == "PAUSED", paused.text
         assert [(r["state"], r["issued_by"]) for r in control_records(cfg, "writer")] == \
             [("PAUSED", "sluice admin serve")]
         wait_status(page.url, lambda s: queue_of(s, "writer")["states"] == ["paused"], "writer paused")
-        assert httpx.post(f"{page.url}/api/queues/writer/resume", headers=auth, timeout=30).status_code == 200
+        assert httpx.post(f"{page.url}/api/queues/writer/resume", headers=auth, json={}, timeout=30).status_code == 200
         wait_status(page.url, lambda s: queue_of(s, "writer")["states"] == ["running"], "writer running again")
         phase("pause and resume")
     assert write_errors == []
