@@ -10,20 +10,27 @@ in the ack (dead-lettered at its origin) and never stops the events after it.
 The rules:
 
 * the region is configured here and the key fits it (not empty, at most
-  ``key_max_bytes``); the value fits ``value_max_bytes`` and, encoded as
-  JSON, is JSON that round-trips (no NaN or Infinity);
+  ``key_max_bytes``); the value fits ``value_max_bytes`` and is JSON (a
+  region stores JSON values: no other encoding, no NaN or Infinity);
 * an EventID's fields are bounded (``event_id_problem``): a member id of 1 to
   200 characters, a thread id and a sequence id within ``ID_MAX``, far below
-  Avro's long, so that a sequence plus the entries of a put_all never wraps;
+  Avro's long, and a put_all or remove_all of n entries (sequences
+  ``sequence_id .. sequence_id + n - 1``) ends within it too, so no sequence
+  ever wraps or pins a stream at Avro's largest long;
 * an event from another site is an operation that crosses sites, did not
-  come from this site, carries dsids in 1..255, and is not stamped later
-  than now + ``region_service.max_clock_skew_ms``: a timestamp in the future
-  would win every WAN conflict on its key until that time.
+  come from this site, carries dsids in 1..255 (its visited sites too), and
+  is not stamped later than now + ``region_service.max_clock_skew_ms``: a
+  timestamp in the future would win every WAN conflict on its key until
+  that time.
+
+What these rules cannot see is whose EventID an event carries: a caller may
+send another member's (member, thread).  The region service bounds how far
+ahead of a stream's highest sequence a local write may jump
+(``region/state.py``); the rest is the credential's business.
 """
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 from . import jsonvalue
@@ -39,15 +46,35 @@ MEMBER_ID_MAX_CHARS = 200
 DSID_RANGE = range(1, 256)
 
 
-def event_id_problem(event_id: EventID, field: str = "event_id") -> InvalidRequest | None:
-    """Why an EventID is refused, or None."""
+def _is_unicode(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (JSON's "\\ud800" gives a Python string that does not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _shown(text: str) -> str:
+    return text[:80].encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def event_id_problem(event_id: EventID, field: str = "event_id", count: int = 1) -> InvalidRequest | None:
+    """Why an EventID is refused, or None.  ``count``: the sequences it stands for (a
+    put_all or remove_all of n entries takes ``sequence_id`` to ``sequence_id + n - 1``)."""
     member = event_id.member_id
     if not isinstance(member, str) or not 1 <= len(member) <= MEMBER_ID_MAX_CHARS:
         return InvalidRequest(f"{field}.member_id", member, f"must be 1 to {MEMBER_ID_MAX_CHARS} characters")
+    if not _is_unicode(member):
+        return InvalidRequest(f"{field}.member_id", _shown(member), "must be valid Unicode (it holds a lone surrogate)")
     for name in ("thread_id", "sequence_id"):
         value = getattr(event_id, name)
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= ID_MAX:
             return InvalidRequest(f"{field}.{name}", value, f"must be a whole number from 0 to {ID_MAX}")
+    if count > 1 and event_id.sequence_id + count - 1 > ID_MAX:
+        return InvalidRequest(f"{field}.sequence_id", event_id.sequence_id,
+                              f"with {count} entries the last sequence would be {event_id.sequence_id + count - 1}, "
+                              f"beyond {ID_MAX}")
     return None
 
 
@@ -59,7 +86,9 @@ def key_problem(cfg: SiteConfig, region: str, key: Any, field: str = "key") -> I
         return exc
     if not isinstance(key, str) or key == "":
         return InvalidRequest(field, key, "must be a non-empty string")
-    n = len(key.encode("utf-8", "surrogatepass"))
+    if not _is_unicode(key):
+        return InvalidRequest(field, _shown(key), "must be valid Unicode (it holds a lone surrogate)")
+    n = len(key.encode("utf-8"))
     if n > limit:
         return EntryTooLarge(field, key, f"{n} bytes, larger than key_max_bytes={limit}")
     return None
@@ -70,28 +99,22 @@ def value_problem(cfg: SiteConfig, region: str, value: bytes | None, encoding: s
     """Why a stored value is refused in ``region``, or None (None itself: no value, always fine)."""
     if value is None:
         return None
-    limit = cfg.region(region).value_max_bytes
+    try:
+        limit = cfg.region(region).value_max_bytes
+    except UnknownRegion as exc:
+        return exc
+    if not isinstance(value, (bytes, bytearray)):
+        return InvalidRequest(field, str(value)[:80], "must be the value's JSON text")
     if len(value) > limit:
         return EntryTooLarge(field, f"{len(value)} bytes", f"larger than value_max_bytes={limit}")
-    if encoding == "json":
-        try:
-            parsed = jsonvalue.loads(value)
-        except ValueError as exc:
-            return InvalidRequest(field, value[:80].decode("utf-8", "replace"), f"not JSON: {exc}")
-        if _has_non_finite(parsed):
-            return InvalidRequest(field, value[:80].decode("utf-8", "replace"),
-                                  "holds NaN or Infinity, which JSON cannot hold")
+    if encoding != "json":
+        return InvalidRequest(f"{field}_encoding", encoding, "a region stores JSON values: the encoding must be json")
+    try:
+        # jsonvalue.loads refuses NaN, Infinity and numbers beyond a double, which JSON cannot hold.
+        jsonvalue.loads(value)
+    except ValueError as exc:
+        return InvalidRequest(field, bytes(value[:80]).decode("utf-8", "replace"), f"not JSON: {exc}")
     return None
-
-
-def _has_non_finite(value: Any) -> bool:
-    if isinstance(value, float):
-        return not math.isfinite(value)
-    if isinstance(value, dict):
-        return any(_has_non_finite(v) for v in value.values())
-    if isinstance(value, list):
-        return any(_has_non_finite(v) for v in value)
-    return False
 
 
 def remote_problem(cfg: SiteConfig, event: EntryEvent, now_ms: int, field: str = "event") -> InvalidRequest | None:
@@ -108,6 +131,12 @@ def remote_problem(cfg: SiteConfig, event: EntryEvent, now_ms: int, field: str =
     for name, dsid in (("origin_dsid", event.origin_dsid), ("version.dsid", event.version.dsid)):
         if dsid not in DSID_RANGE:
             return InvalidRequest(f"{field}.{name}", dsid, "must be a dsid from 1 to 255")
+    for i, dsid in enumerate(event.visited_dsids):
+        if dsid not in DSID_RANGE:
+            return InvalidRequest(f"{field}.visited_dsids[{i}]", dsid, "must be a dsid from 1 to 255")
+    if len(event.version.member_id) > MEMBER_ID_MAX_CHARS:
+        return InvalidRequest(f"{field}.version.member_id", event.version.member_id,
+                              f"must be at most {MEMBER_ID_MAX_CHARS} characters")
     skew_ms = cfg.region_service.max_clock_skew_ms
     if event.version.timestamp > now_ms + skew_ms:
         return InvalidRequest(f"{field}.version.timestamp", event.version.timestamp,

@@ -3,11 +3,18 @@
 orjson is fast but reads integers beyond 64 bits as floats (silently) and
 refuses to write them; the standard library keeps them exact.  Values with a
 long digit run take the exact path, everything else the fast one.
+
+NaN and Infinity are not JSON.  Python's ``json`` reads ``NaN``,
+``Infinity`` and ``1e999`` into floats anyway (FastAPI parses request bodies
+with it), and orjson writes such floats as ``null``: a value holding one
+would be stored as something else than what was sent.  Both directions here
+refuse them with ``ValueError`` instead.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -16,18 +23,46 @@ import orjson
 _LONG_DIGITS = re.compile(rb"\d{19,}")
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (NaN and Infinity cannot be stored)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is beyond a double (it would read as Infinity)")
+    return value
+
+
 def loads(data: bytes) -> Any:
+    """Parse stored JSON; ValueError for what is not JSON, NaN and Infinity included."""
     if _LONG_DIGITS.search(data):
-        return json.loads(data)
+        return json.loads(data, parse_constant=_no_constant, parse_float=_finite_float)
     return orjson.loads(data)
 
 
 def dumps(value: Any) -> bytes:
-    """Compact JSON; raises ValueError/TypeError for what JSON cannot hold (NaN, objects)."""
+    """Compact JSON; raises ValueError/TypeError for what JSON cannot hold (NaN, Infinity, objects)."""
     try:
-        return orjson.dumps(value)
+        data = orjson.dumps(value)
     except orjson.JSONEncodeError:
         return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    # orjson writes NaN and Infinity as null: only a value whose JSON holds a null can hold one,
+    # so the walk below runs for those alone and the common case costs one scan of the bytes.
+    if b"null" in data and has_non_finite(value):
+        raise ValueError("NaN and Infinity are not JSON")
+    return data
+
+
+def has_non_finite(value: Any) -> bool:
+    """Whether a parsed value holds a NaN or an infinite float anywhere."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(has_non_finite(v) for v in value.values())
+    if isinstance(value, list):
+        return any(has_non_finite(v) for v in value)
+    return False
 
 
 def decode(data: bytes | None, encoding: str) -> Any:
