@@ -329,8 +329,11 @@ class RegionEngine:
                     continue
                 event_id = op.event_id
                 if event_id is None:
-                    event_id = EventID(self.member_id, bucket, ob.next_sequence)
-                    ob.next_sequence += 1
+                    # A caller may have written with this instance's member id (it is in every entry
+                    # the instance stamped): continue past whatever the bucket has seen of the stream.
+                    sequence = max(ob.next_sequence, ob.state.streams.get((self.member_id, bucket), -1) + 1)
+                    event_id = EventID(self.member_id, bucket, sequence)
+                    ob.next_sequence = sequence + 1
                 try:
                     if op.op is Op.REMOTE:
                         assert op.remote is not None

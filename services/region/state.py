@@ -11,6 +11,23 @@ applied per (member, thread) is remembered, and an operation at or below it
 is a retry of something already applied.  It is answered, not applied again.
 The tracking is part of the changelog (every record carries its EventID), so
 it survives a change of owner.
+
+An EventID is whatever the caller sends, so a caller could send another
+member's (member, thread) with a sequence far ahead of that stream: every
+later write of that member would then be a "duplicate", never applied.  Two
+rules keep one caller from pinning another's stream:
+
+* a local write may not jump more than ``STREAM_AHEAD_MAX`` (2^32) past the
+  highest sequence of its stream in the bucket (a stream the bucket has not
+  seen starts anywhere; the EventID bounds of ``core/eventchecks.py`` apply);
+* events another site applied keep their own EventIDs but are not tracked
+  as streams of this site (their repeats are recognised per key, see
+  ``prepare_remote``), so a remote event cannot pin a local writer either.
+
+What remains: a caller holding the client token can still replay another
+client's EventIDs within that window, and can start a stream the bucket has
+not seen yet (another client's member id is visible in every entry it
+wrote).  Member ids are not bound to credentials.
 """
 
 from __future__ import annotations
@@ -19,9 +36,13 @@ import enum
 from dataclasses import dataclass, replace
 from typing import Iterator
 
-from ..core.errors import EntryExists, EntryNotFound
+from ..core.errors import EntryExists, EntryNotFound, InvalidRequest
 from ..core.events import DESTROYS, REGION_OPERATIONS, EntryEvent, EventID, Operation, VersionTag
 from .conflicts import ConflictResolver, resolve
+
+
+#: How far past the highest sequence of its (member, thread) stream in a bucket a local write may jump.
+STREAM_AHEAD_MAX = 2**32
 
 
 class Op(str, enum.Enum):
@@ -101,6 +122,21 @@ class BucketState:
     def is_duplicate(self, event_id: EventID) -> bool:
         return event_id.sequence_id <= self.streams.get(event_id.stream, -1)
 
+    def _check_stream(self, event_id: EventID) -> bool:
+        """True when ``event_id`` was applied before (a duplicate); InvalidRequest when it jumps
+        more than ``STREAM_AHEAD_MAX`` past its stream's highest sequence in this bucket."""
+        highest = self.streams.get(event_id.stream)
+        if highest is None:
+            return False
+        if event_id.sequence_id <= highest:
+            return True
+        if event_id.sequence_id - highest > STREAM_AHEAD_MAX:
+            raise InvalidRequest("event_id.sequence_id", event_id.sequence_id,
+                                 f"{event_id.sequence_id - highest} past the highest sequence ({highest}) of stream "
+                                 f"{event_id.member_id}/{event_id.thread_id} in this bucket; at most "
+                                 f"{STREAM_AHEAD_MAX} ahead")
+        return False
+
     # --- writes ------------------------------------------------------------
 
     def prepare(
@@ -113,7 +149,7 @@ class BucketState:
         callback_argument: str | None = None,
     ) -> EntryEvent | Duplicate | Skipped:
         """Check, version and apply one operation; return the event to write."""
-        if self.is_duplicate(event_id):
+        if self._check_stream(event_id):
             return Duplicate(event_id)
         current = self.get(key)
         if op is Op.CREATE:
@@ -180,7 +216,7 @@ class BucketState:
         """Region clear (or destroy), for this bucket: a REGION_CLEAR (REGION_DESTROY) event per live
         entry (the changelog keeps each key's tombstone), all with the operation's EventID.  Not sent
         to gateway senders or async event queues, as in Geode; subscription clients hear of it."""
-        if self.is_duplicate(event_id):
+        if self._check_stream(event_id):
             return Duplicate(event_id)
         events = []
         for key in list(self.keys()):
@@ -229,6 +265,10 @@ class BucketState:
             self.entries[event.key] = Entry(None, event.version, event.event_id, destroyed=True)
         else:
             self.entries[event.key] = Entry(event.value, event.version, event.event_id)
+        if event.origin_dsid != self.dsid:
+            # Another site's event: its repeats are found per key (prepare_remote); as a stream of
+            # this site it could only make a local writer's next writes look like repeats.
+            return
         stream = event.event_id.stream
         if event.event_id.sequence_id > self.streams.get(stream, -1):
             self.streams[stream] = event.event_id.sequence_id

@@ -658,3 +658,41 @@ def test_one_writers_remote_events_for_different_keys_may_arrive_in_any_order():
     # An older event of k1 from the same thread arriving late is a repeat, not applied.
     old = _remote("k1", Operation.UPDATE, b"old", dsid=1, ts=50, version=1, seq=2)
     assert isinstance(state.prepare_remote(old), Duplicate)
+
+
+# --- EventID streams nobody can pin ------------------------------------------------------
+
+
+def test_a_local_write_may_not_jump_far_ahead_of_its_stream():
+    """A sequence more than 2^32 past the stream's highest in the bucket is refused (and not tracked), so
+    one caller cannot make another member's next writes look like repeats; a new stream starts anywhere."""
+    from sluice.core.errors import InvalidRequest
+    from sluice.region.state import STREAM_AHEAD_MAX
+
+    state = new_state()
+    assert not isinstance(state.prepare(Op.PUT, "k", b"1", EventID("victim", 1, 10), T0), Duplicate)
+    with pytest.raises(InvalidRequest) as refused:
+        state.prepare(Op.PUT, "k", b"2", EventID("victim", 1, 10 + STREAM_AHEAD_MAX + 1), T0)
+    assert refused.value.field == "event_id.sequence_id"
+    with pytest.raises(InvalidRequest):
+        state.prepare_clear(EventID("victim", 1, 10 + STREAM_AHEAD_MAX + 1), T0)
+    assert state.streams[("victim", 1)] == 10
+    assert not isinstance(state.prepare(Op.PUT, "k", b"3", EventID("victim", 1, 10 + STREAM_AHEAD_MAX), T0),
+                          Duplicate)
+    assert not isinstance(state.prepare(Op.PUT, "k", b"4", EventID("fresh", 1, 2**50), T0), Duplicate)
+
+
+def test_events_of_another_site_do_not_pin_a_local_writers_stream():
+    """A remote event carrying a local client's (member, thread) with a huge sequence is applied, but a
+    later local write of that client is not taken for a repeat, here or after a reload."""
+    state = new_state()
+    pin = EntryEvent(region=REGION, key="r", operation=Operation.CREATE, value=b"1", event_id=EventID("client-1", 1, 2**52),
+                     version=VersionTag(2, T0, 1, "m2"), origin_dsid=2, bucket=BUCKET, event_time=T0)
+    applied = state.prepare_remote(pin)
+    assert isinstance(applied, EntryEvent)
+    local = state.prepare(Op.PUT, "k", b"1", EventID("client-1", 1, 0), T0)
+    assert isinstance(local, EntryEvent)
+    reloaded = new_state()
+    reloaded.replay(applied)
+    reloaded.replay(local)
+    assert reloaded.streams == {("client-1", 1): 0}
