@@ -24,6 +24,14 @@ Gaining a bucket (``on_assign``)::
 A delivery failure in a READY bucket sends it back to LOADING: its in-memory
 state may be ahead of the changelog, so it is rebuilt from the changelog.
 
+A changelog record the load cannot read (not an EntryEvent: a stray writer,
+a damaged record) is skipped and goes to the site's region dead-letter topic
+with the reason, keyed by its place (``topic/partition/offset``).  Before
+writing one, the loader reads that topic for the key, so a bucket loaded
+again (a failover, a rebalance) does not dead-letter the same record twice;
+only a loader that loses the bucket between writing a dead letter and the
+broker acknowledging it can leave a second one behind.
+
 Threads: the caller's (``submit``), the producer poll thread (delivery
 reports, fan-out), the group thread (membership, commits) and the loader.
 They share ``self._lock``-guarded bucket tables; everything else is owned by
@@ -61,6 +69,7 @@ from ..core.kafka import (
     make_consumer,
     make_producer,
     partition_for_key,
+    read_to_end,
     translate,
 )
 from .fanout import BucketProgress, FanoutWriter, Pending, QueueTarget
@@ -152,6 +161,7 @@ class RegionEngine:
         conflict_resolver: ConflictResolver | None = None,
         on_crash: Callable[[BaseException], None] | None = None,
         on_ownership: Callable[[list[tuple[str, int, int]]], None] | None = None,
+        dead_letter_topic: str | None = None,
     ) -> None:
         self.site = site
         self.dsid = dsid
@@ -173,6 +183,10 @@ class RegionEngine:
         self._on_crash = on_crash
         #: Called (in the group thread) with [(region, bucket, since_ms)] whenever the owned buckets change.
         self._on_ownership = on_ownership
+        #: Where unreadable changelog records go (None: they are only logged).
+        self._dead_letter_topic = dead_letter_topic
+        #: Keys of the dead letters this instance knows are written (loader thread only).
+        self._dead_lettered: set[bytes] = set()
 
         self._lock = threading.Lock()
         self._owned: dict[tuple[str, int], OwnedBucket] = {}
@@ -190,7 +204,7 @@ class RegionEngine:
         self._writer: FanoutWriter | None = None
         self.assigned_once = threading.Event()
         self.stats = {"applied": 0, "duplicates": 0, "conflicts_lost": 0, "loads": 0, "refanned_out": 0,
-                      "bucket_failures": 0}
+                      "bucket_failures": 0, "dead_lettered": 0}
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -707,6 +721,7 @@ class RegionEngine:
         replay_from = committed if committed >= 0 else low
         state = BucketState(region, bucket, self.dsid, self.member_id)
         refanout: list[tuple[EntryEvent, int]] = []
+        unreadable: list[tuple[int, bytes | None, bytes | None, CodecError]] = []
         read_s = 0.0
         if high > low:
             reader.assign([TopicPartition(topic, bucket, OFFSET_BEGINNING if low == 0 else low)])
@@ -729,6 +744,7 @@ class RegionEngine:
                         event = EntryEvent.from_record(self._codec.decode_as("EntryEvent", msg.value()))
                     except CodecError as exc:
                         log.error("changelog %s[%d]@%d unreadable, skipped: %s", topic, bucket, last, exc)
+                        unreadable.append((last, msg.key(), msg.value(), exc))
                         continue
                     state.replay(event)
                     if last >= replay_from:
@@ -742,6 +758,8 @@ class RegionEngine:
                         raise translate(exc, f"reading the changelog bounds of {region}[{bucket}]") from exc
             reader.unassign()
             high = max(high, last + 1)
+        if unreadable:
+            self._dead_letter(reader, topic, bucket, unreadable)
         read_s = time.monotonic() - started
 
         done = threading.Event()
@@ -780,6 +798,63 @@ class RegionEngine:
             "loaded %s[%d]: %d keys from offsets %d..%d (read in %.2fs), %d re-enqueued, %.2fs in all",
             region, bucket, state.size(), low, high, read_s, len(refanout), time.monotonic() - started,
         )
+
+
+    def _dead_letter(self, reader: Consumer, topic: str, bucket: int,
+                     unreadable: list[tuple[int, bytes | None, bytes | None, CodecError]]) -> None:
+        """Each unreadable record of a changelog partition to the dead-letter topic, once (see the
+        module docstring); returns when the new dead letters are durable.  Loader thread."""
+        dead_letters = self._dead_letter_topic
+        if dead_letters is None:
+            return
+        todo = {f"{topic}/{bucket}/{offset}".encode(): (offset, key, value, exc)
+                for offset, key, value, exc in unreadable}
+        if all(k in self._dead_lettered for k in todo):
+            return
+        # Another instance may have dead-lettered them when it loaded the bucket before.
+        try:
+            for msg in read_to_end(reader, dead_letters, 0, deadline_s=self._load_timeout_s / 3):
+                if msg.key() in todo:
+                    self._dead_lettered.add(msg.key())
+        except KafkaException as exc:
+            raise translate(exc, f"reading the dead letters in {dead_letters}") from exc
+        fresh = [k for k in todo if k not in self._dead_lettered]
+        if not fresh:
+            return
+        assert self._producer is not None
+        delivered = threading.Event()
+        errors: list[str] = []
+        waiting = [len(fresh)]
+        lock = threading.Lock()
+
+        def on_delivery(err: Any, _msg: Any) -> None:
+            with lock:
+                if err is not None:
+                    errors.append(str(err))
+                waiting[0] -= 1
+                if waiting[0] == 0:
+                    delivered.set()
+
+        now_ms = int(time.time() * 1000)
+        for k in fresh:
+            offset, key, value, exc = todo[k]
+            record = {"source_topic": topic, "source_partition": bucket, "source_offset": offset, "key": key,
+                      "value": value, "reason": f"changelog record unreadable, skipped by the load: {exc}",
+                      "error_class": type(exc).__name__, "event": None, "service": f"region {self.member_id}",
+                      "failed_at": now_ms}
+            try:
+                self._producer.produce(dead_letters, self._codec.encode("DeadLetter", record), k,
+                                       on_delivery=on_delivery)
+            except (BufferError, KafkaException) as exc2:
+                raise BrokerUnavailable(f"dead-lettering {k.decode()}: {exc2}") from exc2
+        if not delivered.wait(self._load_timeout_s):
+            raise BrokerUnavailable(f"dead letters of {topic}[{bucket}] not acknowledged in {self._load_timeout_s} s")
+        if errors:
+            raise BrokerUnavailable(f"dead letters of {topic}[{bucket}] not written: {errors[0]}")
+        self._dead_lettered.update(fresh)
+        self.stats["dead_lettered"] += len(fresh)
+        log.warning("%s[%d]: %d unreadable changelog records dead-lettered to %s", topic, bucket, len(fresh),
+                    dead_letters)
 
 
 def _fail_results(results: list[OpResult], error: SluiceError) -> None:
