@@ -629,7 +629,11 @@ class ReceiverService:
             half = len(items) // 2
             return (self._apply_chunk(region, items[:half], stop, traces)
                     + self._apply_chunk(region, items[half:], stop, traces))
-        return [(i, outcome) for (i, _), outcome in zip(items, answer["outcomes"])]
+        outcomes = answer["outcomes"]
+        # The region service answers every event of a request: one missing would be neither applied nor
+        # reported, and the sender would remove it with the batch.
+        assert len(outcomes) == len(items), f"{len(outcomes)} outcomes for {len(items)} events"
+        return [(i, outcome) for (i, _), outcome in zip(items, outcomes)]
 
     def _apply_region(self, region: str, events: list[EntryEvent], stop: threading.Event,
                       traces: list[str | None] | None = None) -> dict[str, Any]:
