@@ -14,18 +14,45 @@ This replaces describing the region's consumer group with the admin API:
 librdkafka's coordinator-bound admin requests abort the process when the
 broker connection drops under them (confluentinc/librdkafka#4605), and a
 broker restart is exactly when every instance would be asking.
+
+Anyone who can write the status topic could claim every bucket with a URL of
+their own; instances would then forward writes there with the member token,
+and receivers would post their batches there.  So a reader believes a record
+only when (``MemberTrust``):
+
+1. it is signed: with ``region_service.member_token`` set, each record carries
+   an HMAC-SHA256 of its key and value bytes, keyed by the member token, in
+   the header ``sluice-hmac-sha256``; the reader checks the bytes it received,
+   and ignores unsigned and badly signed records (tombstones included).
+   Without a member token (a loopback-only development site) records are
+   taken unsigned;
+2. its URL is an ``http(s)://host[:port][/path]`` whose host
+   ``region_service.member_hosts`` allows (IP networks, or host names with
+   ``*``; empty: loopback and this process's own host), signed or not;
+3. it is keyed by the instance it names.
+
+An ignored record leaves the instance's previous record in place.  No token
+is ever sent to a URL that did not pass these checks: every URL the owner
+table or ``live_urls`` returns did, and the region service checks each
+request's host again before sending it.  A holder of the member token can
+still claim buckets for an allowed host: the member token is the members'
+credential, and member_hosts bounds where it can point.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import hashlib
+import hmac
+import ipaddress
 import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from ..core.codec import get_codec
-from ..core.config import SiteConfig
 from ..core.errors import CodecError
 from ..core.kafka import (
     OFFSET_BEGINNING,
@@ -38,9 +65,16 @@ from ..core.kafka import (
     read_to_end,
 )
 
+if TYPE_CHECKING:
+    from ..core.config import SiteConfig
+
 log = logging.getLogger("sluice.region.directory")
 
 KEY_PREFIX = b"region/"
+#: The record header holding the HMAC-SHA256 of a record (see ``MemberTrust.signature``).
+SIGNATURE_HEADER = "sluice-hmac-sha256"
+_SIGNED_CONTEXT = b"sluice RegionInstance v1\n"
+_LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
 #: How often a running instance publishes its claims again, and how old a record may be before its
 #: instance counts as gone for ``live_urls`` (a killed instance publishes nothing more).
 HEARTBEAT_S = 5.0
@@ -63,6 +97,103 @@ class Instance:
                    tuple((c["region"], c["bucket"], c["since"]) for c in r["buckets"]), r["updated_at"])
 
 
+class MemberTrust:
+    """Which directory records and member URLs this process believes (see the module docstring)."""
+
+    def __init__(self, member_token: str | None, member_hosts: tuple[str, ...] = (),
+                 own_hosts: tuple[str, ...] = ()) -> None:
+        self._key = None if member_token is None else member_token.encode("utf-8")
+        self._networks = [ipaddress.ip_network(h, strict=False) for h in member_hosts if "/" in h]
+        self._names = [h.lower() for h in member_hosts if "/" not in h]
+        self._default = not member_hosts
+        self._own = frozenset(h.lower().strip("[]") for h in own_hosts if h)
+        self._verdicts: dict[str, str | None] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, cfg: SiteConfig, own_url: str | None = None) -> "MemberTrust":
+        """From the site file: its member token and member_hosts; own hosts: ``own_url``'s, the advertised
+        URL's and region_service.host."""
+        rs = cfg.region_service
+        own = [rs.host]
+        for url in (own_url, rs.advertised_url):
+            if url:
+                host = urlsplit(url).hostname
+                if host:
+                    own.append(host)
+        token = rs.member_token.get_secret_value() if rs.member_token is not None else None
+        return cls(token, tuple(rs.member_hosts), tuple(own))
+
+    @property
+    def signs(self) -> bool:
+        return self._key is not None
+
+    def signature(self, key: bytes, value: bytes | None) -> bytes:
+        assert self._key is not None
+        mac = hmac.new(self._key, _SIGNED_CONTEXT, hashlib.sha256)
+        mac.update(len(key).to_bytes(4, "big") + key)
+        mac.update(b"" if value is None else value)
+        return mac.digest()
+
+    def headers(self, key: bytes, value: bytes | None) -> list[tuple[str, bytes]] | None:
+        """The headers a record published by this process carries (None without a member token)."""
+        return None if self._key is None else [(SIGNATURE_HEADER, self.signature(key, value))]
+
+    def verified(self, key: bytes, value: bytes | None, headers: list[tuple[str, bytes]] | None) -> bool:
+        """Whether a record read from the topic is signed with the member token (always, without one)."""
+        if self._key is None:
+            return True
+        expected = self.signature(key, value)
+        for name, given in headers or ():
+            if name == SIGNATURE_HEADER and given is not None and hmac.compare_digest(expected, bytes(given)):
+                return True
+        return False
+
+    def url_problem(self, url: str) -> str | None:
+        """Why requests (and tokens) must not go to ``url``, or None when they may."""
+        with self._lock:
+            if url in self._verdicts:
+                return self._verdicts[url]
+        verdict = self._judge(url)
+        with self._lock:
+            if len(self._verdicts) < 10_000:
+                self._verdicts[url] = verdict
+        return verdict
+
+    def allows(self, url: str) -> bool:
+        return self.url_problem(url) is None
+
+    def host_problem(self, host: str) -> str | None:
+        """Why ``host`` is not a member host, or None."""
+        host = host.lower().strip("[]")
+        try:
+            ip: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(host)
+        except ValueError:
+            ip = None
+        if self._default:
+            if (ip is not None and ip.is_loopback) or host in _LOOPBACK_NAMES or host in self._own:
+                return None
+            return f"host {host!r} is neither loopback nor this instance's own host (member_hosts is empty)"
+        if ip is not None and any(ip.version == net.version and ip in net for net in self._networks):
+            return None
+        if any(fnmatch.fnmatchcase(host, name) for name in self._names):
+            return None
+        return f"host {host!r} is not in region_service.member_hosts"
+
+    def _judge(self, url: str) -> str | None:
+        try:
+            parts = urlsplit(url)
+            host = parts.hostname
+            parts.port  # noqa: B018 - raises ValueError for a port out of range
+        except ValueError as exc:
+            return f"not a URL: {exc}"
+        if parts.scheme not in ("http", "https") or not host:
+            return "not an http:// or https:// URL with a host"
+        if parts.username is not None or parts.password is not None or parts.query or parts.fragment:
+            return "a member URL has no user, query or fragment"
+        return self.host_problem(host)
+
+
 def owners_of(instances: dict[str, Instance]) -> dict[tuple[str, int], str]:
     """(region, bucket) → URL of the latest claim among running instances."""
     best: dict[tuple[str, int], tuple[int, str]] = {}
@@ -75,34 +206,72 @@ def owners_of(instances: dict[str, Instance]) -> dict[tuple[str, int], str]:
     return {rb: url for rb, (_, url) in best.items()}
 
 
-def live_urls(instances: dict[str, Instance], now_ms: int | None = None) -> list[str]:
-    """URLs of the running instances heard from lately (all running ones when none is that fresh)."""
+def live_urls(instances: dict[str, Instance], now_ms: int | None = None,
+              trust: MemberTrust | None = None) -> list[str]:
+    """URLs of the running instances heard from lately (all running ones when none is that fresh).
+
+    ``instances`` from ``read_instances`` hold only believed records; ``trust`` filters others."""
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-    running = [i for i in instances.values() if i.state == "running"]
+    running = [i for i in instances.values() if i.state == "running" and (trust is None or trust.allows(i.url))]
     fresh = [i for i in running if now_ms - i.updated_at <= LIVE_WITHIN_S * 1000]
     return sorted({i.url for i in (fresh or running)})
 
 
-def _decode(codec: Any, key: bytes | None, value: bytes | None) -> tuple[str, Instance | None] | None:
+class _Ignored:
+    """Counts the records a reader did not believe, and logs the first of each kind and key."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._seen: set[tuple[str, bytes]] = set()
+
+    def __call__(self, why: str, key: bytes, detail: str) -> None:
+        self.count += 1
+        if len(self._seen) < 1000 and (why, key) not in self._seen:
+            self._seen.add((why, key))
+            log.warning("status topic: record %r ignored: %s", key[:100], detail)
+
+
+def _decode(codec: Any, key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes]] | None = None,
+            trust: MemberTrust | None = None, ignored: _Ignored | None = None
+            ) -> tuple[str, Instance | None] | None:
+    """(instance name, record or None for a tombstone), or None when the record is not a believed
+    instance record."""
     if not key or not key.startswith(KEY_PREFIX):
+        return None
+    if trust is not None and not trust.verified(key, value, headers):
+        if ignored is not None:
+            ignored("unsigned", key, "not signed with this site's member token")
         return None
     name = key[len(KEY_PREFIX):].decode("utf-8", "replace")
     if value is None:
         return name, None
     try:
-        return name, Instance.from_record(codec.decode_as("RegionInstance", value))
+        instance = Instance.from_record(codec.decode_as("RegionInstance", value))
     except (CodecError, KeyError, ValueError):
         return None
+    if instance.instance != name:
+        if ignored is not None:
+            ignored("misnamed", key, f"names instance {instance.instance!r}")
+        return None
+    problem = None if trust is None else trust.url_problem(instance.url)
+    if problem is not None:
+        if ignored is not None:
+            ignored("url", key, f"URL {instance.url[:200]!r}: {problem}")
+        return None
+    return name, instance
 
 
 def read_instances(cfg: SiteConfig, deadline_s: float = 10.0) -> dict[str, Instance]:
-    """Every instance record, read once from the start of the status topic to its end."""
+    """Every believed instance record (see the module docstring), read once from the start of the
+    status topic to its end."""
     codec = get_codec()
+    trust = MemberTrust.from_config(cfg)
+    ignored = _Ignored()
     consumer = make_consumer(cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 10})
     found: dict[str, Instance] = {}
     try:
         for msg in read_to_end(consumer, cfg.topics.status(), 0, deadline_s=deadline_s):
-            item = _decode(codec, msg.key(), msg.value())
+            item = _decode(codec, msg.key(), msg.value(), msg.headers(), trust, ignored)
             if item is not None:
                 if item[1] is None:
                     found.pop(item[0], None)
@@ -116,8 +285,9 @@ def read_instances(cfg: SiteConfig, deadline_s: float = 10.0) -> dict[str, Insta
 class DirectoryPublisher:
     """This instance's claims, published on change and every ``HEARTBEAT_S``."""
 
-    def __init__(self, cfg: SiteConfig, instance: str, url: str) -> None:
+    def __init__(self, cfg: SiteConfig, instance: str, url: str, trust: MemberTrust | None = None) -> None:
         self._codec = get_codec()
+        self._trust = trust or MemberTrust.from_config(cfg, url)
         self._topic = cfg.topics.status()
         self._key = KEY_PREFIX + instance.encode()
         self._instance = instance
@@ -135,8 +305,9 @@ class DirectoryPublisher:
                       "buckets": [{"region": r, "bucket": b, "since": since} for r, b, since in self._claims],
                       "updated_at": int(time.time() * 1000)}
             self._last = time.monotonic()
+        value = self._codec.encode("RegionInstance", record)
         try:
-            self._producer.produce(self._topic, self._codec.encode("RegionInstance", record), self._key)
+            self._producer.produce(self._topic, value, self._key, headers=self._trust.headers(self._key, value))
             self._producer.poll(0)
         except (BufferError, KafkaException) as exc:
             log.warning("publishing this instance's buckets: %s", exc)
@@ -157,8 +328,10 @@ class OwnerDirectory:
     ``refresh()`` reads what arrived since the last call; the first call reads the topic from its start.
     """
 
-    def __init__(self, cfg: SiteConfig) -> None:
+    def __init__(self, cfg: SiteConfig, trust: MemberTrust | None = None) -> None:
         self._codec = get_codec()
+        self.trust = trust or MemberTrust.from_config(cfg)
+        self.ignored = _Ignored()
         self._topic = cfg.topics.status()
         self._consumer: Consumer = make_consumer(cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 50})
         self._consumer.assign([TopicPartition(self._topic, 0, OFFSET_BEGINNING)])
@@ -184,7 +357,7 @@ class OwnerDirectory:
             for msg in msgs:
                 if msg.error() is not None:
                     continue
-                item = _decode(self._codec, msg.key(), msg.value())
+                item = _decode(self._codec, msg.key(), msg.value(), msg.headers(), self.trust, self.ignored)
                 if item is None:
                     continue
                 changed = True
@@ -203,6 +376,24 @@ class OwnerDirectory:
     def table(self) -> dict[tuple[str, int], str]:
         with self._lock:
             return dict(self._owners)
+
+    def topic_problems(self, partitions: dict[str, int], timeout_s: float = 5.0) -> dict[str, str] | None:
+        """Each of ``partitions``' topics that is missing or has another partition count, with why;
+        None when the broker did not answer (one metadata request per topic)."""
+        problems: dict[str, str] = {}
+        with self._reading:
+            for topic, expected in partitions.items():
+                try:
+                    metadata = self._consumer.list_topics(topic, timeout=timeout_s)
+                except KafkaException as exc:
+                    log.debug("metadata of %s: %s", topic, exc)
+                    return None
+                found = metadata.topics.get(topic)
+                if found is None or found.error is not None:
+                    problems[topic] = "topic missing" + (f" ({found.error.str()})" if found is not None else "")
+                elif len(found.partitions) != expected:
+                    problems[topic] = f"{len(found.partitions)} partitions, the site file says {expected}"
+        return problems
 
     def close(self) -> None:
         self._consumer.close()
