@@ -11,6 +11,11 @@ reset, a timeout, and any answer the service marks ``retriable`` (503: the
 bucket is moving between owners, or Kafka did not acknowledge in time).  The
 client rotates through every URL it was given, so a dead instance is skipped.
 
+``token`` is the credential sent as ``Authorization: Bearer``: the site's
+``region_service.token`` for the region API, its ``member_token`` for
+``apply_remote`` (a gateway receiver's client).  Every request that changes
+something is sent as JSON (``{}`` at least), which the service requires.
+
 Example::
 
     from sluice.client import RegionClient
@@ -142,12 +147,19 @@ class RegionClient:
         answered ``duplicate``; events that lose the WAN conflict are counted in
         ``conflicts`` and listed as ``conflict``.  ``traces``: each event's W3C
         ``traceparent`` (or None), the parent of its apply on this site.
+
+        An event the site refuses for good (its checks: key, value, dsids,
+        EventID bounds, clock skew) is an ``error`` outcome in the answer, not
+        an exception: the other events of the request are applied, and the
+        caller reports the refused ones (a receiver puts them in its ack).
+        Only a retriable failure of some event sends the request again.
         """
         body: dict[str, Any] = {"events": [encode_remote(e) for e in events]}
         if traces is not None:
             assert len(traces) == len(events), "one trace context (or None) per event"
             body["traceparents"] = traces
-        return self._request("POST", f"/regions/{region}/apply_remote?outcomes={outcomes}", body, bulk=True)
+        return self._request("POST", f"/regions/{region}/apply_remote?outcomes={outcomes}", body, bulk=True,
+                             refused_ok=True)
 
     def get(self, region: str, key: str, default: Any = None) -> Any:
         entry = self.get_entry(region, key)
@@ -183,7 +195,8 @@ class RegionClient:
         body["event_id"] = eid.to_record()
         return self._request("POST", f"/regions/{region}/{op}", body)
 
-    def _request(self, method: str, path: str, body: dict[str, Any] | None, bulk: bool = False) -> Any:
+    def _request(self, method: str, path: str, body: dict[str, Any] | None, bulk: bool = False,
+                 refused_ok: bool = False) -> Any:
         for attempt in Retrying(
             retry=retry_if_exception(lambda e: isinstance(e, _Transient)),
             stop=stop_after_delay(self._retry_for_s),
@@ -193,12 +206,14 @@ class RegionClient:
             with attempt:
                 if attempt.retry_state.attempt_number > 1:
                     self.retries += 1
-                return self._once(method, path, body, bulk)
+                return self._once(method, path, body, bulk, refused_ok)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _once(self, method: str, path: str, body: dict[str, Any] | None, bulk: bool) -> Any:
+    def _once(self, method: str, path: str, body: dict[str, Any] | None, bulk: bool, refused_ok: bool) -> Any:
         with self._lock:
             url = self.urls[next(self._rotation)]
+        if body is None and method != "GET":
+            body = {}
         try:
             resp = self._http.request(method, url + path, json=body)
         except (httpx.TransportError,) as exc:
@@ -210,6 +225,12 @@ class RegionClient:
         if bulk and resp.status_code in (200, 207) or (bulk and resp.status_code >= 400 and "outcomes" in data):
             failed = [o for o in data.get("outcomes", []) if o["status"] == "error"]
             if failed:
+                retriable = [o for o in failed if o["error"].get("retriable")]
+                if refused_ok and retriable:
+                    # Retrying the whole request is safe: applied events come back as duplicates.
+                    raise _Transient(f"{url}: {len(retriable)} events failed: {retriable[0]['error'].get('message')}")
+                if refused_ok:
+                    return data
                 if all(o["error"].get("retriable") for o in failed):
                     # Retrying the whole bulk is safe: applied entries come back as duplicates.
                     raise _Transient(f"{url}: {len(failed)} entries failed: {failed[0]['error'].get('message')}")

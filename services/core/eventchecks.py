@@ -46,8 +46,9 @@ MEMBER_ID_MAX_CHARS = 200
 DSID_RANGE = range(1, 256)
 
 
-def _is_unicode(text: str) -> bool:
-    """Whether ``text`` encodes as UTF-8 (JSON's "\\ud800" gives a Python string that does not)."""
+def is_unicode(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8: JSON's "\\ud800" escapes give Python strings that do not,
+    and every text that reaches a record must."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -65,7 +66,7 @@ def event_id_problem(event_id: EventID, field: str = "event_id", count: int = 1)
     member = event_id.member_id
     if not isinstance(member, str) or not 1 <= len(member) <= MEMBER_ID_MAX_CHARS:
         return InvalidRequest(f"{field}.member_id", member, f"must be 1 to {MEMBER_ID_MAX_CHARS} characters")
-    if not _is_unicode(member):
+    if not is_unicode(member):
         return InvalidRequest(f"{field}.member_id", _shown(member), "must be valid Unicode (it holds a lone surrogate)")
     for name in ("thread_id", "sequence_id"):
         value = getattr(event_id, name)
@@ -86,7 +87,7 @@ def key_problem(cfg: SiteConfig, region: str, key: Any, field: str = "key") -> I
         return exc
     if not isinstance(key, str) or key == "":
         return InvalidRequest(field, key, "must be a non-empty string")
-    if not _is_unicode(key):
+    if not is_unicode(key):
         return InvalidRequest(field, _shown(key), "must be valid Unicode (it holds a lone surrogate)")
     n = len(key.encode("utf-8"))
     if n > limit:
@@ -150,4 +151,4 @@ def remote_problem(cfg: SiteConfig, event: EntryEvent, now_ms: int, field: str =
     return value_problem(cfg, event.region, event.value, event.value_encoding, f"{field}.value")
 
 
-__all__ = ["ID_MAX", "event_id_problem", "key_problem", "remote_problem", "value_problem"]
+__all__ = ["ID_MAX", "event_id_problem", "is_unicode", "key_problem", "remote_problem", "value_problem"]

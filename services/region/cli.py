@@ -29,13 +29,18 @@ from .service import RegionService, ServiceState
 EXAMPLE = """\
 example:
   sluice region -c deploy/sites/site-a.yaml --port 7071
-  curl -s -XPOST localhost:7071/regions/orders/put -d '{"key": "o-1", "value": {"qty": 3}}'
+  curl -s -XPOST localhost:7071/regions/orders/put -H 'content-type: application/json' \
+       -d '{"key": "o-1", "value": {"qty": 3}}'
   curl -s localhost:7071/regions/orders/entries/o-1
   curl -s localhost:7071/buckets            # who owns which bucket
   open http://localhost:7071/docs           # the API, from its OpenAPI document
 
 Start a second instance (another --port) and the buckets are shared between
 them through Kafka's consumer group; a request to either is served.
+
+Beyond loopback (--host 0.0.0.0, a pod IP) an instance starts only with
+region_service.token and member_token set (or allow_unauthenticated: true);
+clients then send `Authorization: Bearer <token>`.
 """
 
 
@@ -71,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
         sock = service.bind()
     except OSError as exc:
         print(f"sluice region: cannot listen on {service.host}:{args.port}: {exc}", file=sys.stderr)
+        return 2
+    except ConfigError as exc:
+        print(f"sluice region: {exc}", file=sys.stderr)
         return 2
     try:
         health = serve_health("region", service, cfg, metrics_port)

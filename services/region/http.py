@@ -7,34 +7,64 @@ thread_id, sequence_id): a client that retries with the same EventID gets
 ``{"error", "message", "field", "reason", "retriable"}`` with a 4xx status for
 bad input (Geode's EntryExists is 409, EntryNotFound 404, unknown region 404,
 oversized key or value 413, malformed body 400) and 503 when a retry may help.
+
+Credentials (``Authorization: Bearer <token>``; the checks are in guard.py):
+
+- ``/healthz`` and ``/readyz``: none.
+- ``/internal/*`` (operations, reads and bucket keys forwarded between
+  instances) and ``POST /regions/{region}/apply_remote`` (other sites' events,
+  from the gateway receiver): ``region_service.member_token`` only.
+- every other path (entries, bulk operations, ``/regions``, ``/buckets``,
+  ``/stats``, this document): ``region_service.token`` only.
+
+A credential that is not configured leaves its paths open (a loopback-only
+development site).  State-changing requests (POST, PUT, DELETE) must be
+``content-type: application/json`` and not come from another origin (403);
+a body larger than ``region_service.request_body_max_bytes`` is refused
+before it is read (413).  Forwarded operations and other sites' events are
+checked as strictly as a client's write; an event refused by those checks is
+an ``error`` outcome of its own and never fails the other events of its
+request.
 """
 
+import json
+import math
 import time
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
-from typing import Annotated
-
 from fastapi import FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, ORJSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import Response
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..core.errors import InvalidRequest, SluiceError
-from ..core.telemetry import TRACEPARENT
-from ..core.events import EventID, goes_to_gateway
-from .engine import Operation
+from ..core.eventchecks import ID_MAX, MEMBER_ID_MAX_CHARS, event_id_problem, is_unicode, remote_problem
+from ..core.events import EventID
 from ..core.remotewire import decode_remote
-from .service import FORWARDED_HEADER, Outcome, RegionService, _NotOwnedKeys, op_from_json
+from ..core.telemetry import TRACEPARENT
+from .engine import Operation
+from .guard import Guard
+from .service import Outcome, RegionService, _NotOwnedKeys, error_outcome
 from .state import Op
+
+
+def _unicode(text: str) -> str:
+    if not is_unicode(text):
+        raise ValueError("must be valid Unicode (it holds a lone surrogate)")
+    return text
+
+
+#: A string that can go into a record: JSON's "\ud800" escapes make Python strings that cannot.
+Text = Annotated[str, AfterValidator(_unicode)]
 
 
 class EventIdBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    member_id: str = Field(min_length=1, max_length=200)
-    thread_id: int = Field(ge=0)
-    sequence_id: int = Field(ge=0)
+    member_id: Text = Field(min_length=1, max_length=MEMBER_ID_MAX_CHARS)
+    thread_id: int = Field(ge=0, le=ID_MAX)
+    sequence_id: int = Field(ge=0, le=ID_MAX)
 
     def to_event_id(self, offset: int = 0) -> EventID:
         return EventID(self.member_id, self.thread_id, self.sequence_id + offset)
@@ -46,7 +76,7 @@ class EntryBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     key: str = Field(description="The entry's key.")
     value: Any = Field(description="Any JSON value (not null).")
-    callback_argument: str | None = None
+    callback_argument: Text | None = None
     event_id: EventIdBody | None = Field(None, description="Keep it on retries: the write is applied once.")
 
 
@@ -55,14 +85,14 @@ class KeyBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     key: str
-    callback_argument: str | None = None
+    callback_argument: Text | None = None
     event_id: EventIdBody | None = None
 
 
 class PutAllBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     entries: dict[str, Any] = Field(description="key → value; entry i gets sequence_id + i.")
-    callback_argument: str | None = None
+    callback_argument: Text | None = None
     event_id: EventIdBody | None = None
 
 
@@ -72,10 +102,12 @@ class RemoteBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     events: list[str] = Field(min_length=1, max_length=10_000)
     #: Each event's W3C trace context (or null), when the sending site traced it.
-    traceparents: list[str | None] | None = None
+    traceparents: list[Annotated[str, Field(max_length=256)] | None] | None = Field(None, max_length=10_000)
 
 
 class ClearBody(BaseModel):
+    """clear / destroy_region: ``{}`` at least."""
+
     model_config = ConfigDict(extra="forbid")
     event_id: EventIdBody | None = Field(None, description="Keep it on retries: each bucket is cleared once.")
 
@@ -83,24 +115,86 @@ class ClearBody(BaseModel):
 class KeysBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     keys: list[str]
-    callback_argument: str | None = None
+    callback_argument: Text | None = None
     event_id: EventIdBody | None = None
 
 
-def _error(exc: SluiceError) -> JSONResponse:
-    return JSONResponse(exc.to_dict(), status_code=exc.http_status)
+class ForwardedOp(BaseModel):
+    """One operation an instance forwards to the owner of its bucket."""
+
+    model_config = ConfigDict(extra="forbid")
+    op: Op
+    region: str
+    key: str = Field(description="The entry's key (empty for a region clear or destroy).")
+    value: str | None = Field(None, description="The value's JSON text (create, put, put_all).")
+    event_id: EventIdBody | None = None
+    callback_argument: str | None = None
+    remote: str | None = Field(None, description="For op remote: the other site's event, base64 Avro.")
+    transaction: str | None = Field(None, max_length=512)
+    bucket: int = Field(-1, ge=-1, le=1023, description="The key's bucket (-1: computed by the owner).")
+    traceparent: str | None = Field(None, max_length=256)
 
 
-def _single(outcome: Outcome, created: bool = False) -> JSONResponse:
+class ForwardedOps(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    ops: list[ForwardedOp] = Field(min_length=1, max_length=100_000)
+
+
+class ForwardedRead(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    region: str
+    keys: list[str] = Field(max_length=100_000)
+
+
+class ForwardedKeys(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    region: str
+    bucket: int = Field(ge=0, le=1023)
+
+
+def _printable(value: Any) -> Any:
+    """``value`` with what JSON cannot carry (lone surrogates, NaN) made visible text."""
+    if isinstance(value, str):
+        return value if is_unicode(value) else value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {str(_printable(k)): _printable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_printable(v) for v in value]
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "backslashreplace")
+    return value
+
+
+class SafeJSON(Response):
+    """orjson, and for what it refuses (an echoed lone surrogate, an integer beyond 64 bits) the
+    standard library on a printable copy: an error echoing a bad input never becomes a 500."""
+
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return orjson.dumps(content)
+        except orjson.JSONEncodeError:
+            return json.dumps(_printable(content), ensure_ascii=False, allow_nan=False,
+                              default=str).encode("utf-8")
+
+
+def _error(exc: SluiceError) -> Response:
+    return SafeJSON(exc.to_dict(), status_code=exc.http_status)
+
+
+def _single(outcome: Outcome, created: bool = False) -> Response:
     if outcome.status == "error":
         assert outcome.error is not None
         body = {k: v for k, v in outcome.error.items() if k != "http_status"}
-        return JSONResponse(body, status_code=outcome.http_status)
+        return SafeJSON(body, status_code=outcome.http_status)
     status = 201 if created and outcome.status == "ok" else 200
-    return JSONResponse(outcome.to_dict(), status_code=status)
+    return SafeJSON(outcome.to_dict(), status_code=status)
 
 
-def _bulk(outcomes: list[Outcome], detail: str = "exceptions") -> JSONResponse:
+def _bulk(outcomes: list[Outcome], detail: str = "exceptions") -> Response:
     """A bulk operation is not atomic (as Geode's putAll): a summary, and the
     outcome of every key that was not simply applied (``detail=all``: of every key)."""
     counts = {"ok": 0, "duplicate": 0, "skipped": 0, "conflict": 0, "error": 0}
@@ -126,14 +220,15 @@ def _bulk(outcomes: list[Outcome], detail: str = "exceptions") -> JSONResponse:
         "failed": counts["error"],
         "outcomes": listed,
     }
-    return ORJSONResponse(body, status_code=status)
+    return SafeJSON(body, status_code=status)
 
 
 #: Requests FastAPI's telemetry leaves out: the probes and the status polls.
 UNTRACED_PATHS = frozenset({"/healthz", "/readyz", "/stats", "/buckets"})
 
 
-def create_app(service: RegionService) -> FastAPI:
+def create_app(service: RegionService) -> Any:
+    """The region API: FastAPI behind the request guard (guard.py)."""
     names = [r.name for r in service.cfg.regions]
     # Every route's {region}: documented with this site's regions as examples;
     # any other name is answered 404 UnknownRegion by the handler.
@@ -142,6 +237,7 @@ def create_app(service: RegionService) -> FastAPI:
         title="Sluice region service",
         version="1",
         description=__doc__,
+        default_response_class=SafeJSON,
         openapi_tags=[{"name": "entries"}, {"name": "bulk"}, {"name": "gateway"}, {"name": "operations"},
                       {"name": "internal"}],
         # FastAPI's own OpenTelemetry spans and HTTP metrics, through this process's providers
@@ -149,209 +245,220 @@ def create_app(service: RegionService) -> FastAPI:
         telemetry={"operation_spans": False, "exclude": lambda scope: scope.get("path") in UNTRACED_PATHS},
     )
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next: Any) -> Response:
-        if service.token and request.url.path not in ("/healthz", "/readyz"):
-            if request.headers.get("authorization") != f"Bearer {service.token}":
-                return JSONResponse(
-                    {"error": "Unauthorized", "message": "missing or wrong bearer token", "retriable": False},
-                    status_code=401,
-                )
-        return await call_next(request)
-
     @app.exception_handler(SluiceError)
-    async def sluice_error(_: Request, exc: SluiceError) -> JSONResponse:
+    async def sluice_error(_: Request, exc: SluiceError) -> Response:
         return _error(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def bad_body(_: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0] if exc.errors() else {"loc": ("body",), "msg": "invalid", "input": None}
         field = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
         value = first.get("input")
         if isinstance(value, bytes):
             err = InvalidRequest("body", value[:80].decode("utf-8", "replace"),
                                  "expected a JSON object; send it with content-type: application/json")
-            return JSONResponse(err.to_dict(), status_code=400)
+            return SafeJSON(err.to_dict(), status_code=400)
         if first.get("type") == "json_invalid":
             err = InvalidRequest("body", None, f"not valid JSON ({first.get('ctx', {}).get('error', 'syntax error')} "
                                                f"at position {first.get('loc', ('', '?'))[-1]})")
-            return JSONResponse(err.to_dict(), status_code=400)
+            return SafeJSON(err.to_dict(), status_code=400)
         if isinstance(value, (dict, list)):
-            value = orjson.dumps(value).decode()[:80]
+            value = SafeJSON(value).body.decode("utf-8")[:80]
         err = InvalidRequest(field, value, first.get("msg", "invalid"))
         body = err.to_dict()
         body["problems"] = [
             {"field": ".".join(str(p) for p in e.get("loc", ()) if p != "body"), "reason": e.get("msg")}
             for e in exc.errors()
         ]
-        return JSONResponse(body, status_code=400)
+        return SafeJSON(body, status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse({"error": "HTTPError", "message": str(exc.detail), "retriable": False},
-                            status_code=exc.status_code)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        return SafeJSON({"error": "HTTPError", "message": str(exc.detail), "field": None, "reason": str(exc.detail),
+                         "retriable": False}, status_code=exc.status_code)
 
-    def forwarded(request: Request) -> bool:
-        return request.headers.get(FORWARDED_HEADER) == "1"
-
-    async def one(request: Request, region: str, op: Op, key: str, value: Any, cb: str | None,
-                  eid: EventIdBody | None, created: bool = False) -> JSONResponse:
+    async def one(region: str, op: Op, key: str, value: Any, cb: str | None,
+                  eid: EventIdBody | None, created: bool = False) -> Response:
         service.region_config(region)
         service.check_key(region, key)
         data = service.encode_value(region, value) if op in (Op.CREATE, Op.PUT) else None
         operation = Operation(op, region, key, data, eid.to_event_id() if eid else None, cb)
-        outcome = (await service.execute([operation], forwarded(request)))[0]
+        outcome = (await service.execute([operation], False))[0]
         return _single(outcome, created)
 
     # --- entries -------------------------------------------------------------
 
     @app.post("/regions/{region}/create", tags=["entries"], status_code=201,
               summary="Create an entry; 409 EntryExists when the key is present")
-    async def create(region: RegionName, body: EntryBody, request: Request) -> JSONResponse:
-        return await one(request, region, Op.CREATE, body.key, body.value, body.callback_argument, body.event_id, True)
+    async def create(region: RegionName, body: EntryBody) -> Response:
+        return await one(region, Op.CREATE, body.key, body.value, body.callback_argument, body.event_id, True)
 
     @app.post("/regions/{region}/put", tags=["entries"], summary="Create or update an entry")
-    async def put(region: RegionName, body: EntryBody, request: Request) -> JSONResponse:
-        return await one(request, region, Op.PUT, body.key, body.value, body.callback_argument, body.event_id)
+    async def put(region: RegionName, body: EntryBody) -> Response:
+        return await one(region, Op.PUT, body.key, body.value, body.callback_argument, body.event_id)
 
     @app.post("/regions/{region}/destroy", tags=["entries"],
               summary="Destroy an entry; 404 EntryNotFound when absent")
-    async def destroy(region: RegionName, body: KeyBody, request: Request) -> JSONResponse:
-        return await one(request, region, Op.DESTROY, body.key, None, body.callback_argument, body.event_id)
+    async def destroy(region: RegionName, body: KeyBody) -> Response:
+        return await one(region, Op.DESTROY, body.key, None, body.callback_argument, body.event_id)
 
     @app.post("/regions/{region}/invalidate", tags=["entries"],
               summary="Invalidate an entry (the key stays, the value goes); 404 when absent")
-    async def invalidate(region: RegionName, body: KeyBody, request: Request) -> JSONResponse:
-        return await one(request, region, Op.INVALIDATE, body.key, None, body.callback_argument, body.event_id)
+    async def invalidate(region: RegionName, body: KeyBody) -> Response:
+        return await one(region, Op.INVALIDATE, body.key, None, body.callback_argument, body.event_id)
 
     @app.get("/regions/{region}/entries/{key:path}", tags=["entries"],
              summary="Get an entry: its value (null when invalid) and version; 404 when absent")
-    async def get(region: RegionName, key: str, request: Request) -> JSONResponse:
+    async def get(region: RegionName, key: str) -> Response:
         service.region_config(region)
         service.check_key(region, key)
-        entries = await _read(request, region, [key])
+        entries = await service.read(region, [key], False)
         entry = entries.get(key)
         if entry is None:
-            return JSONResponse({"error": "EntryNotFound", "key": key, "message": f"no entry {key!r} in region {region!r}",
-                                 "retriable": False}, status_code=404)
-        return JSONResponse({"key": key, **entry})
+            return SafeJSON({"error": "EntryNotFound", "key": key, "message": f"no entry {key!r} in region {region!r}",
+                             "field": "key", "reason": f"no entry in region {region!r}", "retriable": False},
+                            status_code=404)
+        return SafeJSON({"key": key, **entry})
 
-    @app.put("/regions/{region}/entries/{key:path}", tags=["entries"], summary="Put (REST form): the body is the value")
-    async def put_rest(region: RegionName, key: str, request: Request) -> JSONResponse:
+    @app.put("/regions/{region}/entries/{key:path}", tags=["entries"], summary="Put (REST form): the body is the value",
+             openapi_extra={"requestBody": {"required": True, "description": "The value: any JSON (not null).",
+                                            "content": {"application/json": {"schema": {}}}}})
+    async def put_rest(region: RegionName, key: str, request: Request) -> Response:
         try:
             value = orjson.loads(await request.body())
         except orjson.JSONDecodeError as exc:
             raise InvalidRequest("body", None, f"not JSON: {exc}") from None
-        return await one(request, region, Op.PUT, key, value, None, None)
+        return await one(region, Op.PUT, key, value, None, None)
 
     @app.delete("/regions/{region}/entries/{key:path}", tags=["entries"], summary="Destroy (REST form)")
-    async def destroy_rest(region: RegionName, key: str, request: Request) -> JSONResponse:
-        return await one(request, region, Op.DESTROY, key, None, None, None)
+    async def destroy_rest(region: RegionName, key: str) -> Response:
+        return await one(region, Op.DESTROY, key, None, None, None)
 
     @app.get("/regions/{region}/contains/{key:path}", tags=["entries"], summary="Whether the key is present")
-    async def contains(region: RegionName, key: str, request: Request) -> dict[str, Any]:
+    async def contains(region: RegionName, key: str) -> dict[str, Any]:
         service.region_config(region)
         service.check_key(region, key)
-        entries = await _read(request, region, [key])
+        entries = await service.read(region, [key], False)
         return {"key": key, "contains": entries.get(key) is not None}
 
     @app.get("/regions/{region}/keys", tags=["entries"], summary="Keys of one bucket, or of the whole region")
-    async def keys(region: RegionName, request: Request, bucket: int | None = Query(None, ge=0)) -> dict[str, Any]:
+    async def keys(region: RegionName, bucket: int | None = Query(None, ge=0)) -> dict[str, Any]:
         cfg = service.region_config(region)
         if bucket is not None and bucket >= cfg.buckets:
             raise InvalidRequest("bucket", bucket, f"region {region!r} has buckets 0..{cfg.buckets - 1}")
-        return {"region": region, "bucket": bucket, "keys": await service.keys(region, bucket, forwarded(request))}
+        return {"region": region, "bucket": bucket, "keys": await service.keys(region, bucket, False)}
 
     # --- bulk --------------------------------------------------------------------
 
+    def first_event_id(body_event_id: EventIdBody | None, count: int) -> EventID | None:
+        if body_event_id is None:
+            return None
+        eid = body_event_id.to_event_id()
+        problem = event_id_problem(eid, "event_id", count=count)
+        if problem is not None:
+            raise problem
+        return eid
+
     @app.post("/regions/{region}/put_all", tags=["bulk"], summary="Put many entries (not atomic, as Geode's putAll)")
-    async def put_all(region: RegionName, body: PutAllBody, request: Request,
+    async def put_all(region: RegionName, body: PutAllBody,
                       outcomes: str = Query("exceptions", pattern="^(exceptions|all)$",
                                             description="all: one outcome per key; exceptions: only keys not applied")
-                      ) -> JSONResponse:
+                      ) -> Response:
         service.region_config(region)
+        first = first_event_id(body.event_id, len(body.entries))
         ops = []
-        tx = service.transaction_for(region, body.event_id.to_event_id() if body.event_id else None)
+        tx = service.transaction_for(region, first)
         for i, (key, value) in enumerate(body.entries.items()):
             service.check_key(region, key, f"entries.{key}")
             data = service.encode_value(region, value, f"entries.{key}")
             ops.append(Operation(Op.PUT_ALL, region, key, data,
                                  body.event_id.to_event_id(i) if body.event_id else None, body.callback_argument,
                                  transaction=tx))
-        return _bulk(await service.execute(ops, forwarded(request)), outcomes)
+        return _bulk(await service.execute(ops, False), outcomes)
 
     @app.post("/regions/{region}/remove_all", tags=["bulk"], summary="Destroy many entries; absent keys are skipped")
-    async def remove_all(region: RegionName, body: KeysBody, request: Request,
-                         outcomes: str = Query("exceptions", pattern="^(exceptions|all)$")) -> JSONResponse:
+    async def remove_all(region: RegionName, body: KeysBody,
+                         outcomes: str = Query("exceptions", pattern="^(exceptions|all)$")) -> Response:
         service.region_config(region)
+        first = first_event_id(body.event_id, len(body.keys))
         ops = []
-        tx = service.transaction_for(region, body.event_id.to_event_id() if body.event_id else None)
+        tx = service.transaction_for(region, first)
         for i, key in enumerate(body.keys):
             service.check_key(region, key, f"keys[{i}]")
             ops.append(Operation(Op.REMOVE_ALL, region, key, None,
                                  body.event_id.to_event_id(i) if body.event_id else None, body.callback_argument,
                                  transaction=tx))
-        return _bulk(await service.execute(ops, forwarded(request)), outcomes)
+        return _bulk(await service.execute(ops, False), outcomes)
 
     @app.post("/regions/{region}/clear", tags=["bulk"],
               summary="Clear the region: every entry of every bucket, each bucket at once; not sent to other "
                       "sites or async event queues (as Geode); subscription clients hear of it")
-    async def clear(region: RegionName, request: Request, body: ClearBody | None = None) -> JSONResponse:
-        return await whole_region(Op.CLEAR, region, request, body)
+    async def clear(region: RegionName, body: ClearBody) -> Response:
+        return await whole_region(Op.CLEAR, region, body)
 
     @app.post("/regions/{region}/destroy_region", tags=["bulk"],
               summary="Destroy the region: its entries go as with clear, and subscription clients drop the "
                       "region; it stays declared by the site file, so a later write starts it again")
-    async def destroy_region(region: RegionName, request: Request, body: ClearBody | None = None) -> JSONResponse:
-        return await whole_region(Op.DESTROY_REGION, region, request, body)
+    async def destroy_region(region: RegionName, body: ClearBody) -> Response:
+        return await whole_region(Op.DESTROY_REGION, region, body)
 
-    async def whole_region(op: Op, region: str, request: Request, body: ClearBody | None) -> JSONResponse:
+    async def whole_region(op: Op, region: str, body: ClearBody) -> Response:
         config = service.region_config(region)
-        event_id = body.event_id.to_event_id() if body is not None and body.event_id is not None else \
-            EventID(f"{service.instance_id}-{op.value}", 0, time.time_ns() // 1000)
+        event_id = body.event_id.to_event_id() if body.event_id is not None else service.clear_event_id(op)
         ops = [Operation(op, region, "", None, event_id, None, bucket=b) for b in range(config.buckets)]
-        outcomes = await service.execute(ops, forwarded(request))
+        outcomes = await service.execute(ops, False)
         if any(o.status == "error" for o in outcomes):
             return _bulk(outcomes)
-        return ORJSONResponse({"status": "ok", "operation": "REGION_CLEAR" if op is Op.CLEAR else "REGION_DESTROY",
-                               "buckets": len(outcomes), "cleared": sum(o.cleared or 0 for o in outcomes),
-                               "duplicates": sum(o.status == "duplicate" for o in outcomes),
-                               "event_id": event_id.to_record()})
+        return SafeJSON({"status": "ok", "operation": "REGION_CLEAR" if op is Op.CLEAR else "REGION_DESTROY",
+                         "buckets": len(outcomes), "cleared": sum(o.cleared or 0 for o in outcomes),
+                         "duplicates": sum(o.status == "duplicate" for o in outcomes),
+                         "event_id": event_id.to_record()})
 
     @app.post("/regions/{region}/get_all", tags=["bulk"], summary="Get many entries: key → entry or null")
-    async def get_all(region: RegionName, body: KeysBody, request: Request) -> dict[str, Any]:
+    async def get_all(region: RegionName, body: KeysBody) -> dict[str, Any]:
         service.region_config(region)
         for i, key in enumerate(body.keys):
             service.check_key(region, key, f"keys[{i}]")
-        return {"entries": await _read(request, region, body.keys)}
+        return {"entries": await service.read(region, body.keys, False)}
 
-    # --- from other sites ------------------------------------------------------------
+    # --- from other sites (member token) ------------------------------------------------
 
     @app.post("/regions/{region}/apply_remote", tags=["gateway"],
-              summary="Apply events another site applied (the gateway receiver's entry point)")
-    async def apply_remote(region: RegionName, body: RemoteBody, request: Request,
-                           outcomes: str = Query("exceptions", pattern="^(exceptions|all)$")) -> JSONResponse:
+              summary="Apply events another site applied (the gateway receiver's entry point; member token)")
+    async def apply_remote(region: RegionName, body: RemoteBody,
+                           outcomes: str = Query("exceptions", pattern="^(exceptions|all)$")) -> Response:
         """Each event keeps its origin's EventID and version tag.  Repeats are
         answered ``duplicate``; an event that loses the WAN conflict (later
         timestamp wins, then the higher dsid) is answered ``conflict`` and not
-        applied.  Only create, update and destroy operations cross sites."""
+        applied.  Only create, update and destroy operations cross sites.  An
+        event refused by the checks of ``core.eventchecks.remote_problem``
+        (key, value, dsids, EventID bounds, a timestamp beyond the allowed
+        clock skew) is an ``error`` outcome of its own: the others apply."""
         service.region_config(region)
-        ops = []
+        now_ms = int(time.time() * 1000)
+        answers: list[Outcome | None] = [None] * len(body.events)
+        ops: list[Operation] = []
+        where: list[int] = []
         for i, text in enumerate(body.events):
-            event = decode_remote(text, f"events[{i}]")
-            if event.region != region:
-                raise InvalidRequest(f"events[{i}].region", event.region, f"the request is for region {region!r}")
-            if not goes_to_gateway(event.operation):
-                raise InvalidRequest(f"events[{i}].operation", event.operation.value,
-                                     "only create, update and destroy cross sites")
-            if event.version.dsid == service.cfg.dsid or event.origin_dsid == service.cfg.dsid:
-                raise InvalidRequest(f"events[{i}].origin_dsid", event.origin_dsid,
-                                     f"an event of this site (dsid {service.cfg.dsid}) cannot come back to it")
-            service.check_key(region, event.key, f"events[{i}].key")
+            field = f"events[{i}]"
+            try:
+                event = decode_remote(text, field)
+            except InvalidRequest as exc:
+                answers[i] = error_outcome("", exc)
+                continue
+            problem = (InvalidRequest(f"{field}.region", event.region, f"the request is for region {region!r}")
+                       if event.region != region else remote_problem(service.cfg, event, now_ms, field))
+            if problem is not None:
+                answers[i] = error_outcome(event.key, problem)
+                continue
             traceparent = body.traceparents[i] if body.traceparents and i < len(body.traceparents) else None
             ops.append(Operation(Op.REMOTE, region, event.key, remote=event,
                                  trace=[(TRACEPARENT, traceparent.encode())] if traceparent else None))
-        return _bulk(await service.execute(ops, forwarded(request)), outcomes)
+            where.append(i)
+        if ops:
+            for i, outcome in zip(where, await service.execute(ops, False)):
+                answers[i] = outcome
+        return _bulk([o for o in answers if o is not None], outcomes)
 
     # --- operations ------------------------------------------------------------------
 
@@ -367,51 +474,78 @@ def create_app(service: RegionService) -> FastAPI:
     async def buckets() -> dict[str, Any]:
         return {"instance": service.instance_id, "url": service.url, "buckets": service.bucket_table()}
 
-    @app.get("/healthz", tags=["operations"])
-    async def healthz() -> JSONResponse:
+    @app.get("/healthz", tags=["operations"], summary="Alive (no credential)")
+    async def healthz() -> Response:
         ok = service.state.value == "running"
-        return JSONResponse({"state": service.state.value}, status_code=200 if ok else 503)
+        return SafeJSON({"state": service.state.value}, status_code=200 if ok else 503)
 
-    @app.get("/readyz", tags=["operations"])
-    async def readyz() -> JSONResponse:
-        ready = service.ready
-        return JSONResponse({"ready": ready, "state": service.state.value}, status_code=200 if ready else 503)
+    @app.get("/readyz", tags=["operations"], summary="Ready to serve, or what keeps it from it (no credential)")
+    async def readyz() -> Response:
+        not_ready = service.readiness() if service.state.value == "running" else \
+            {"state": f"the service is {service.state.value}"}
+        body: dict[str, Any] = {"ready": not not_ready, "state": service.state.value}
+        if not_ready:
+            body["not_ready"] = not_ready
+        return SafeJSON(body, status_code=503 if not_ready else 200)
 
     @app.get("/stats", tags=["operations"])
     async def stats() -> dict[str, Any]:
         assert service.engine is not None
-        return {"instance": service.instance_id, **service.engine.stats}
+        directory = service.directory
+        return {"instance": service.instance_id, **service.engine.stats,
+                "directory_records_ignored": directory.ignored.count if directory is not None else 0}
 
-    # --- between instances ------------------------------------------------------
+    # --- between instances (member token) ---------------------------------------------
 
-    @app.post("/internal/ops", tags=["internal"], include_in_schema=True,
-              summary="Apply operations forwarded by another instance (owner only)")
-    async def internal_ops(request: Request) -> JSONResponse:
-        try:
-            data = orjson.loads(await request.body())
-            ops = [op_from_json(d) for d in data["ops"]]
-        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise InvalidRequest("ops", None, f"malformed forwarded operations: {exc}") from None
-        outcomes = await service.execute(ops, forwarded=True)
-        return ORJSONResponse({"outcomes": [_with_status(o) for o in outcomes]})
+    @app.post("/internal/ops", tags=["internal"],
+              summary="Apply operations forwarded by another instance (owner only; member token)")
+    async def internal_ops(body: ForwardedOps) -> Response:
+        """Each operation is checked as a client's would be (key, the key's bucket, value, EventID
+        bounds; another site's event by ``remote_problem``); a refused one is an error outcome."""
+        now_ms = int(time.time() * 1000)
+        answers: list[Outcome | None] = [None] * len(body.ops)
+        ops: list[Operation] = []
+        where: list[int] = []
+        for i, f in enumerate(body.ops):
+            try:
+                ops.append(service.forwarded_operation(
+                    op=f.op, region=f.region, key=f.key, value=f.value,
+                    event_id=f.event_id.to_event_id() if f.event_id else None,
+                    callback_argument=f.callback_argument, remote=f.remote, transaction=f.transaction,
+                    bucket=f.bucket, traceparent=f.traceparent, field=f"ops[{i}]", now_ms=now_ms))
+            except InvalidRequest as exc:
+                answers[i] = error_outcome(f.key, exc)
+                continue
+            where.append(i)
+        if ops:
+            for i, outcome in zip(where, await service.execute(ops, forwarded=True)):
+                answers[i] = outcome
+        return SafeJSON({"outcomes": [_with_status(o) for o in answers if o is not None]})
 
-    @app.post("/internal/read", tags=["internal"], summary="Read entries for another instance (owner only)")
-    async def internal_read(request: Request) -> JSONResponse:
+    @app.post("/internal/read", tags=["internal"], summary="Read entries for another instance (owner only; "
+                                                           "member token)")
+    async def internal_read(body: ForwardedRead) -> Response:
+        service.region_config(body.region)
+        for i, key in enumerate(body.keys):
+            service.check_key(body.region, key, f"keys[{i}]")
         try:
-            data = orjson.loads(await request.body())
-            region, keys_ = data["region"], list(data["keys"])
-        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
-            raise InvalidRequest("body", None, f"malformed read: {exc}") from None
-        try:
-            entries = await service.read(region, keys_, forwarded=True)
-            return JSONResponse({"entries": entries, "not_owned": []})
+            entries = await service.read(body.region, body.keys, forwarded=True)
+            return SafeJSON({"entries": entries, "not_owned": []})
         except _NotOwnedKeys as exc:
-            return JSONResponse({"entries": exc.found, "not_owned": exc.keys})
+            return SafeJSON({"entries": exc.found, "not_owned": exc.keys})
 
-    async def _read(request: Request, region: str, keys_: list[str]) -> dict[str, Any]:
-        return await service.read(region, keys_, forwarded(request))
+    @app.post("/internal/keys", tags=["internal"], summary="Keys of a bucket for another instance (owner only; "
+                                                           "member token)")
+    async def internal_keys(body: ForwardedKeys) -> dict[str, Any]:
+        config = service.region_config(body.region)
+        if body.bucket >= config.buckets:
+            raise InvalidRequest("bucket", body.bucket, f"region {body.region!r} has buckets 0..{config.buckets - 1}")
+        return {"region": body.region, "bucket": body.bucket,
+                "keys": await service.keys(body.region, body.bucket, forwarded=True)}
 
-    return app
+    rs = service.cfg.region_service
+    return Guard(app, token=service.token, member_token=service.member_token,
+                 body_max_bytes=rs.request_body_max_bytes)
 
 
 def _with_status(o: Outcome) -> dict[str, Any]:

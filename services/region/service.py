@@ -18,11 +18,30 @@ owner that answered "not mine" or "loading", or that could not be connected
 to.  A forwarded request whose outcome is unknown (timeout) is answered with
 a retriable 503; the caller retries with the same EventID and the owner's
 duplicate tracking makes the retry safe.
+
+Between instances: an instance forwards to another only under ``/internal/``
+(operations, reads, a bucket's keys), with the member token, and only to a
+URL the owner directory believes (``directory.MemberTrust``).  The owner
+checks what it is handed as strictly as a public request
+(``forwarded_operation``): the key's bucket, the value, the EventID bounds,
+and ``core.eventchecks.remote_problem`` for another site's events.
+
+Readiness (``/readyz``): an instance is ready when it runs, the group has
+assigned it its buckets (possibly none) and each of them is loaded, every
+region's changelog topic exists with its partitions (checked every
+``TOPIC_CHECK_S`` from the directory thread, never per probe), and no bucket
+has been owned by nobody, neither this instance nor a claim it believes, for
+``UNOWNED_GRACE_S``.  Buckets move between owners within seconds (a claim
+stays until its successor's supersedes it, even from a killed instance), so
+a bucket that stays unowned means requests for it cannot be served: its
+changelog topic is gone, the group assigns it to nobody, or no claim is
+believed (member_token or member_hosts differ between the instances).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import socket
 import threading
@@ -37,11 +56,13 @@ from opentelemetry.trace import SpanKind
 
 from ..core import jsonvalue, telemetry
 from ..core.codec import get_codec
+from ..core.eventchecks import event_id_problem, is_unicode, key_problem, remote_problem, value_problem
 from ..core.remotewire import decode_remote, encode_remote
 from ..core.config import SiteConfig
 from ..core.errors import (
     BrokerUnavailable,
     BucketUnavailable,
+    ConfigError,
     EntryTooLarge,
     InvalidRequest,
     NotOwner,
@@ -53,7 +74,7 @@ from ..core.errors import (
 from ..core.events import EntryEvent, EventID
 from ..core.lifecycle import ServiceState
 from ..core.kafka import KafkaException, make_admin, translate
-from .directory import DirectoryPublisher, OwnerDirectory
+from .directory import DirectoryPublisher, MemberTrust, OwnerDirectory
 from .engine import Operation, OpResult, RegionEngine
 from ..core.gatewayfilters import SenderFilters
 from .conflicts import load_resolver
@@ -62,8 +83,12 @@ from .state import Op
 
 log = logging.getLogger("sluice.region")
 
-FORWARDED_HEADER = "x-sluice-forwarded"
 CLIENT_ID_PREFIX = "sluice-region@"
+#: How often the directory thread checks that every changelog topic exists (one metadata request per topic).
+TOPIC_CHECK_S = 5.0
+#: How long a bucket may be owned by no instance before the instances stop saying they are ready.
+UNOWNED_GRACE_S = 30.0
+_JSON = {"content-type": "application/json"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +155,11 @@ def outcome_of(op: Operation, result: OpResult) -> Outcome:
     return Outcome(op.key, "ok", operation=event.operation.value, event=event)
 
 
+def error_outcome(key: str, error: SluiceError) -> Outcome:
+    """The outcome of an operation refused before it reached an engine."""
+    return outcome_of(Operation(Op.PUT, "", key), OpResult(error=error))
+
+
 def _retry_routing(outcome: Outcome) -> bool:
     """Certainly not applied, and likely to succeed soon: a bucket on the move."""
     return outcome.status == "error" and outcome.error is not None and outcome.error.get("error") in (
@@ -148,7 +178,10 @@ class RegionService:
         self.host = host or cfg.region_service.host
         self._port = cfg.region_service.port if port is None else port
         self.instance_id = f"{cfg.site}-{uuid.uuid4().hex[:12]}"
-        self.token = cfg.region_service.token.get_secret_value() if cfg.region_service.token else None
+        rs = cfg.region_service
+        #: The clients' credential (the public API) and the members' (/internal/*, apply_remote).
+        self.token = rs.token.get_secret_value() if rs.token else None
+        self.member_token = rs.member_token.get_secret_value() if rs.member_token else None
         self.request_timeout_s = cfg.region_service.request_timeout_s
         self.regions = {r.name: r for r in cfg.regions}
         names = cfg.topics
@@ -163,6 +196,12 @@ class RegionService:
         self._stop_lock = threading.Lock()
         self._directory_thread: threading.Thread | None = None
         self._stopped = threading.Event()
+        #: Kept by the directory thread for readiness(): changelog topics missing or resized, and since
+        #: when (monotonic) each bucket owned by nobody has been so.
+        self._topic_problems: dict[str, str] = {}
+        self._unowned_since: dict[tuple[str, int], float] = {}
+        self._next_topic_check = 0.0
+        self._last_clear_us = 0
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -174,13 +213,32 @@ class RegionService:
             # Accepted connections inherit TCP_NODELAY; without it a keep-alive
             # client waits ~40 ms per response (Nagle against delayed ACK).
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.bind((self.host, self._port))
+            try:
+                sock.bind((self.host, self._port))
+                self._check_exposure(sock.getsockname()[0])
+            except BaseException:
+                sock.close()
+                raise
             sock.listen(512)
             sock.set_inheritable(True)
             self._sock = sock
             port = sock.getsockname()[1]
             self.url = self.cfg.region_service.advertised_url or f"http://{self.host}:{port}"
         return self._sock
+
+    def _check_exposure(self, bound: str) -> None:
+        """Refuse to listen beyond loopback without both credentials, unless the site file allows it."""
+        rs = self.cfg.region_service
+        if rs.allow_unauthenticated or (self.token and self.member_token):
+            return
+        if ipaddress.ip_address(bound).is_loopback:
+            return
+        missing = " and ".join(name for name, v in (("region_service.token", self.token),
+                                                     ("region_service.member_token", self.member_token)) if not v)
+        raise ConfigError([("region_service.host", bound,
+                            f"listening beyond loopback needs {missing} (anyone who reaches the port could "
+                            "otherwise read and write every region and forge other sites' events); set them, "
+                            "or region_service.allow_unauthenticated: true to accept that")])
 
     def start(self) -> None:
         assert self.state is ServiceState.NEW, self.state
@@ -226,9 +284,11 @@ class RegionService:
             conflict_resolver=load_resolver(self.cfg.gateway_conflict_resolver),
             on_crash=self._crashed,
             on_ownership=self._owned_changed,
+            dead_letter_topic=self.cfg.topics.region_dead_letter(),
         )
-        self._publisher = DirectoryPublisher(self.cfg, self.instance_id, self.url)
-        self.directory = OwnerDirectory(self.cfg)
+        trust = MemberTrust.from_config(self.cfg, self.url)
+        self._publisher = DirectoryPublisher(self.cfg, self.instance_id, self.url, trust)
+        self.directory = OwnerDirectory(self.cfg, trust)
         self._check_topics()
         self.engine.start()
         self._directory_thread = threading.Thread(target=self._directory_loop, name="region-directory", daemon=True)
@@ -258,6 +318,7 @@ class RegionService:
             raise translate(exc, f"connecting to {self.cfg.kafka.bootstrap_servers}") from exc
         needed = [(t, self.regions[r].buckets) for r, t in self.changelog_topics.items()]
         needed += [(q.topic, q.partitions) for r in self.cfg.regions for q in self.cfg.attached_queues(r.name)]
+        needed.append((self.cfg.topics.region_dead_letter(), 1))
         for topic, partitions in needed:
             found = metadata.topics.get(topic)
             if found is None or found.error is not None:
@@ -275,9 +336,28 @@ class RegionService:
             try:
                 self.directory.refresh()
                 self._publisher.heartbeat()
+                self._watch_readiness(time.monotonic())
             except SluiceError as exc:
                 log.debug("owner directory refresh failed: %s", exc)
             self._stopped.wait(0.5)
+
+    def _watch_readiness(self, now: float) -> None:
+        """Directory thread: what readiness() reports beyond the engine's own state (module docstring)."""
+        engine, directory = self.engine, self.directory
+        assert engine is not None and directory is not None
+        if now >= self._next_topic_check:
+            self._next_topic_check = now + TOPIC_CHECK_S
+            problems = directory.topic_problems({t: self.regions[r].buckets for r, t in self.changelog_topics.items()},
+                                                timeout_s=2.0)
+            if problems is not None:  # None: the broker did not answer; keep what was known
+                if problems != self._topic_problems and problems:
+                    log.warning("changelog topics: %s", problems)
+                self._topic_problems = problems
+        if not engine.assigned_once.is_set():
+            return
+        self._unowned_since = unowned_since(
+            self._unowned_since, now, {(r.name, r.buckets) for r in self.cfg.regions},
+            {(region, bucket) for region, bucket, _ in engine.claims()}, directory.table())
 
     def _crashed(self, exc: BaseException) -> None:
         self.crash = exc
@@ -307,24 +387,32 @@ class RegionService:
 
     @property
     def ready(self) -> bool:
-        """Connected and holding no bucket that is still loading."""
-        if self.state is not ServiceState.RUNNING or self.engine is None:
-            return False
-        if not self.engine.assigned_once.is_set():
-            return False
-        return all(status == "ready" for buckets in self.engine.owned_buckets().values() for _, status in buckets)
+        """Running, and nothing in readiness()."""
+        return self.state is ServiceState.RUNNING and not self.readiness()
 
     def readiness(self) -> dict[str, str]:
-        """What keeps this instance from serving (empty when ready), for /readyz."""
+        """What keeps this instance from serving (empty when ready), for /readyz: cheap, from what the
+        engine and the directory thread already know (the module docstring says the rule)."""
         if self.engine is None:
             return {"engine": "not started"}
+        not_ready: dict[str, str] = {}
+        if self._topic_problems:
+            not_ready["topics"] = "; ".join(f"{t}: {p}" for t, p in sorted(self._topic_problems.items()))
         if not self.engine.assigned_once.is_set():
-            return {"kafka": f"no buckets assigned yet by consumer group {self.group_id}"}
+            not_ready["kafka"] = f"no buckets assigned yet by consumer group {self.group_id}"
+            return not_ready
         loading = [f"{region}[{bucket}]" for region, buckets in self.engine.owned_buckets().items()
                    for bucket, status in buckets if status != "ready"]
         if loading:
-            return {"buckets": f"{len(loading)} bucket(s) still loading: {', '.join(loading[:10])}"}
-        return {}
+            not_ready["buckets"] = f"{len(loading)} bucket(s) still loading: {', '.join(loading[:10])}"
+        now = time.monotonic()
+        unowned = sorted(rb for rb, since in self._unowned_since.items() if now - since >= UNOWNED_GRACE_S)
+        if unowned:
+            not_ready["unowned"] = (
+                f"{len(unowned)} bucket(s) owned by no instance for {UNOWNED_GRACE_S:g} s or more: "
+                f"{', '.join(f'{r}[{b}]' for r, b in unowned[:10])} (the consumer group assigns them to nobody, "
+                "or no instance's claim is believed: check the changelog topics, member_token and member_hosts)")
+        return not_ready
 
     # --- request handling -----------------------------------------------------
 
@@ -357,18 +445,95 @@ class RegionService:
         if not isinstance(key, str) or key == "":
             raise InvalidRequest(field, key, "must be a non-empty string")
         limit = self.region_config(region).key_max_bytes
-        n = len(key.encode("utf-8"))
+        try:
+            n = len(key.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise InvalidRequest(field, key.encode("utf-8", "backslashreplace").decode()[:80],
+                                 "must be valid Unicode (it holds a lone surrogate)") from None
         if n > limit:
             raise EntryTooLarge(field, key, f"{n} bytes, larger than key_max_bytes={limit}")
         return key
 
+    def forwarded_operation(self, *, op: Op, region: str, key: str, value: str | None, event_id: EventID | None,
+                            callback_argument: str | None, remote: str | None, transaction: str | None,
+                            bucket: int, traceparent: str | None, field: str, now_ms: int) -> Operation:
+        """An operation another instance forwarded, checked as strictly as a public request;
+        InvalidRequest (naming ``field``) when it is refused."""
+        config = self.region_config(region)
+        engine = self.engine
+        assert engine is not None
+        if op in (Op.CLEAR, Op.DESTROY_REGION):
+            if key != "" or value is not None or remote is not None:
+                raise InvalidRequest(f"{field}.key", key, "a region clear or destroy names a bucket, not a key")
+            if not 0 <= bucket < config.buckets:
+                raise InvalidRequest(f"{field}.bucket", bucket, f"region {region!r} has buckets 0..{config.buckets - 1}")
+            if event_id is None:
+                raise InvalidRequest(f"{field}.event_id", None, "a forwarded region clear carries its EventID")
+        else:
+            problem = key_problem(self.cfg, region, key, f"{field}.key")
+            if problem is not None:
+                raise problem
+            own = engine.bucket_of(region, key)
+            if bucket not in (-1, own):
+                raise InvalidRequest(f"{field}.bucket", bucket, f"key {key[:80]!r} is in bucket {own}")
+            bucket = own
+        if op is Op.REMOTE:
+            if remote is None:
+                raise InvalidRequest(f"{field}.remote", None, "an event of another site is required")
+            event = decode_remote(remote, f"{field}.remote")
+            if event.region != region or event.key != key:
+                raise InvalidRequest(f"{field}.remote", f"{event.region}/{event.key[:80]}",
+                                     f"the event is not for {region}/{key[:80]}")
+            problem = remote_problem(self.cfg, event, now_ms, f"{field}.remote")
+            if problem is not None:
+                raise problem
+            return Operation(Op.REMOTE, region, key, remote=event, bucket=bucket,
+                             trace=[(telemetry.TRACEPARENT, traceparent.encode())] if traceparent else None)
+        if remote is not None:
+            raise InvalidRequest(f"{field}.remote", remote[:40], "only a remote operation carries an event")
+        data: bytes | None = None
+        if op in (Op.CREATE, Op.PUT, Op.PUT_ALL):
+            if value is None:
+                raise InvalidRequest(f"{field}.value", None, "must not be null (use invalidate to clear a value)")
+            data = value.encode("utf-8", "surrogatepass")
+            problem = value_problem(self.cfg, region, data, "json", f"{field}.value")
+            if problem is not None:
+                raise problem
+        elif value is not None:
+            raise InvalidRequest(f"{field}.value", value[:80], f"a {op.value} carries no value")
+        if event_id is not None:
+            problem = event_id_problem(event_id, f"{field}.event_id")
+            if problem is not None:
+                raise problem
+        for name, text in (("callback_argument", callback_argument), ("transaction", transaction)):
+            if text is not None and not is_unicode(text):
+                raise InvalidRequest(f"{field}.{name}", text[:80], "must be valid Unicode (it holds a lone surrogate)")
+        return Operation(op, region, key, data, event_id, callback_argument, bucket=bucket, transaction=transaction,
+                         trace=[(telemetry.TRACEPARENT, traceparent.encode())] if traceparent else None)
+
+    def clear_event_id(self, op: Op) -> EventID:
+        """A region clear's EventID when the caller sent none: a stream of its own (the microsecond it
+        was asked), so no clear ever continues, or jumps ahead in, another's stream."""
+        self._last_clear_us = max(self._last_clear_us + 1, time.time_ns() // 1000)
+        return EventID(f"{self.instance_id}-{op.value}", self._last_clear_us, 0)
+
     def http_client(self) -> httpx.AsyncClient:
+        """The client for requests to other instances (always under /internal/, with the member token)."""
         if self._http is None:
-            headers = {FORWARDED_HEADER: "1"}
-            if self.token:
-                headers["authorization"] = f"Bearer {self.token}"
+            headers = dict(_JSON)
+            if self.member_token:
+                headers["authorization"] = f"Bearer {self.member_token}"
             self._http = httpx.AsyncClient(timeout=self.request_timeout_s, headers=headers)
         return self._http
+
+    async def _to_member(self, url: str, path: str, body: dict[str, Any]) -> httpx.Response:
+        """POST ``body`` to another instance; a URL the directory would not believe is never sent
+        anything (ConnectError: certainly not applied)."""
+        assert self.directory is not None
+        problem = self.directory.trust.url_problem(url)
+        if problem is not None:
+            raise httpx.ConnectError(f"not sending to {url}: {problem}")
+        return await self.http_client().post(f"{url_join(url)}{path}", content=orjson.dumps(body))
 
     async def execute(self, ops: list[Operation], forwarded: bool) -> list[Outcome]:
         """Apply ``ops`` wherever their buckets are owned; one outcome per op, in order.
@@ -477,8 +642,7 @@ class RegionService:
     async def _forward(self, url: str, ops: list[Operation], idx: list[int], outcomes: list[Outcome | None]) -> None:
         body = {"ops": [_op_to_json(ops[i]) for i in idx]}
         try:
-            resp = await self.http_client().post(f"{url}/internal/ops", content=orjson.dumps(body),
-                                                 headers={"content-type": "application/json"})
+            resp = await self._to_member(url, "/internal/ops", body)
             data = resp.json()
             if resp.status_code != 200:
                 raise BrokerUnavailable(f"owner {url} answered {resp.status_code}: {data}")
@@ -537,10 +701,7 @@ class RegionService:
                     remote.setdefault(owner, []).append(key)
             for url, ks in remote.items():
                 try:
-                    resp = await self.http_client().post(
-                        f"{url}/internal/read", content=orjson.dumps({"region": region, "keys": ks}),
-                        headers={"content-type": "application/json"},
-                    )
+                    resp = await self._to_member(url, "/internal/read", {"region": region, "keys": ks})
                     if resp.status_code != 200:
                         retry.extend(ks)
                         continue
@@ -588,8 +749,7 @@ class RegionService:
                 owner = self.directory.owner(region, bucket)
                 if owner is not None and owner != self.url:
                     try:
-                        resp = await self.http_client().get(f"{url_join(owner)}/regions/{region}/keys",
-                                                            params={"bucket": bucket})
+                        resp = await self._to_member(owner, "/internal/keys", {"region": region, "bucket": bucket})
                         if resp.status_code == 200:
                             return list(resp.json()["keys"])
                     except httpx.HTTPError:
@@ -629,6 +789,19 @@ def url_join(base: str) -> str:
     return base.rstrip("/")
 
 
+def unowned_since(before: dict[tuple[str, int], float], now: float, regions: set[tuple[str, int]],
+                  mine: set[tuple[str, int]], claimed: dict[tuple[str, int], str]) -> dict[tuple[str, int], float]:
+    """Each bucket of ``regions`` ((name, buckets)) that neither this instance (``mine``) nor a believed
+    claim owns, with since when (the time it was first seen so, from ``before``, else ``now``)."""
+    out: dict[tuple[str, int], float] = {}
+    for region, buckets in regions:
+        for bucket in range(buckets):
+            rb = (region, bucket)
+            if rb not in mine and rb not in claimed:
+                out[rb] = before.get(rb, now)
+    return out
+
+
 def _entry_json(entry: Any) -> dict[str, Any]:
     return {
         "value": None if entry.value is None else jsonvalue.loads(entry.value),
@@ -653,22 +826,4 @@ def _op_to_json(op: Operation) -> dict[str, Any]:
     }
 
 
-def op_from_json(d: dict[str, Any]) -> Operation:
-    eid = d.get("event_id")
-    value = d.get("value")
-    remote = d.get("remote")
-    return Operation(
-        op=Op(d["op"]),
-        region=d["region"],
-        key=d["key"],
-        value=None if value is None else value.encode("utf-8"),
-        event_id=EventID.from_record(eid) if eid else None,
-        callback_argument=d.get("callback_argument"),
-        remote=None if remote is None else decode_remote(remote),
-        transaction=d.get("transaction"),
-        bucket=int(d.get("bucket", -1)),
-        trace=[(telemetry.TRACEPARENT, d["traceparent"].encode())] if d.get("traceparent") else None,
-    )
-
-
-__all__ = ["EntryEvent", "Outcome", "RegionService", "ServiceState", "op_from_json"]
+__all__ = ["EntryEvent", "Outcome", "RegionService", "ServiceState", "error_outcome", "unowned_since"]

@@ -161,9 +161,10 @@ def test_bad_input_is_refused_with_its_reason_and_changes_nothing(region):
         assert data["error"] == error, (name, data)
         assert data.get("field") == field, (name, data)
         assert data["message"], name
-    # A body sent without a JSON content type is refused with a hint.
+    # A body sent without a JSON content type is refused, as a web page's form would send it.
     r = _post(url, "/regions/orders/put", raw=b'{"key": "k", "value": 1}', json_type=False)
-    assert r.status_code == 400 and "content-type" in r.json()["reason"]
+    assert r.status_code == 403 and r.json()["field"] == "content-type", r.text
+    assert "application/json" in r.json()["reason"]
     # The service is still up and nothing moved.
     assert httpx.get(f"{url}/healthz").status_code == 200
     assert sorted(client.keys("orders")) == before_keys
@@ -214,24 +215,3 @@ def test_a_region_instance_refuses_to_start_without_its_topics(site_a, unique_pr
                            "--port", "0"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert "region.orders.changelog" in done.stderr and "sluice topics apply" in done.stderr
-
-
-def test_generated_requests_never_cause_a_server_error(site_a, unique_prefix, tmp_path: Path):
-    """Schemathesis sends requests generated from the OpenAPI document; none gets a 5xx."""
-    import subprocess
-    import sys
-
-    write_site(tmp_path / "site.yaml", site="a", bootstrap=site_a.bootstrap, prefix=site_a.topic_prefix(unique_prefix))
-    proc = RegionProcess(tmp_path / "site.yaml", tmp_path / "region.log")
-    try:
-        proc.wait_ready()
-        st = Path(sys.executable).with_name("st")
-        done = subprocess.run(
-            [str(st), "run", f"{proc.url}/openapi.json", "--checks", "not_a_server_error", "--max-examples", "30",
-             "--seed", "7", "--exclude-path-regex", "^/(internal|readyz|healthz)", "--phases", "examples,fuzzing"],
-            capture_output=True, text=True, timeout=240, cwd=tmp_path,
-        )
-        assert done.returncode == 0, done.stdout[-4000:]
-        assert httpx.get(f"{proc.url}/healthz").status_code == 200
-    finally:
-        proc.stop()

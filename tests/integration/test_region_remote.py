@@ -73,22 +73,29 @@ def test_the_same_event_twice_in_one_request_is_applied_once_and_answered(site_a
 
 
 def test_apply_remote_refuses_what_cannot_cross_sites(site_a, unique_prefix, tmp_path: Path):
-    """Invalidates, this site's own events and bytes that are not events are refused, naming the event."""
+    """Invalidates, this site's own events and bytes that are not events are refused one by one, each an
+    error outcome naming the event; the good event of the same request is applied (207)."""
     write_site(tmp_path / "site.yaml", site="a", bootstrap=site_a.bootstrap,
                prefix=site_a.topic_prefix(unique_prefix))
     region = RegionProcess(tmp_path / "site.yaml", tmp_path / "region.log")
     try:
         region.wait_ready()
-        url = f"{region.url}/regions/orders/apply_remote"
-        cases = [
-            ([encode_remote(_remote("k", Operation.INVALIDATE, None, 2, 5, 1, 0))], "events[0].operation"),
-            ([encode_remote(_remote("k", Operation.UPDATE, b"1", 1, 5, 1, 0))], "events[0].origin_dsid"),
-            (["bm90IGF2cm8="], "events[0]"),
-            (["%%%"], "events[0]"),
+        url = f"{region.url}/regions/orders/apply_remote?outcomes=all"
+        bad = [
+            (encode_remote(_remote("k", Operation.INVALIDATE, None, 2, 5, 1, 0)), "events[0].operation"),
+            (encode_remote(_remote("k", Operation.UPDATE, b"1", 1, 5, 1, 0)), "events[1].origin_dsid"),
+            ("bm90IGF2cm8=", "events[2]"),
+            ("%%%", "events[3]"),
         ]
-        for events, field in cases:
-            r = httpx.post(url, json={"events": events}, timeout=30)
-            assert r.status_code == 400 and r.json()["field"] == field, r.text
-        assert RegionClient([region.url]).keys("orders") == []
+        good = encode_remote(_remote("fine", Operation.CREATE, b"1", 2, 5, 1, 0))
+        r = httpx.post(url, json={"events": [e for e, _ in bad] + [good]}, timeout=30)
+        assert r.status_code == 207, r.text
+        outcomes = r.json()["outcomes"]
+        assert [o["error"]["field"] for o in outcomes[:4]] == [field for _, field in bad], outcomes
+        assert all(o["status"] == "error" and o["error"]["error"] == "InvalidRequest" for o in outcomes[:4])
+        assert outcomes[4]["status"] == "ok"
+        r = httpx.post(url, json={"events": [bad[0][0]]}, timeout=30)
+        assert r.status_code == 400 and r.json()["failed"] == 1, r.text
+        assert RegionClient([region.url]).keys("orders") == ["fine"]
     finally:
         region.stop()

@@ -1,0 +1,226 @@
+"""What every request to the region service passes before FastAPI reads it.
+
+An ASGI middleware (``Guard``), outermost, so nothing is parsed or buffered
+before these checks, in this order:
+
+1. **Credential.**  Each path takes one credential (``credential_of``):
+
+   ======================================  ==========================================
+   path                                    credential
+   ======================================  ==========================================
+   ``/healthz``, ``/readyz``               none (the probes)
+   ``/internal/*`` (ops, read, keys)       member token: instances forward with it
+   ``POST /regions/{r}/apply_remote``      member token: gateway receivers apply
+                                           other sites' events with it
+   everything else (``/regions/...``,      client token
+   ``/buckets``, ``/stats``, ``/openapi.
+   json``, ``/docs``)
+   ======================================  ==========================================
+
+   A path is open when its credential is not configured (a loopback-only
+   development site; ``RegionService.bind`` refuses to listen beyond
+   loopback without both).  The client token never opens a member path and
+   the member token never opens a client path.  Tokens are compared with
+   ``hmac.compare_digest`` over bytes; a missing header is an empty one.
+   Refused: 401.
+
+2. **Cross-site requests.**  A state-changing request (POST, PUT, DELETE,
+   PATCH) is refused (403) when it carries ``Sec-Fetch-Site: cross-site``,
+   or an ``Origin`` or ``Referer`` of another host than the request's own
+   ``Host``, or when a POST or PUT (or any request with a body) is not
+   ``content-type: application/json``.  A browser cannot send such a
+   request from another site without a CORS preflight, which this service
+   never grants, so a web page cannot make a developer's browser clear a
+   region on localhost.
+
+3. **Size.**  A body larger than ``region_service.request_body_max_bytes`` is
+   refused (413) by its ``Content-Length`` before a byte of it is read; a
+   chunked body is counted as it arrives and refused as soon as it passes
+   the limit, so no more than the limit is ever held.  A refused request's
+   connection is closed rather than read to its end.
+
+Every refusal is JSON in the API's error shape (``error``, ``message``,
+``field``, ``reason``, ``retriable``).
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+from typing import Any, Awaitable, Callable
+from urllib.parse import urlsplit
+
+import orjson
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+App = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+OPEN, CLIENT, MEMBER = "open", "client", "member"
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+_APPLY_REMOTE = re.compile(r"^/regions/[^/]+/apply_remote/?$")
+_STATE_CHANGING = frozenset({"POST", "PUT", "DELETE", "PATCH"})
+_WANTED = frozenset({b"authorization", b"origin", b"referer", b"sec-fetch-site", b"content-type",
+                     b"content-length", b"transfer-encoding", b"host"})
+
+
+def credential_of(path: str) -> str:
+    """Which credential ``path`` takes: OPEN, CLIENT or MEMBER (see the module docstring)."""
+    if path in OPEN_PATHS:
+        return OPEN
+    if path.startswith("/internal/") or _APPLY_REMOTE.match(path):
+        return MEMBER
+    return CLIENT
+
+
+def _refusal(error: str, field: str, value: Any, reason: str) -> dict[str, Any]:
+    shown = value if not isinstance(value, str) or len(value) <= 80 else value[:80] + "…"
+    return {"error": error, "message": f"{field}: {reason} (got {shown!r})", "field": field, "reason": reason,
+            "retriable": False}
+
+
+class Guard:
+    """The credential, cross-site and size checks of every request (see the module docstring)."""
+
+    def __init__(self, app: App, *, token: str | None, member_token: str | None, body_max_bytes: int) -> None:
+        self.app = app
+        self._expected = {
+            CLIENT: None if token is None else b"Bearer " + token.encode("utf-8"),
+            MEMBER: None if member_token is None else b"Bearer " + member_token.encode("utf-8"),
+        }
+        self.body_max_bytes = body_max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers: dict[bytes, bytes] = {}
+        for name, value in scope["headers"]:
+            if name in _WANTED and name not in headers:
+                headers[name] = value
+        chunked = b"transfer-encoding" in headers
+        length = headers.get(b"content-length")
+        has_body = chunked or (length is not None and length.strip() not in (b"", b"0"))
+
+        kind = credential_of(scope["path"])
+        expected = self._expected.get(kind)
+        if expected is not None and not hmac.compare_digest(headers.get(b"authorization", b""), expected):
+            other = CLIENT if kind == MEMBER else MEMBER
+            reason = f"this path takes the {kind} token as `Authorization: Bearer <token>`"
+            if self._expected[other] is not None and hmac.compare_digest(headers.get(b"authorization", b""),
+                                                                        self._expected[other]):
+                reason += f"; the {other} token does not open it"
+            await _answer(send, 401, _refusal("Unauthorized", "authorization", "(hidden)", reason), close=has_body,
+                          extra=[(b"www-authenticate", b"Bearer")])
+            return
+
+        method = scope["method"]
+        if method in _STATE_CHANGING:
+            refused = _cross_site(headers, method, has_body)
+            if refused is not None:
+                await _answer(send, 403, _refusal("Forbidden", *refused), close=has_body)
+                return
+
+        limit = self.body_max_bytes
+        if length is not None and not chunked:
+            try:
+                size = int(length)
+            except ValueError:
+                await _answer(send, 400, _refusal("InvalidRequest", "content-length", length.decode("latin-1"),
+                                                  "not a number of bytes"), close=True)
+                return
+            if size > limit:
+                await _answer(send, 413, _too_large(f"{size} bytes (Content-Length)", limit), close=True)
+                return
+        elif chunked:
+            body = await _read_capped(receive, limit)
+            if body is _GONE:
+                return  # the client went away mid-body: nobody to answer
+            if body is None:
+                await _answer(send, 413, _too_large(f"more than {limit} bytes (chunked)", limit), close=True)
+                return
+            receive = _replay(body, receive)
+        await self.app(scope, receive, send)
+
+
+def _too_large(value: str, limit: int) -> dict[str, Any]:
+    return _refusal("RequestTooLarge", "body", value, f"larger than region_service.request_body_max_bytes={limit}")
+
+
+def _cross_site(headers: dict[bytes, bytes], method: str, has_body: bool) -> tuple[str, str, str] | None:
+    """(field, value, reason) when a state-changing request may come from another site's page."""
+    fetch_site = headers.get(b"sec-fetch-site")
+    if fetch_site is not None and fetch_site.strip().lower() == b"cross-site":
+        return "sec-fetch-site", "cross-site", "a browser sent this state-changing request from another site"
+    host = headers.get(b"host", b"").decode("latin-1").strip().lower()
+    for name in (b"origin", b"referer"):
+        given = headers.get(name)
+        if given is None:
+            continue
+        text = given.decode("latin-1").strip()
+        try:
+            netloc = urlsplit(text).netloc.lower()
+        except ValueError:
+            netloc = ""
+        if not netloc or netloc != host:
+            return (name.decode(), text, f"a state-changing request must come from this service's own origin "
+                                         f"({host or 'no Host header'})")
+    if method in ("POST", "PUT", "PATCH") or has_body:
+        content_type = headers.get(b"content-type", b"").decode("latin-1")
+        if content_type.split(";", 1)[0].strip().lower() != "application/json":
+            return ("content-type", content_type or "(none)",
+                    "a state-changing request must be sent with content-type: application/json (a web page "
+                    "cannot send that to another site without a CORS preflight)")
+    return None
+
+
+_GONE = b"\x00gone"
+
+
+async def _read_capped(receive: Receive, limit: int) -> bytes | None:
+    """The whole body, None as soon as it passes ``limit`` bytes (nothing more is read), or ``_GONE``
+    when the client disconnected before its end."""
+    chunks: list[bytes] = []
+    total = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return _GONE
+        chunk = message.get("body", b"")
+        total += len(chunk)
+        if total > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _answer(send: Send, status: int, body: dict[str, Any], *, close: bool,
+                  extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    data = orjson.dumps(body)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    if close:
+        # The body was not read: closing is cheaper than reading it to its end to keep the connection.
+        headers.append((b"connection", b"close"))
+    headers.extend(extra or ())
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
+
+
+__all__ = ["CLIENT", "MEMBER", "OPEN", "Guard", "credential_of"]
