@@ -1,0 +1,157 @@
+"""Schemathesis against the region service's OpenAPI document, with authentication on.
+
+One region-service instance with the client token and the member token set.  Every operation of
+/openapi.json, the /internal routes and apply_remote included, gets generated requests, valid and
+invalid ones, each with the credential its path takes (``guard.credential_of``).  Hypothesis runs
+derandomized with a bounded example count, so the run is the same every time and fits in the time
+a 2-core machine gives it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+import schemathesis
+from confluent_kafka import Consumer, TopicPartition
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis import GenerationMode
+
+from sluice.region.guard import CLIENT, MEMBER, credential_of
+
+from regionkit import RegionProcess, write_site
+
+pytestmark = pytest.mark.timeout(180)
+
+TOKEN = "client-" + uuid.uuid4().hex
+MEMBER_TOKEN = "member-" + uuid.uuid4().hex
+BUCKETS = 4
+#: Examples per operation and generation mode: about 25 operations × 2 modes × this.
+EXAMPLES = 40
+
+
+def credential(path: str) -> dict[str, str]:
+    kind = credential_of(path)
+    if kind == CLIENT:
+        return {"authorization": f"Bearer {TOKEN}"}
+    if kind == MEMBER:
+        return {"authorization": f"Bearer {MEMBER_TOKEN}"}
+    return {}
+
+
+@pytest.fixture(scope="module")
+def region(site_a, tmp_path_factory) -> Iterator[tuple[Any, RegionProcess, str]]:
+    tmp: Path = tmp_path_factory.mktemp("fuzz")
+    prefix = site_a.topic_prefix(f"t{uuid.uuid4().hex[:8]}.")
+    cfg = write_site(tmp / "site.yaml", site="a", bootstrap=site_a.bootstrap, prefix=prefix, buckets=BUCKETS,
+                     extra={"async_event_queues": [], "regions": [
+                         {"name": "orders", "buckets": BUCKETS, "gateway_senders": ["to-b"], "key_max_bytes": 128,
+                          "value_max_bytes": 4096}],
+                            "region_service": {"request_timeout_s": 10, "load_timeout_s": 30, "token": TOKEN,
+                                               "member_token": MEMBER_TOKEN, "request_body_max_bytes": 65536}})
+    proc = RegionProcess(tmp / "site.yaml", tmp / "region.log")
+    try:
+        proc.wait_ready()
+        yield cfg, proc, site_a.bootstrap
+    finally:
+        proc.stop()
+
+
+class Observer:
+    """The region's keys and the end offsets of its changelog and queue: what a refused request must
+    leave as it found it."""
+
+    def __init__(self, cfg: Any, url: str, bootstrap: str) -> None:
+        self.url = url
+        self.partitions = [TopicPartition(cfg.topics.region_changelog("orders"), p) for p in range(BUCKETS)]
+        self.partitions += [TopicPartition(q.topic, p) for q in cfg.attached_queues("orders")
+                            for p in range(q.partitions)]
+        self.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "sluice-fuzz-observer"})
+        self.http = httpx.Client(headers=credential("/regions/orders/keys"), timeout=30)
+
+    def state(self) -> tuple[list[str], list[int]]:
+        keys = self.http.get(f"{self.url}/regions/orders/keys").json()["keys"]
+        ends = [self.consumer.get_watermark_offsets(tp, timeout=10, cached=False)[1] for tp in self.partitions]
+        return sorted(keys), ends
+
+    def close(self) -> None:
+        self.http.close()
+        self.consumer.close()
+
+
+def test_generated_requests_never_fail_the_server_nor_change_state_when_refused(region) -> None:
+    """No generated request gets a 5xx (but a retriable 503), and none refused with a 4xx changes the
+    region's keys or its changelog and queue offsets; the service is alive after."""
+    cfg, proc, bootstrap = region
+    url = proc.url
+    document = httpx.get(f"{url}/openapi.json", headers=credential("/openapi.json"), timeout=10).json()
+    paths = set(document["paths"])
+    assert {"/internal/ops", "/internal/read", "/internal/keys", "/regions/{region}/apply_remote"} <= paths
+    for path in ("/internal/ops", "/internal/read", "/internal/keys", "/regions/{region}/apply_remote",
+                 "/regions/{region}/clear", "/regions/{region}/entries/{key}"):
+        operations = document["paths"][path]
+        assert any("requestBody" in op for op in operations.values()), f"{path} documents no body"
+    schema = schemathesis.openapi.from_dict(document)
+    observer = Observer(cfg, url, bootstrap)
+    failures: list[str] = []
+    seen = {"cases": 0, "refused": 0, "not negatable": 0}
+    last = [observer.state()]
+
+    def check(case: Any) -> None:
+        response = case.call(base_url=url, headers=credential(case.path), timeout=30)
+        seen["cases"] += 1
+        text = response.content.decode("utf-8", "replace")
+        what = f"{case.method} {case.formatted_path} {response.status_code}: {text[:300]}"
+        if response.status_code >= 500:
+            retriable = response.status_code == 503 and _json(response.content).get("retriable") is True
+            if not retriable:
+                failures.append(f"server error: {what}")
+        now = observer.state()
+        if 400 <= response.status_code < 500:
+            seen["refused"] += 1
+            if now != last[0]:
+                failures.append(f"refused but changed the region: {what}")
+        last[0] = now
+
+    started = time.monotonic()
+    try:
+        for result in schema.get_all_operations():
+            operation = result.ok()
+            # Valid requests go to the region that exists, invalid ones anywhere.
+            in_region = {"region": "orders"} if any(p.name == "region" for p in operation.path_parameters) else None
+            for mode, fixed in ((GenerationMode.POSITIVE, in_region), (GenerationMode.NEGATIVE, None)):
+                strategy = operation.as_strategy(generation_mode=mode, path_parameters=fixed)
+
+                @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
+                          phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+                @given(case=strategy)
+                def run(case: Any) -> None:
+                    check(case)
+
+                try:
+                    run()
+                except Unsatisfiable:
+                    # Nothing to make invalid (an operation with no parameters and no body).
+                    assert mode is GenerationMode.NEGATIVE, operation.label
+                    seen["not negatable"] += 1
+    finally:
+        observer.close()
+    elapsed = time.monotonic() - started
+    assert seen["cases"] > 200 and seen["refused"] > 50, seen
+    assert failures == [], "\n".join(failures[:20])
+    assert httpx.get(f"{url}/healthz").status_code == 200
+    print(f"{seen['cases']} requests ({seen['refused']} refused) in {elapsed:.1f} s")
+
+
+def _json(content: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(content)
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
