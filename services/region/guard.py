@@ -136,7 +136,7 @@ class Guard:
                 return
         elif chunked:
             body = await _read_capped(receive, limit)
-            if body is _GONE:
+            if isinstance(body, _Gone):
                 return  # the client went away mid-body: nobody to answer
             if body is None:
                 await _answer(send, 413, _too_large(f"more than {limit} bytes (chunked)", limit), close=True)
@@ -176,10 +176,14 @@ def _cross_site(headers: dict[bytes, bytes], method: str, has_body: bool) -> tup
     return None
 
 
-_GONE = b"\x00gone"
+class _Gone:
+    """The client disconnected before the end of its body."""
 
 
-async def _read_capped(receive: Receive, limit: int) -> bytes | None:
+_GONE = _Gone()
+
+
+async def _read_capped(receive: Receive, limit: int) -> bytes | _Gone | None:
     """The whole body, None as soon as it passes ``limit`` bytes (nothing more is read), or ``_GONE``
     when the client disconnected before its end."""
     chunks: list[bytes] = []

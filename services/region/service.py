@@ -216,7 +216,7 @@ class RegionService:
             try:
                 sock.bind((self.host, self._port))
                 self._check_exposure(sock.getsockname()[0])
-            except BaseException:
+            except (OSError, ConfigError):
                 sock.close()
                 raise
             sock.listen(512)
@@ -233,12 +233,13 @@ class RegionService:
             return
         if ipaddress.ip_address(bound).is_loopback:
             return
-        missing = " and ".join(name for name, v in (("region_service.token", self.token),
-                                                     ("region_service.member_token", self.member_token)) if not v)
+        missing = " and ".join(name for name, v in (("token", self.token), ("member_token", self.member_token))
+                               if not v)
         raise ConfigError([("region_service.host", bound,
-                            f"listening beyond loopback needs {missing} (anyone who reaches the port could "
-                            "otherwise read and write every region and forge other sites' events); set them, "
-                            "or region_service.allow_unauthenticated: true to accept that")])
+                            "listening beyond loopback needs region_service.token and region_service.member_token "
+                            f"(missing: {missing}); without them anyone who reaches the port reads and writes every "
+                            "region and forges other sites' events. Set them, or set "
+                            "region_service.allow_unauthenticated: true to accept that")])
 
     def start(self) -> None:
         assert self.state is ServiceState.NEW, self.state

@@ -132,3 +132,28 @@ def test_without_credentials_configured_every_path_is_open() -> None:
     client = TestClient(Guard(echo, token=None, member_token=None, body_max_bytes=LIMIT))
     assert client.post("/internal/ops", content=b"{}", headers={"content-type": "application/json"}).status_code == 200
     assert client.post("/regions/orders/clear", headers={"origin": "http://evil.example"}).status_code == 403
+
+
+@pytest.mark.parametrize(("settings", "refused"), [
+    ({}, True),
+    ({"token": CLIENT_TOKEN, "member_token": MEMBER_TOKEN}, False),
+    ({"member_token": MEMBER_TOKEN}, True),
+    ({"allow_unauthenticated": True}, False),
+])
+def test_listening_beyond_loopback_needs_both_tokens_or_consent(settings: dict[str, Any], refused: bool) -> None:
+    """The address actually bound decides (``--host`` included): 0.0.0.0 without token and member_token
+    is refused naming the settings, unless allow_unauthenticated; loopback is always allowed."""
+    from sluice.core.config import parse_config
+    from sluice.core.errors import ConfigError
+    from sluice.region.service import RegionService
+
+    cfg = parse_config({"site": "a", "dsid": 1, "kafka": {"bootstrap_servers": "127.0.0.1:9092"},
+                        "regions": [{"name": "orders", "buckets": 2}], "region_service": settings})
+    wide = RegionService(cfg, host="0.0.0.0", port=0)
+    if refused:
+        with pytest.raises(ConfigError) as error:
+            wide.bind()
+        assert "allow_unauthenticated" in str(error.value) and "member_token" in str(error.value)
+    else:
+        wide.bind().close()
+    RegionService(cfg, host="127.0.0.1", port=0).bind().close()
