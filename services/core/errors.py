@@ -11,7 +11,10 @@
     │   ├── UnknownRegion
     │   ├── EntryTooLarge
     │   ├── EntryExists                 Geode's EntryExistsException (create)
-    │   └── EntryNotFound               Geode's EntryNotFoundException (destroy, invalidate)
+    │   ├── EntryNotFound               Geode's EntryNotFoundException (destroy, invalidate)
+    │   ├── BadSignature                a record not signed by the key of the site it names
+    │   └── RejectedBatch               a gateway batch this site does not apply
+    │       └── StaleBatch              sent too long ago, or stamped in the future
     ├── NotOwner                        retriable: the bucket is owned elsewhere or moving
     ├── BucketUnavailable               retriable: no owner yet, or the owner is loading
     ├── OwnershipUnconfirmed            retriable: the writer could not prove it still owns the bucket
@@ -118,6 +121,19 @@ class EntryNotFound(InvalidRequest):
         self.region = region
         self.key = key
         super().__init__("key", key, f"no entry in region {region!r}")
+
+
+class BadSignature(InvalidRequest):
+    """A record that is not signed, or not by the key of the site it names; ``field`` is the header
+    or record field at fault."""
+
+
+class RejectedBatch(InvalidRequest):
+    """A gateway batch this site does not apply: from a dsid it does not accept, or meant for another one."""
+
+
+class StaleBatch(RejectedBatch):
+    """A gateway batch whose ``created_at`` is older than ``receiver.batch_max_age_ms`` or in the future."""
 
 
 class NotOwner(SluiceError):

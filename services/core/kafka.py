@@ -321,7 +321,8 @@ WRITE_RETRY_BACKOFF_S = 1.0
 
 
 def produce_durably(producer: Producer, topic: str, value: bytes, key: bytes | None, *, what: str,
-                    stopping: threading.Event, partition: int | None = None) -> None:
+                    stopping: threading.Event, partition: int | None = None,
+                    headers: list[tuple[str, bytes]] | None = None) -> None:
     """Produce one record and wait until the broker has it, for as long as that takes.
 
     A site's broker may be unreachable for any length of time (paused,
@@ -334,7 +335,9 @@ def produce_durably(producer: Producer, topic: str, value: bytes, key: bytes | N
     Only a non-retriable failure raises (a ``SluiceError``); ``stopping``
     set raises ``Interrupted``.
     """
-    extra = {} if partition is None else {"partition": partition}
+    extra: dict[str, Any] = {} if partition is None else {"partition": partition}
+    if headers is not None:
+        extra["headers"] = headers
     started = time.monotonic()
     warned = False
     while True:

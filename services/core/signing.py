@@ -1,4 +1,4 @@
-"""Gateway signatures: Ed25519 over the bytes on the wire (issue 17).
+"""Gateway signatures: Ed25519 over the bytes on the wire.
 
 Each site signs what it writes for another site with its own private key
 (``gateway_private_key``): its gateway senders every ``GatewayBatch``, its
@@ -21,9 +21,8 @@ receiver every ``GatewayAck``.  The story of one record:
    ``receiver_dsid``): a site can sign only records that say they are its own.
 
 Only the holder of a site's private key can sign as that site; every site
-holding its public key can verify, and none of them can forge (a key shared
-between sites, as the HMAC keys before, let any receiving site sign batches
-as their sender to a third site).  A dsid may have several public keys at
+holding its public key can verify, and none of them can forge: a receiving
+site cannot sign batches as their sender to a third site.  A dsid may have several public keys at
 once, the old and the new during a key rotation (``sitekeys.load_public_keys``):
 a signature made with any of them is accepted.
 """
@@ -37,7 +36,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from . import sitekeys
-from .errors import InvalidRequest
+from .errors import BadSignature
 
 if TYPE_CHECKING:
     from .config import SiteConfig
@@ -47,11 +46,6 @@ SIGNER_HEADER = "sluice-signer"
 SIGNATURE_BYTES = 64
 
 Headers = Sequence[tuple[str, bytes | None]] | None
-
-
-class BadSignature(InvalidRequest):
-    """A record that is not signed, or not by the key of the site it names; ``field`` is the header
-    or record field at fault."""
 
 
 def sign(key: Ed25519PrivateKey, data: bytes) -> bytes:
@@ -144,5 +138,5 @@ def site_verifier(cfg: SiteConfig, dsids: Iterable[int]) -> Verifier | None:
     return Verifier(keys)
 
 
-__all__ = ["SIGNATURE_HEADER", "SIGNER_HEADER", "BadSignature", "Signer", "Verifier", "site_signer", "site_verifier",
+__all__ = ["SIGNATURE_HEADER", "SIGNER_HEADER", "Signer", "Verifier", "site_signer", "site_verifier",
            "sign", "verify"]

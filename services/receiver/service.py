@@ -48,8 +48,10 @@ one batch, step by step:
    inbound offset committed.  A crash before that means the batch is read
    again; its events come back as duplicates.
 
-Region-service instances are found through their consumer group, whose
-members' client ids carry their URLs, so the receiver needs no address list.
+Region-service instances are found through the records they publish on the
+status topic (``sluice.region.directory``: believed only when signed with the
+member token and naming a host ``member_hosts`` allows), so the receiver needs
+no address list; it calls them with ``region_service.member_token``.
 """
 
 from __future__ import annotations
@@ -68,11 +70,11 @@ from ..client.region import RegionClient, RegionError
 from ..core import telemetry
 from ..core.codec import get_codec
 from ..core.config import SiteConfig
-from ..core.errors import CodecError, InvalidRequest, SluiceError
+from ..core.errors import BadSignature, CodecError, InvalidRequest, RejectedBatch, SluiceError, StaleBatch
 from ..core.eventchecks import remote_problem
 from ..core.events import EntryEvent
 from ..core.lifecycle import ServiceState
-from ..core.signing import BadSignature, Headers, Signer, Verifier, site_signer, site_verifier
+from ..core.signing import Headers, Signer, Verifier, site_signer, site_verifier
 from ..region.directory import live_urls, read_instances
 from ..core.kafka import (
     Consumer,
@@ -108,33 +110,6 @@ class _NoRegionService(SluiceError):
 
 class _Stopping(Exception):
     """The receiver is stopping in the middle of a batch: it is neither acked nor committed."""
-
-
-class RejectedBatch(InvalidRequest):
-    """A batch this site does not apply: from a dsid it does not accept, or meant for another one."""
-
-
-class StaleBatch(RejectedBatch):
-    """A batch whose ``created_at`` is older than ``receiver.batch_max_age_ms`` or in the future."""
-
-
-class _SignedProducer:
-    """``produce_durably`` (core/kafka.py) takes no record headers: this hands it the receiver's
-    producer with the ack's signature headers added to its one ``produce`` call.  Fragile on
-    purpose, until ``produce_durably`` takes headers itself."""
-
-    def __init__(self, producer: Any, headers: list[tuple[str, bytes]]) -> None:
-        self._producer = producer
-        self._headers = headers
-
-    def produce(self, *args: Any, **kwargs: Any) -> None:
-        self._producer.produce(*args, headers=self._headers, **kwargs)
-
-    def poll(self, timeout_s: float) -> int:
-        return int(self._producer.poll(timeout_s))
-
-    def flush(self, timeout_s: float) -> int:
-        return int(self._producer.flush(timeout_s))
 
 
 def region_service_urls(cfg: SiteConfig) -> list[str]:
@@ -748,9 +723,9 @@ class ReceiverService:
         """One ack or dead letter, durable however long this site's broker is away
         (``produce_durably``).  Stopping raises ``_Stopping``: the batch is then
         not committed, so it is read again and acknowledged as a duplicate."""
-        producer = self._producer if headers is None else _SignedProducer(self._producer, list(headers))
         try:
-            produce_durably(producer, topic, value, key, what=what, stopping=stop, partition=partition)
+            produce_durably(self._producer, topic, value, key, what=what, stopping=stop, partition=partition,
+                            headers=None if headers is None else list(headers))
         except Interrupted:
             raise _Stopping from None
 

@@ -3,9 +3,11 @@
 An instance is a bucket owner (``engine.py``) behind an HTTP API (``http.py``).
 A request may reach any instance.  The instance splits it by bucket and
 routes each part: to its own engine for the buckets it owns, or to the
-owner's HTTP address for the others.  Owners are read from the consumer
-group itself (every member's ``client.id`` carries its URL), so Kafka is the
-only source of truth about who owns what.
+owner's HTTP address for the others.  Owners are read from the records the
+instances publish on the site's status topic (``directory.py``: signed with
+the member token, their URLs within ``member_hosts``), each claim from the
+consumer group's assignment, so Kafka is the only source of truth about who
+owns what.
 
 Lifecycle::
 

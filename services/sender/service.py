@@ -64,7 +64,7 @@ from ..core import telemetry
 from ..core.asyncevent import AsyncEvent
 from ..core.batching import Batch
 from ..core.config import SiteConfig
-from ..core.errors import CodecError, ConfigError, SluiceError
+from ..core.errors import BadSignature, CodecError, ConfigError, SluiceError
 from ..core.events import EntryEvent, goes_to_gateway
 from ..core.kafka import (
     OFFSET_END,
@@ -79,7 +79,7 @@ from ..core.kafka import (
     until_answered,
 )
 from ..core.gatewayfilters import SenderFilters
-from ..core.signing import BadSignature, Signer, Verifier, site_signer, site_verifier
+from ..core.signing import Signer, Verifier, site_signer, site_verifier
 from ..core.queueloop import DesiredState, QueuePartition, QueuePrimary, ServiceState, event_traceparent
 from ..core.topics import TopicNames
 

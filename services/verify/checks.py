@@ -54,12 +54,14 @@ def region_state(urls: list[str], region: str, token: str | None = None) -> dict
 
 
 def dead_letters(cfg: Any) -> list[dict[str, Any]]:
-    """Every record of the site's dead-letter topics (each queue's, and the receiver's region DLQ)."""
+    """Every record of the site's dead-letter topics (each queue's, the region DLQ of the receiver and the
+    region service, and the subscription service's)."""
     from ..core.codec import get_codec
     from ..core.kafka import make_consumer, read_to_end
 
     codec = get_codec()
-    topics = [cfg.topics.dead_letter(q.id) for q in cfg.all_attached_queues()] + [cfg.topics.region_dead_letter()]
+    topics = [cfg.topics.dead_letter(q.id) for q in cfg.all_attached_queues()] + [
+        cfg.topics.region_dead_letter(), cfg.topics.subscription_dead_letter()]
     consumer = make_consumer(cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 10})
     found = []
     try:

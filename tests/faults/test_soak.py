@@ -48,7 +48,11 @@ def test_every_fault_under_load_loses_nothing_and_applies_nothing_twice(tmp_path
     # Every corrupt record was dead-lettered with its reason, and nothing else was.
     assert f["corrupt_injected"] == 3 and f["corrupt_not_dead_lettered"] == 0
     assert f["dead_lettered"] >= 3
-    assert all(d["error_class"] == "MalformedRecord" for d in report.dead_lettered), report.dead_lettered
+    # The one written into an inbound topic carries no signature, and is refused for that before it is read.
+    assert {d["error_class"] for d in report.dead_lettered} <= {"MalformedRecord", "BadSignature"}, \
+        report.dead_lettered
+    assert sum(d["count"] for d in report.dead_lettered if d["error_class"] == "BadSignature") <= 1, \
+        report.dead_lettered
     # Each kill -9 of a primary: its work resumed elsewhere; the time is reported.
     kills = [item for item in report.failovers]
     assert len(kills) == len(KILLS)

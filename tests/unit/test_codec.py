@@ -159,6 +159,7 @@ def record_strategies(millis: st.SearchStrategy[int] = longs) -> dict[str, st.Se
                 "duplicate_batch": st.booleans(),
                 "exceptions": st.lists(batch_exception, max_size=4),
                 "acked_at": millis,
+                "last_batch_id": longs,
             }
         ),
         "RemovalRecord": st.fixed_dictionaries(
@@ -293,7 +294,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
         "sender_id": "site1-sender", "source_dsid": 1, "receiver_dsid": 2, "queue_partition": 0, "batch_id": 9,
         "last_applied_index": 0, "last_applied_event_id": EVENT_ID, "duplicate_batch": False,
         "exceptions": [{"index": 1, "event_id": EVENT_ID, "exception_class": "EntryNotFound", "message": "k1"}],
-        "acked_at": 1_700_000_000_002,
+        "acked_at": 1_700_000_000_002, "last_batch_id": 9,
     },
     "RemovalRecord": {"queue_id": "q", "queue_partition": 0, "batch_id": 9, "last_removed_offset": 101,
                       "last_event_id": EVENT_ID, "removed_count": 2, "removed_at": 1_700_000_000_003},
@@ -649,7 +650,7 @@ def test_encoding_under_an_unknown_schema_name_is_refused() -> None:
 def _with_defaults_of_new_fields(name: str, record: Any) -> Any:
     """The sample as an older writer could have written it: fields added since at their defaults."""
     added = {"EntryEvent": {"transaction": None}, "QueueStatus": {"last_accepted_at": 0, "waiting": 0},
-             "FillCheckpoint": {"queues": None}}
+             "FillCheckpoint": {"queues": None}, "GatewayAck": {"last_batch_id": -1}}
     out = {**record, **added.get(name, {})}
     if name == "QueuedEvent":
         out["event"] = _with_defaults_of_new_fields("EntryEvent", record["event"])

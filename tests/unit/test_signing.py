@@ -10,7 +10,8 @@ import pytest
 
 from sluice.core import sitekeys
 from sluice.core.codec import get_codec
-from sluice.core.signing import SIGNATURE_HEADER, SIGNER_HEADER, BadSignature, Signer, Verifier, sign, verify
+from sluice.core.errors import BadSignature
+from sluice.core.signing import SIGNATURE_HEADER, SIGNER_HEADER, Signer, Verifier, sign, verify
 
 A_PRIVATE, A_PUBLIC = sitekeys.generate()
 B_PRIVATE, B_PUBLIC = sitekeys.generate()
