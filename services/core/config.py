@@ -919,7 +919,8 @@ class SiteConfig(_Model):
         "gateway_private_key, read when the site file is loaded")
     gateway_public_keys: dict[Annotated[int, Field(ge=1, le=255)], str] = Field(
         default_factory=dict, strict=False,
-        description="dsid -> that site's Ed25519 public key (base64 of 32 bytes, or PEM). The receiver applies "
+        description="dsid -> that site's Ed25519 public key (base64 of 32 bytes, or PEM; during a key rotation "
+        "the old and the new, one per line, either verifies). The receiver applies "
         "only batches signed by their site's key (with any key given, every accepted dsid needs one); a gateway "
         "sender takes only acks signed by its remote site's key, when that key is given")
     gateway_public_keys_file: dict[Annotated[int, Field(ge=1, le=255)], str] = Field(
