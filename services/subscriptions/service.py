@@ -126,6 +126,9 @@ QUEUE_GONE_MS = 5000
 CATCH_UP_S = 10.0
 #: How many refusals the service remembers having answered (so each is answered once).
 REFUSALS_REMEMBERED = 4096
+#: How long a refusal waits to be answered: for the client's queue topic to be seen (the client
+#: creates it just before it registers), or for this instance to become its partition's primary.
+REFUSAL_ANSWER_WAIT_S = 60.0
 
 
 class TablesBehind(SluiceError):
@@ -197,6 +200,9 @@ class SubscriptionService:
                       "undecodable": 0, "refills": 0, "takeovers": 0, "refused": 0, "dead_lettered": 0,
                       "restored": 0}
         self._refusals_answered: dict[tuple[str, str, int], None] = {}  # (client, session, version), oldest first
+        #: Refusals not answered yet, by (client, session, version): (registry partition, record, reason,
+        #: give-up time), oldest first; answered by ``_answer_refusals``.
+        self._refusals_waiting: dict[tuple[str, str, int], tuple[int, dict[str, Any], str, float]] = {}
         self._group: Consumer | None = None
         self._tables: Consumer | None = None
         self._changelog: Consumer | None = None
@@ -548,37 +554,53 @@ class SubscriptionService:
         again so that compaction keeps it rather than the refused one."""
         topic, partition = msg.topic(), msg.partition()
         if partition not in self.owned:
+            if topic == self.registry_topic and record is not None:
+                # Its client waits for an answer: the instance that becomes the primary gives it.
+                self._wait_refusal(partition, name, record, f"registration refused: {_refusal_reason(exc)}")
             return
-        unauthorized = isinstance(exc, InvalidRequest) and exc.field == "authorization"
-        why = exc.reason if unauthorized else str(exc)  # never the token given
+        why = _refusal_reason(exc)
         reason = f"{what} refused: {why}" if not isinstance(exc, CodecError) else f"{what} cannot be read: {why}"
         self.stats["undecodable" if isinstance(exc, CodecError) else "refused"] += 1
         log.warning("subscriptions %s: client %r: %s (%s[%d]@%d)", self.member_id, name, reason, topic, partition,
                     msg.offset(), extra={"refused": what, "client_id": name, "reason": reason})
         self._dead_letter(msg, reason, type(exc).__name__)
         if topic == self.registry_topic and record is not None:
-            self._answer_refusal(name, record, reason)
+            self._wait_refusal(partition, name, record, reason)
+            self._answer_refusals()
         if topic in (self.registry_topic, self.acks_topic):
             self._restore(topic, partition, name)
 
-    def _answer_refusal(self, name: str, record: dict[str, Any], reason: str) -> None:
-        """REFUSED, on the client's queue, once per (session, version), and only where that is safe:
-        the queue is this client's by the queue rule and exists, and the record is of the session in
-        force (or of a client not registered yet), so a forgery cannot fill another topic or client."""
+    def _wait_refusal(self, partition: int, name: str, record: dict[str, Any], reason: str) -> None:
         answer = (name, record["session"], record["version"])
-        if answer in self._refusals_answered:
+        if answer in self._refusals_answered or answer in self._refusals_waiting:
             return
-        current = self.registry.get(name)
-        if current is not None and current["session"] != record["session"]:
-            return
-        topic = record["queue_topic"]
-        if queue_topic_problem(self.cfg, name, topic) is not None or not self._topic_exists(topic):
-            return
-        self._refusals_answered[answer] = None
-        while len(self._refusals_answered) > REFUSALS_REMEMBERED:
-            del self._refusals_answered[next(iter(self._refusals_answered))]
-        self._produce_to(topic, self._encode({"kind": "REFUSED", "session": record["session"],
-                                              "version": record["version"], "reason": reason}), None, 0)
+        self._refusals_waiting[answer] = (partition, record, reason, time.monotonic() + REFUSAL_ANSWER_WAIT_S)
+        while len(self._refusals_waiting) > REFUSALS_REMEMBERED:
+            del self._refusals_waiting[next(iter(self._refusals_waiting))]
+
+    def _answer_refusals(self) -> None:
+        """REFUSED, on the client's queue, once per (session, version), by its partition's primary, and
+        only where that is safe: the queue is this client's by the queue rule and exists, and the record
+        is of the session in force (or of a client not registered yet), so a forgery cannot fill another
+        topic or client.  A queue not seen yet (the client created it a moment ago) is looked for again
+        on the next turns, for ``REFUSAL_ANSWER_WAIT_S``."""
+        now = time.monotonic()
+        for answer, (partition, record, reason, give_up) in list(self._refusals_waiting.items()):
+            name = answer[0]
+            current = self.registry.get(name)
+            topic = record["queue_topic"]
+            if (now > give_up or (current is not None and current["session"] != record["session"])
+                    or queue_topic_problem(self.cfg, name, topic) is not None):
+                del self._refusals_waiting[answer]
+                continue
+            if partition not in self.owned or not self._topic_exists(topic):
+                continue
+            del self._refusals_waiting[answer]
+            self._refusals_answered[answer] = None
+            while len(self._refusals_answered) > REFUSALS_REMEMBERED:
+                del self._refusals_answered[next(iter(self._refusals_answered))]
+            self._produce_to(topic, self._encode({"kind": "REFUSED", "session": record["session"],
+                                                  "version": record["version"], "reason": reason}), None, 0)
 
     def _restore(self, topic: str, partition: int, name: str) -> None:
         """Write a client's registry (or ack) record in force again after a refused one for its key, in
@@ -612,6 +634,8 @@ class SubscriptionService:
     # --- clients -------------------------------------------------------------------------------
 
     def _tend_clients(self) -> None:
+        if self._refusals_waiting:
+            self._answer_refusals()
         now_ms = int(time.time() * 1000)
         for client in list(self._clients.values()):
             record = client.record
@@ -916,6 +940,14 @@ class SubscriptionService:
     def describe(self) -> dict[str, Any]:
         return {"member": self.member_id, "owned": sorted(self.owned), "clients": sorted(self._clients),
                 **self.stats}
+
+
+def _refusal_reason(exc: SluiceError) -> str:
+    """Why a record was refused, as the log, the dead letter and the client are told: for a token,
+    only whether there was one, never the token given."""
+    if isinstance(exc, InvalidRequest) and exc.field == "authorization":
+        return exc.reason
+    return str(exc)
 
 
 def _positions_of(records: list[dict[str, Any]]) -> dict[tuple[str, int], int]:
