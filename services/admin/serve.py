@@ -31,18 +31,13 @@ compared in constant time.  The page itself and its assets hold no data and are
 served to anyone; the page asks for the token once and keeps it in the tab's
 sessionStorage.
 
-Forged requests (issue 17).  A browser sends a request to this page for any
-site the user visits, and without a token nothing else would tell the two
-apart.  So, token or not, every request that changes state (any method but
-GET, HEAD and OPTIONS) is refused with 403 and a JSON error naming why when
-
-* ``Sec-Fetch-Site`` says another site sent it (anything but ``same-origin``
-  or ``none``: ``same-site`` includes another port of the same host),
-* its ``Origin`` (or, without one, its ``Referer``) is not this page's own
-  origin (the host and port of the ``Host`` header), or
-* it lacks ``content-type: application/json``: a cross-site form cannot send
-  that, and a cross-site script needs a CORS preflight, which this page never
-  answers.  The page's own script sends it, with the body ``{}``.
+Forged requests.  A browser sends a request to this page for any site the
+user visits, and without a token nothing else would tell the two apart.
+So, token or not, every request that changes state is refused with 403 and
+a JSON error naming why when another site's page may have sent it
+(``core/webguard.py``: its ``Sec-Fetch-Site``, ``Origin`` or ``Referer``,
+or a content type other than ``application/json``; the page's own script
+sends that, with the body ``{}``).
 
 Bodies are capped at ``BODY_BYTES_MAX`` before anything parses them (413);
 the actions take no data.  A page without a token answers only to loopback
@@ -60,9 +55,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import hashlib
-import hmac
-import ipaddress
 import logging
 import os
 import signal
@@ -73,7 +65,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
-from urllib.parse import urlsplit
 
 import orjson
 import uvicorn
@@ -85,6 +76,7 @@ from starlette.concurrency import run_in_threadpool
 from ..core.config import SiteConfig, load_config
 from ..core.errors import ConfigError, InvalidRequest, SluiceError
 from ..core.kafka import KafkaException, make_admin
+from ..core.webguard import bearer_matches, digest, forgery_problem, host_and_port, is_loopback
 from ..region.directory import owners_of, read_instances
 from ..core.lifecycle import ServiceState
 from .cli import STATES, PartitionStatus, client_status, kind_of, queue_status, receiver_status, set_state
@@ -93,15 +85,10 @@ log = logging.getLogger("sluice.admin.serve")
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 TOKEN_ENV = "SLUICE_ADMIN_TOKEN"
-#: What the region service puts before its URL in its consumer-group client.id.
 #: The page's poll period; the sampler never needs to be faster than this.
 PAGE_POLL_S = 2.0
 #: The largest request body read: the actions take no data (the page sends ``{}``).
 BODY_BYTES_MAX = 1024
-#: Methods that change nothing; every other one is checked for forgery.
-SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-#: Sec-Fetch-Site values of a request the page itself (or the user, typing) sent.
-OWN_FETCH_SITES = frozenset({"same-origin", "none"})
 
 EXAMPLE = """\
 serve (the status page):
@@ -395,21 +382,6 @@ def _sum_rates(rates: Any) -> float | None:
 # --- the HTTP face -----------------------------------------------------------------
 
 
-def _digest(token: str) -> bytes:
-    return hashlib.sha256(token.encode()).digest()
-
-
-def is_loopback(host: str) -> bool:
-    """``host`` (an address or a name, as --host takes it) is loopback only."""
-    host = host.strip("[]")
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def exposure_problem(host: str, token: str | None, allow_unauthenticated: bool) -> str | None:
     """Why the page must not start on ``host``, or None."""
     if token is not None or allow_unauthenticated or is_loopback(host):
@@ -419,67 +391,10 @@ def exposure_problem(host: str, token: str | None, allow_unauthenticated: bool) 
             "--allow-unauthenticated if the network is trusted")
 
 
-def _host_and_port(netloc: str) -> tuple[str, int | None]:
-    """(lowercase host name, explicit port or None) of ``host[:port]``, IPv6 in brackets or not."""
-    netloc = netloc.strip().lower()
-    if netloc.startswith("["):
-        host, _, rest = netloc[1:].partition("]")
-        port = rest[1:] if rest.startswith(":") else ""
-    else:
-        host, sep, port = netloc.rpartition(":")
-        if not sep or not port.isdigit() or ":" in host:
-            host, port = netloc, ""
-    return host, int(port) if port.isdigit() else None
-
-
-def _same_origin(url: str, host_header: str) -> bool:
-    """``url``'s origin is this page's: the host and port the browser addressed (the Host header).
-
-    A Host without a port means the default port of the scheme the browser
-    used, which behind a TLS proxy is not the scheme this server sees; so
-    any default port then matches, and only a default port does.
-    """
-    try:
-        parts = urlsplit(url)
-        origin_port = parts.port
-    except ValueError:
-        return False
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return False
-    own_host, own_port = _host_and_port(host_header)
-    if parts.hostname.lower() != own_host:
-        return False
-    effective = origin_port if origin_port is not None else (443 if parts.scheme == "https" else 80)
-    return effective == own_port if own_port is not None else effective in (80, 443)
-
-
 def _refusal(status: int, error: str, field: str, value: Any, reason: str) -> JSONResponse:
     shown = value if not isinstance(value, str) or len(value) <= 200 else value[:200] + "…"
     return JSONResponse({"error": error, "field": field, "value": shown, "reason": reason,
                          "message": f"{field}: {reason}", "retriable": False}, status_code=status)
-
-
-def forgery_problem(request: Request) -> tuple[str, Any, str] | None:
-    """(field, value, reason) when a state-changing request may have been forged by another site, else None."""
-    headers = request.headers
-    fetch_site = headers.get("sec-fetch-site")
-    if fetch_site is not None and fetch_site.lower() not in OWN_FETCH_SITES:
-        return ("sec-fetch-site", fetch_site, "the browser says another site sent this request; actions are taken "
-                                              "only from this page")
-    own = headers.get("host", "")
-    origin = headers.get("origin")
-    if origin is not None:
-        if not _same_origin(origin, own):
-            return ("origin", origin, f"is not this page's origin (host {own!r}); actions are taken only from this "
-                                      "page")
-    elif (referer := headers.get("referer")) is not None and not _same_origin(referer, own):
-        return ("referer", referer, f"is not on this page's origin (host {own!r}); actions are taken only from "
-                                    "this page")
-    media_type = headers.get("content-type", "").partition(";")[0].strip().lower()
-    if media_type != "application/json":
-        return ("content-type", headers.get("content-type"),
-                "must be application/json (send the body {}): a form on another site cannot send that")
-    return None
 
 
 async def _read_body(request: Request) -> bytes | None:
@@ -520,14 +435,14 @@ def create_app(sampler: StatusSampler, token: str | None, *, loopback_only: bool
     cfg = sampler.cfg
     # Compare digests: equal length whatever is offered, so the comparison's
     # time says nothing about the token's length either.
-    expected = _digest(token) if token else None
+    expected = digest(token) if token else None
     app = FastAPI(title=f"Sluice status page of site {cfg.site}", version="1", docs_url=None, redoc_url=None,
                   openapi_url="/api/openapi.json")
     queue_ids = sorted(q.id for q in cfg.all_attached_queues())
 
     @app.middleware("http")
     async def guard(request: Request, call_next: Any) -> Response:
-        if loopback_only and not is_loopback(_host_and_port(request.headers.get("host", ""))[0]):
+        if loopback_only and not is_loopback(host_and_port(request.headers.get("host", ""))[0]):
             return _refusal(403, "Forbidden", "host", request.headers.get("host"),
                             "this page has no token and answers only to localhost or a loopback address (another "
                             "name may be a DNS-rebinding site)")
@@ -536,11 +451,11 @@ def create_app(sampler: StatusSampler, token: str | None, *, loopback_only: bool
             return _refusal(413 if length.isdigit() else 400, "InvalidRequest", "content-length", length,
                             f"a body is at most {BODY_BYTES_MAX} bytes (the actions take no data)")
         if expected is not None and request.url.path.startswith("/api/"):
-            scheme, _, credential = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(_digest(credential.strip()), expected):
+            if not bearer_matches(request.headers.get("authorization"), expected):
                 return JSONResponse({"error": "Unauthorized", "message": "missing or wrong bearer token",
                                      "retriable": False}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        if request.method not in SAFE_METHODS and (problem := forgery_problem(request)) is not None:
+        has_body = "transfer-encoding" in request.headers or (length is not None and length.strip() not in ("", "0"))
+        if (problem := forgery_problem(request.headers.get, request.method, has_body)) is not None:
             log.warning("refused %s %s: %s %r: %s", request.method, request.url.path, *problem)
             return _refusal(403, "Forbidden", *problem)
         return await call_next(request)

@@ -21,17 +21,15 @@ before these checks, in this order:
    development site; ``RegionService.bind`` refuses to listen beyond
    loopback without both).  The client token never opens a member path and
    the member token never opens a client path.  Tokens are compared with
-   ``hmac.compare_digest`` over bytes; a missing header is an empty one.
+   ``webguard.bearer_matches`` (constant time); a missing header matches none.
    Refused: 401.
 
 2. **Cross-site requests.**  A state-changing request (POST, PUT, DELETE,
-   PATCH) is refused (403) when it carries ``Sec-Fetch-Site: cross-site``,
-   or an ``Origin`` or ``Referer`` of another host than the request's own
-   ``Host``, or when a POST or PUT (or any request with a body) is not
-   ``content-type: application/json``.  A browser cannot send such a
-   request from another site without a CORS preflight, which this service
-   never grants, so a web page cannot make a developer's browser clear a
-   region on localhost.
+   PATCH) that another site's page may have sent (``core/webguard.py``:
+   ``Sec-Fetch-Site``, ``Origin`` or ``Referer`` of another origin, or a
+   POST or PUT without ``content-type: application/json``) is refused
+   (403), so a web page cannot make a developer's browser clear a region on
+   localhost.
 
 3. **Size.**  A body larger than ``region_service.request_body_max_bytes`` is
    refused (413) by its ``Content-Length`` before a byte of it is read; a
@@ -45,12 +43,12 @@ Every refusal is JSON in the API's error shape (``error``, ``message``,
 
 from __future__ import annotations
 
-import hmac
 import re
 from typing import Any, Awaitable, Callable
-from urllib.parse import urlsplit
 
 import orjson
+
+from ..core.webguard import bearer_matches, digest, forgery_problem
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -61,7 +59,6 @@ App = Callable[[Scope, Receive, Send], Awaitable[None]]
 OPEN, CLIENT, MEMBER = "open", "client", "member"
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 _APPLY_REMOTE = re.compile(r"^/regions/[^/]+/apply_remote/?$")
-_STATE_CHANGING = frozenset({"POST", "PUT", "DELETE", "PATCH"})
 _WANTED = frozenset({b"authorization", b"origin", b"referer", b"sec-fetch-site", b"content-type",
                      b"content-length", b"transfer-encoding", b"host"})
 
@@ -86,10 +83,8 @@ class Guard:
 
     def __init__(self, app: App, *, token: str | None, member_token: str | None, body_max_bytes: int) -> None:
         self.app = app
-        self._expected = {
-            CLIENT: None if token is None else b"Bearer " + token.encode("utf-8"),
-            MEMBER: None if member_token is None else b"Bearer " + member_token.encode("utf-8"),
-        }
+        self._expected = {CLIENT: None if token is None else digest(token),
+                          MEMBER: None if member_token is None else digest(member_token)}
         self.body_max_bytes = body_max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -106,22 +101,21 @@ class Guard:
 
         kind = credential_of(scope["path"])
         expected = self._expected.get(kind)
-        if expected is not None and not hmac.compare_digest(headers.get(b"authorization", b""), expected):
+        given = headers.get(b"authorization")
+        if expected is not None and not bearer_matches(given, expected):
             other = CLIENT if kind == MEMBER else MEMBER
             reason = f"this path takes the {kind} token as `Authorization: Bearer <token>`"
-            if self._expected[other] is not None and hmac.compare_digest(headers.get(b"authorization", b""),
-                                                                        self._expected[other]):
+            other_expected = self._expected[other]
+            if other_expected is not None and bearer_matches(given, other_expected):
                 reason += f"; the {other} token does not open it"
             await _answer(send, 401, _refusal("Unauthorized", "authorization", "(hidden)", reason), close=has_body,
                           extra=[(b"www-authenticate", b"Bearer")])
             return
 
-        method = scope["method"]
-        if method in _STATE_CHANGING:
-            refused = _cross_site(headers, method, has_body)
-            if refused is not None:
-                await _answer(send, 403, _refusal("Forbidden", *refused), close=has_body)
-                return
+        refused = forgery_problem(lambda name: _text(headers.get(name.encode())), scope["method"], has_body)
+        if refused is not None:
+            await _answer(send, 403, _refusal("Forbidden", *refused), close=has_body)
+            return
 
         limit = self.body_max_bytes
         if length is not None and not chunked:
@@ -149,31 +143,8 @@ def _too_large(value: str, limit: int) -> dict[str, Any]:
     return _refusal("RequestTooLarge", "body", value, f"larger than region_service.request_body_max_bytes={limit}")
 
 
-def _cross_site(headers: dict[bytes, bytes], method: str, has_body: bool) -> tuple[str, str, str] | None:
-    """(field, value, reason) when a state-changing request may come from another site's page."""
-    fetch_site = headers.get(b"sec-fetch-site")
-    if fetch_site is not None and fetch_site.strip().lower() == b"cross-site":
-        return "sec-fetch-site", "cross-site", "a browser sent this state-changing request from another site"
-    host = headers.get(b"host", b"").decode("latin-1").strip().lower()
-    for name in (b"origin", b"referer"):
-        given = headers.get(name)
-        if given is None:
-            continue
-        text = given.decode("latin-1").strip()
-        try:
-            netloc = urlsplit(text).netloc.lower()
-        except ValueError:
-            netloc = ""
-        if not netloc or netloc != host:
-            return (name.decode(), text, f"a state-changing request must come from this service's own origin "
-                                         f"({host or 'no Host header'})")
-    if method in ("POST", "PUT", "PATCH") or has_body:
-        content_type = headers.get(b"content-type", b"").decode("latin-1")
-        if content_type.split(";", 1)[0].strip().lower() != "application/json":
-            return ("content-type", content_type or "(none)",
-                    "a state-changing request must be sent with content-type: application/json (a web page "
-                    "cannot send that to another site without a CORS preflight)")
-    return None
+def _text(value: bytes | None) -> str | None:
+    return None if value is None else value.decode("latin-1")
 
 
 class _Gone:

@@ -43,7 +43,6 @@ believed (member_token or member_hosts differ between the instances).
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import socket
 import threading
@@ -75,6 +74,7 @@ from ..core.errors import (
 )
 from ..core.events import EntryEvent, EventID
 from ..core.lifecycle import ServiceState
+from ..core.webguard import is_loopback
 from ..core.kafka import KafkaException, make_admin, translate
 from .directory import DirectoryPublisher, MemberTrust, OwnerDirectory
 from .engine import Operation, OpResult, RegionEngine
@@ -233,7 +233,7 @@ class RegionService:
         rs = self.cfg.region_service
         if rs.allow_unauthenticated or (self.token and self.member_token):
             return
-        if ipaddress.ip_address(bound).is_loopback:
+        if is_loopback(bound):
             return
         missing = " and ".join(name for name, v in (("token", self.token), ("member_token", self.member_token))
                                if not v)
