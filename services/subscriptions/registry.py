@@ -109,26 +109,26 @@ def check_key(cfg: SiteConfig, key: str, partition: int) -> None:
         raise InvalidRequest("partition", partition, f"client {key}'s records belong in partition {wanted}")
 
 
-def check_registration(cfg: SiteConfig, key: str, partition: int, record: dict[str, Any]) -> None:
-    """A registration the service may act on: its key's, with a queue of that client and interest
-    it can match (``compile_regex``); else ``InvalidRequest`` naming the field, value and reason."""
+def _check_own_record(cfg: SiteConfig, key: str, partition: int, record: dict[str, Any]) -> None:
+    """A registry or ack record of the client its key names, in its partition, naming a queue of its own."""
     check_key(cfg, key, partition)
     if record["client_id"] != key:
         raise InvalidRequest("client_id", record["client_id"], f"not the record's key {key!r}")
     problem = queue_topic_problem(cfg, key, record["queue_topic"])
     if problem is not None:
         raise InvalidRequest("queue_topic", record["queue_topic"], problem)
+
+
+def check_registration(cfg: SiteConfig, key: str, partition: int, record: dict[str, Any]) -> None:
+    """A registration the service may act on: its key's, with a queue of that client and interest
+    it can match (``compile_regex``); else ``InvalidRequest`` naming the field, value and reason."""
+    _check_own_record(cfg, key, partition, record)
     interest_of(record)  # InvalidRequest("regex", ...) for a pattern RE2 refuses or one too long
 
 
 def check_ack(cfg: SiteConfig, key: str, partition: int, record: dict[str, Any]) -> None:
     """An ack the service may act on (trim the queue it names up to ``next_offset``)."""
-    check_key(cfg, key, partition)
-    if record["client_id"] != key:
-        raise InvalidRequest("client_id", record["client_id"], f"not the record's key {key!r}")
-    problem = queue_topic_problem(cfg, key, record["queue_topic"])
-    if problem is not None:
-        raise InvalidRequest("queue_topic", record["queue_topic"], problem)
+    _check_own_record(cfg, key, partition, record)
     if record["next_offset"] < 0:
         raise InvalidRequest("next_offset", record["next_offset"], "a queue offset is 0 or more")
 

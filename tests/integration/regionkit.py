@@ -8,6 +8,7 @@ and decodes every record.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from sluice.core import processes
 from sluice.core.codec import get_codec
 from sluice.core.config import SiteConfig, load_config
 from sluice.core.events import EntryEvent
+from sluice.core.kafka import make_consumer, read_to_end, until_answered
 from sluice.core.processes import RegionProcess
 from sluice.core.topics import apply_topics
 
@@ -153,3 +155,15 @@ def end_offsets(bootstrap: str, topic: str, partitions: int) -> list[int]:
         return [consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(partitions)]
     finally:
         consumer.close()
+
+
+def control_records(cfg: SiteConfig) -> list[tuple[str, str]]:
+    """(queue, state) of every control record, oldest first (asked again while a new topic has no leader yet)."""
+    consumer = make_consumer(cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 50})
+    try:
+        messages = until_answered(lambda: list(read_to_end(consumer, cfg.topics.control())),
+                                  "reading the control topic", stopping=threading.Event())
+    finally:
+        consumer.close()
+    records = [get_codec().decode_as("ControlRecord", m.value()) for m in messages if m.value() is not None]
+    return [(r["target_id"], r["state"]) for r in records]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,12 +23,10 @@ from fastapi.testclient import TestClient
 
 from sluice.admin import serve
 from sluice.cli import main as sluice_main
-from sluice.core.codec import get_codec
 from sluice.core.config import SiteConfig
-from sluice.core.kafka import make_consumer, read_to_end, until_answered
 from sluice.core.processes import ServiceProcess
 
-from regionkit import write_site
+from regionkit import control_records, write_site
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,18 +53,6 @@ def client_for(cfg: SiteConfig, token: str | None = None, **options: Any) -> Tes
 def page(site: tuple[Path, SiteConfig]) -> Iterator[TestClient]:
     with client_for(site[1]) as client:
         yield client
-
-
-def control_records(cfg: SiteConfig) -> list[tuple[str, str]]:
-    """(queue, state) of every control record, oldest first (asked again while a new topic has no leader yet)."""
-    consumer = make_consumer(cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 50})
-    try:
-        messages = until_answered(lambda: list(read_to_end(consumer, cfg.topics.control())),
-                                  "reading the control topic", stopping=threading.Event())
-    finally:
-        consumer.close()
-    records = [get_codec().decode_as("ControlRecord", m.value()) for m in messages if m.value() is not None]
-    return [(r["target_id"], r["state"]) for r in records]
 
 
 FORGED: list[tuple[dict[str, str], Any, str]] = [

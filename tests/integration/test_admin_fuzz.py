@@ -11,7 +11,6 @@ and derandomized, so a run is repeatable and takes seconds.
 from __future__ import annotations
 
 import collections
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -23,27 +22,15 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
 from sluice.admin import serve
-from sluice.core.codec import get_codec
 from sluice.core.config import SiteConfig
-from sluice.core.kafka import make_consumer, read_to_end, until_answered
 
-from regionkit import write_site
+from regionkit import control_records, write_site
 
 pytestmark = pytest.mark.timeout(120)
 
 TOKEN = "fuzz-" + "x" * 20
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 EXAMPLES = 25
-
-
-def control_record_count(cfg: SiteConfig) -> int:
-    consumer = make_consumer(cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 50})
-    try:
-        messages = until_answered(lambda: list(read_to_end(consumer, cfg.topics.control())),
-                                  "reading the control topic", stopping=threading.Event())
-    finally:
-        consumer.close()
-    return sum(1 for m in messages if m.value() is not None and get_codec().decode_as("ControlRecord", m.value()))
 
 
 def test_fuzzing_the_pages_api_with_the_token_on_finds_no_server_error_and_no_forged_write(
@@ -111,7 +98,7 @@ def test_fuzzing_the_pages_api_with_the_token_on_finds_no_server_error_and_no_fo
         assert sorted(unbreakable) == ["GET /healthz", "GET /readyz"], unbreakable
         assert not [key for key in answers if key[2] >= 500], answers
         assert accepted > 0 and any(status in (400, 404) for _, _, status in answers), answers
-        assert control_record_count(cfg) == len(writes) == accepted
+        assert len(control_records(cfg)) == len(writes) == accepted
         print(f"\nschemathesis: {sum(answers.values())} requests, {accepted} actions accepted; "
               + ", ".join(f"{label} {mode} {status}: {n}" for (label, mode, status), n in sorted(answers.items())))
     finally:
