@@ -187,6 +187,10 @@ class Codec:
         except KeyError:
             raise UnknownSchema(f"no schema named {name!r}") from None
 
+    def header(self, name: str) -> bytes:
+        """The single-object header of a record of schema ``name``: the marker and its fingerprint."""
+        return MARKER + self.fingerprint(name)
+
     def schema_json(self, name: str) -> dict[str, Any]:
         """The schema as written in ``avro/`` (for other Avro libraries)."""
         return copy.deepcopy(self._raw[name])

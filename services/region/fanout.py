@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..core.avrowire import entry_event_body, string, varint
+from ..core.eventwire import FLAG_POSSIBLE_DUPLICATE, entry_event_body, string, varint
 from ..core.codec import HEADER_BYTES, MARKER, Codec
 from ..core.errors import SluiceError
 from ..core.events import EntryEvent, Operation, goes_to_async_queue, goes_to_gateway
@@ -279,6 +279,8 @@ class FanoutWriter:
         body = changelog_value[HEADER_BYTES:]
         now_ms = int(time.time() * 1000)
         tail = _varint(event.bucket) + _varint(offset) + _varint(now_ms) + body
+        # QueuedEvent's leading flags, read by the queue's readers without decoding the event.
+        flags = _varint(FLAG_POSSIBLE_DUPLICATE if event.possible_duplicate else 0)
 
         def on_queue(err: KafkaError | None, msg: Message) -> None:
             if err is not None:
@@ -293,7 +295,7 @@ class FanoutWriter:
         for target in targets:
             partition = target.partition_for(event, key_bytes)
             if target.enqueue is None:
-                value = self._queued_fp + self._queue_id_bytes[target.id] + tail
+                value = self._queued_fp + flags + self._queue_id_bytes[target.id] + tail
             else:
                 queued = target.enqueue(event, partition)
                 if queued is None:  # a before_enqueue filter kept it out of this queue
@@ -302,7 +304,7 @@ class FanoutWriter:
                     continue
                 own_tail = tail if queued is event else (
                     _varint(event.bucket) + _varint(offset) + _varint(now_ms) + entry_event_body(queued))
-                value = self._queued_fp + self._queue_id_bytes[target.id] + own_tail
+                value = self._queued_fp + flags + self._queue_id_bytes[target.id] + own_tail
             self._produce(target.topic, key_bytes, value, partition, on_queue, headers)
 
     def _produce(self, topic: str, key: bytes, value: bytes, partition: int, cb: Any,

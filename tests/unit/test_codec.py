@@ -125,6 +125,7 @@ def record_strategies(millis: st.SearchStrategy[int] = longs) -> dict[str, st.Se
         "EntryEvent": entry_event,
         "QueuedEvent": st.fixed_dictionaries(
             {
+                "flags": st.integers(min_value=0, max_value=3),
                 "queue_id": texts,
                 "changelog_partition": ints,
                 "changelog_offset": longs,
@@ -287,7 +288,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "EventID": EVENT_ID,
     "VersionTag": VERSION_TAG,
     "EntryEvent": ENTRY_EVENT,
-    "QueuedEvent": {"queue_id": "q", "changelog_partition": 5, "changelog_offset": 77,
+    "QueuedEvent": {"flags": 3, "queue_id": "q", "changelog_partition": 5, "changelog_offset": 77,
                     "enqueued_at": 1_700_000_000_001, "event": ENTRY_EVENT},
     "GatewayBatch": GATEWAY_BATCH,
     "GatewayAck": {
@@ -650,7 +651,7 @@ def test_encoding_under_an_unknown_schema_name_is_refused() -> None:
 def _with_defaults_of_new_fields(name: str, record: Any) -> Any:
     """The sample as an older writer could have written it: fields added since at their defaults."""
     added = {"EntryEvent": {"transaction": None}, "QueueStatus": {"last_accepted_at": 0, "waiting": 0},
-             "FillCheckpoint": {"queues": None}, "GatewayAck": {"last_batch_id": -1}}
+             "FillCheckpoint": {"queues": None}, "GatewayAck": {"last_batch_id": -1}, "QueuedEvent": {"flags": 0}}
     out = {**record, **added.get(name, {})}
     if name == "QueuedEvent":
         out["event"] = _with_defaults_of_new_fields("EntryEvent", record["event"])

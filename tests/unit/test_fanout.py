@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 from sluice.core.codec import HEADER_BYTES, MARKER, get_codec
 from sluice.core.errors import BrokerUnavailable, SluiceError
 from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
+from sluice.core.eventwire import FLAG_POSSIBLE_DUPLICATE
 from sluice.core.kafka import partition_for_key
 from sluice.region import fanout
 from sluice.region.fanout import BucketProgress, FanoutWriter, Pending, QueueTarget, _avro_string, _varint
@@ -490,7 +491,8 @@ def queued_bytes(event: EntryEvent, queue_id: str, offset: int, now_ms: int) -> 
     codec = get_codec()
     changelog_value = codec.encode("EntryEvent", event.to_record(), validate=False)
     body = changelog_value[HEADER_BYTES:]
-    return (MARKER + codec.fingerprint("QueuedEvent") + _avro_string(queue_id)
+    flags = FLAG_POSSIBLE_DUPLICATE if event.possible_duplicate else 0
+    return (MARKER + codec.fingerprint("QueuedEvent") + _varint(flags) + _avro_string(queue_id)
             + _varint(event.bucket) + _varint(offset) + _varint(now_ms) + body)
 
 
@@ -511,7 +513,7 @@ def test_prefixed_queued_event_decodes_to_the_same_event(event: EntryEvent, queu
     assert EntryEvent.from_record(record["event"]) == event
     # And it is byte for byte what encoding the QueuedEvent from scratch gives.
     scratch = codec.encode("QueuedEvent", {
-        "queue_id": queue_id, "changelog_partition": event.bucket, "changelog_offset": offset,
+        "flags": FLAG_POSSIBLE_DUPLICATE if event.possible_duplicate else 0, "queue_id": queue_id, "changelog_partition": event.bucket, "changelog_offset": offset,
         "enqueued_at": now_ms, "event": event.to_record(),
     })
     assert data == scratch

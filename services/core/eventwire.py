@@ -1,0 +1,371 @@
+"""Events as bytes: write, read, scan and splice Avro bodies without a full decode.
+
+Every Sluice record is Avro in the single-object encoding (``codec.py``:
+``C3 01``, the schema's 8-byte fingerprint, the body).  The hot paths move
+an ``EntryEvent`` from the region service through queues, senders and
+receivers to another site's changelog; only the ends need its fields.  This
+module is the one place that knows the byte layout, so the stages between
+can route, batch and forward events as the bytes they arrived as:
+
+* ``entry_event_body`` writes an ``EntryEvent``'s body by hand, byte for
+  byte what fastavro writes (``fastavro`` is the test oracle), at a fraction
+  of its cost;
+* ``decode_entry`` reads one back, with ``EntryLayout``: where the fields a
+  stage may change (possibleDuplicate, visited sites, bucket) lie, so that
+  ``splice_entry`` can change them by copying the bytes around them rather
+  than encoding the event again;
+* ``entry_region_key`` reads only the first two fields (region and key),
+  which is all a router needs;
+* ``queued_event`` writes a ``QueuedEvent`` (a queue record) around an event
+  body, and ``read_queued`` reads one back down to its event body without
+  decoding the event: the ``flags`` field comes first, so possibleDuplicate
+  and "routed" (the gateway's loop check was done when the event was queued)
+  are read from the byte after the header.  A record of an older
+  ``QueuedEvent`` version is read through the codec's schema resolution and
+  its event re-encoded: slower, and only met during an upgrade.
+
+Avro binary, as used here: int and long are zig-zag varints; a string or
+bytes is its length then its bytes; a union is the branch index then the
+value; an enum is the symbol's index; an array is blocks of a count then the
+items, ending with a count of 0 (a negative count is followed by the block's
+size in bytes); a record is its fields in order.  Every reader here refuses
+what fastavro would refuse (a truncated body, a bad union branch, an unknown
+enum symbol, invalid UTF-8, trailing bytes) with ``MalformedRecord``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+from .errors import MalformedRecord
+from .events import EntryEvent, EventID, Operation, VersionTag
+
+if TYPE_CHECKING:
+    from .codec import Codec
+
+_OPERATIONS = tuple(Operation)
+_OPERATION_INDEX = {op: i for i, op in enumerate(_OPERATIONS)}
+
+LONG_MIN, LONG_MAX = -(2**63), 2**63 - 1
+INT_MIN, INT_MAX = -(2**31), 2**31 - 1
+
+#: QueuedEvent ``flags``: the event may have been queued before (a new owner re-enqueued it).
+FLAG_POSSIBLE_DUPLICATE = 1
+#: QueuedEvent ``flags``: the gateway loop check (origin, visited sites) was done when it was queued.
+FLAG_ROUTED = 2
+
+# --- writing ---------------------------------------------------------------------------------
+
+
+def varint(n: int) -> bytes:
+    """Avro's zig-zag varint of a long; ``MalformedRecord`` for a number no long holds.
+
+    Python's ints are unbounded and the zig-zag step silently wraps one
+    beyond 64 bits (2**70 would be read back as 64), so the range is checked
+    here, where every hand-written long is made."""
+    if not LONG_MIN <= n <= LONG_MAX:
+        raise MalformedRecord(f"{n} does not fit an Avro long ({LONG_MIN}..{LONG_MAX})")
+    z = (n << 1) ^ (n >> 63)
+    if z < 0x80:
+        return bytes((z,))
+    out = bytearray()
+    while z > 0x7F:
+        out.append((z & 0x7F) | 0x80)
+        z >>= 7
+    out.append(z)
+    return bytes(out)
+
+
+def varint32(n: int) -> bytes:
+    """Avro's varint of an int (32 bits): the same encoding as a long, within the int's range."""
+    if not INT_MIN <= n <= INT_MAX:
+        raise MalformedRecord(f"{n} does not fit an Avro int ({INT_MIN}..{INT_MAX})")
+    return varint(n)
+
+
+def string(s: str) -> bytes:
+    b = s.encode("utf-8")
+    return varint(len(b)) + b
+
+
+@lru_cache(maxsize=4096)
+def _cached_string(s: str) -> bytes:
+    """Region names, member ids, encodings: few distinct values, encoded once."""
+    return string(s)
+
+
+def _int_array(items: tuple[int, ...] | list[int]) -> bytes:
+    if not items:
+        return b"\x00"
+    return varint(len(items)) + b"".join(varint32(d) for d in items) + b"\x00"
+
+
+def entry_event_body(ev: EntryEvent) -> bytes:
+    """The Avro body (no single-object header) of an ``EntryEvent``."""
+    eid = ev.event_id
+    ver = ev.version
+    tx = ev.transaction
+    return b"".join((
+        _cached_string(ev.region),
+        string(ev.key),
+        varint(_OPERATION_INDEX[ev.operation]),
+        b"\x00" if ev.value is None else b"\x02" + varint(len(ev.value)) + ev.value,
+        _cached_string(ev.value_encoding),
+        b"\x00" if ev.callback_argument is None else b"\x02" + string(ev.callback_argument),
+        b"\x01" if ev.possible_duplicate else b"\x00",
+        _cached_string(eid.member_id),
+        varint(eid.thread_id),
+        varint(eid.sequence_id),
+        varint32(ver.dsid),
+        varint(ver.timestamp),
+        varint(ver.entry_version),
+        _cached_string(ver.member_id),
+        varint32(ev.origin_dsid),
+        _int_array(ev.visited_dsids),
+        varint32(ev.bucket),
+        varint(ev.event_time),
+        b"\x00" if tx is None else b"\x02" + string(tx[0]) + (b"\x01" if tx[1] else b"\x00"),
+    ))
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+
+def read_long(buf: bytes, pos: int) -> tuple[int, int]:
+    """(the zig-zag varint at ``pos``, the position after it).  IndexError past the end."""
+    b = buf[pos]
+    pos += 1
+    if b < 0x80:
+        return (b >> 1) ^ -(b & 1), pos
+    n = b & 0x7F
+    shift = 7
+    while True:
+        b = buf[pos]
+        pos += 1
+        n |= (b & 0x7F) << shift
+        if b < 0x80:
+            if n >> 64:
+                raise MalformedRecord(f"the varint before byte {pos} does not fit an Avro long")
+            return (n >> 1) ^ -(n & 1), pos
+        shift += 7
+        if shift > 63:
+            raise MalformedRecord(f"a varint at byte {pos} runs past 10 bytes")
+
+
+def _read_bytes(buf: bytes, pos: int) -> tuple[bytes, int]:
+    n, pos = read_long(buf, pos)
+    end = pos + n
+    if n < 0 or end > len(buf):
+        raise MalformedRecord(f"a length of {n} at byte {pos} runs past the end ({len(buf)} bytes)")
+    return buf[pos:end], end
+
+
+def _read_string(buf: bytes, pos: int) -> tuple[str, int]:
+    raw, pos = _read_bytes(buf, pos)
+    try:
+        return raw.decode("utf-8"), pos
+    except UnicodeDecodeError as exc:
+        raise MalformedRecord(f"a string before byte {pos} is not UTF-8: {exc.reason}") from None
+
+
+def _skip_bytes(buf: bytes, pos: int) -> int:
+    n, pos = read_long(buf, pos)
+    end = pos + n
+    if n < 0 or end > len(buf):
+        raise MalformedRecord(f"a length of {n} at byte {pos} runs past the end ({len(buf)} bytes)")
+    return end
+
+
+def _union_branch(buf: bytes, pos: int, what: str) -> tuple[int, int]:
+    branch, pos = read_long(buf, pos)
+    if branch not in (0, 1):
+        raise MalformedRecord(f"{what}: union branch {branch} at byte {pos - 1} (the schema has 0 and 1)")
+    return branch, pos
+
+
+def _read_boolean(buf: bytes, pos: int) -> tuple[bool, int]:
+    # Any byte but 0 is true, as fastavro reads it.
+    return buf[pos] != 0, pos + 1
+
+
+def _read_int(buf: bytes, pos: int, what: str) -> tuple[int, int]:
+    n, pos = read_long(buf, pos)
+    if not INT_MIN <= n <= INT_MAX:
+        raise MalformedRecord(f"{what}: {n} does not fit an Avro int")
+    return n, pos
+
+
+def _read_int_array(buf: bytes, pos: int, what: str) -> tuple[tuple[int, ...], int]:
+    items: list[int] = []
+    while True:
+        count, pos = read_long(buf, pos)
+        if count == 0:
+            return tuple(items), pos
+        if count < 0:
+            count = -count
+            _size, pos = read_long(buf, pos)
+        for _ in range(count):
+            item, pos = _read_int(buf, pos, what)
+            items.append(item)
+
+
+@dataclass(frozen=True, slots=True)
+class EntryLayout:
+    """Where, in an EntryEvent body, the fields a forwarding stage may change lie (byte offsets)."""
+
+    #: The possibleDuplicate boolean (one byte).
+    possible_duplicate_at: int
+    #: The visited_dsids array, from its first count to after its closing 0.
+    visited_start: int
+    visited_end: int
+    #: The bucket int; it ends where event_time begins.
+    bucket_end: int
+
+
+def decode_entry(body: bytes, pos: int = 0) -> tuple[EntryEvent, EntryLayout]:
+    """The ``EntryEvent`` whose body is ``body[pos:]`` (to its very end), and its ``EntryLayout``
+    (offsets relative to ``body``).  ``MalformedRecord`` for anything fastavro would refuse."""
+    try:
+        event, layout, end = _decode_entry(body, pos)
+    except IndexError:
+        raise MalformedRecord(f"EntryEvent body of {len(body) - pos} bytes is truncated") from None
+    if end != len(body):
+        raise MalformedRecord(f"EntryEvent body has {len(body) - end} trailing bytes")
+    return event, layout
+
+
+def _decode_entry(buf: bytes, pos: int) -> tuple[EntryEvent, EntryLayout, int]:
+    region, pos = _read_string(buf, pos)
+    key, pos = _read_string(buf, pos)
+    op_index, pos = read_long(buf, pos)
+    if not 0 <= op_index < len(_OPERATIONS):
+        raise MalformedRecord(f"EntryEvent.operation: symbol {op_index} is not one of the {len(_OPERATIONS)}")
+    branch, pos = _union_branch(buf, pos, "EntryEvent.value")
+    value = None
+    if branch:
+        value, pos = _read_bytes(buf, pos)
+    encoding, pos = _read_string(buf, pos)
+    branch, pos = _union_branch(buf, pos, "EntryEvent.callback_argument")
+    callback = None
+    if branch:
+        callback, pos = _read_string(buf, pos)
+    duplicate_at = pos
+    duplicate, pos = _read_boolean(buf, pos)
+    member, pos = _read_string(buf, pos)
+    thread, pos = read_long(buf, pos)
+    sequence, pos = read_long(buf, pos)
+    dsid, pos = _read_int(buf, pos, "VersionTag.dsid")
+    timestamp, pos = read_long(buf, pos)
+    entry_version, pos = read_long(buf, pos)
+    version_member, pos = _read_string(buf, pos)
+    origin, pos = _read_int(buf, pos, "EntryEvent.origin_dsid")
+    visited_start = pos
+    visited, pos = _read_int_array(buf, pos, "EntryEvent.visited_dsids")
+    visited_end = pos
+    bucket, pos = _read_int(buf, pos, "EntryEvent.bucket")
+    bucket_end = pos
+    event_time, pos = read_long(buf, pos)
+    branch, pos = _union_branch(buf, pos, "EntryEvent.transaction")
+    transaction = None
+    if branch:
+        tx_id, pos = _read_string(buf, pos)
+        last, pos = _read_boolean(buf, pos)
+        transaction = (tx_id, last)
+    event = EntryEvent(region, key, _OPERATIONS[op_index], value, EventID(member, thread, sequence),
+                       VersionTag(dsid, timestamp, entry_version, version_member), origin, bucket, event_time,
+                       callback, duplicate, visited, encoding, transaction)
+    return event, EntryLayout(duplicate_at, visited_start, visited_end, bucket_end), pos
+
+
+def entry_region_key(body: bytes, pos: int = 0) -> tuple[str, str]:
+    """(region, key) of an EntryEvent body, from its first two fields only."""
+    try:
+        region, pos = _read_string(body, pos)
+        key, _ = _read_string(body, pos)
+    except IndexError:
+        raise MalformedRecord(f"EntryEvent body of {len(body) - pos} bytes is truncated") from None
+    return region, key
+
+
+def splice_entry(body: bytes, layout: EntryLayout, *, possible_duplicate: bool | None = None,
+                 visited_dsids: tuple[int, ...] | None = None, bucket: int | None = None) -> bytes:
+    """``body`` with the fields given changed, the bytes around them copied as they are.  Equal to
+    ``entry_event_body`` of the event with those fields replaced (the unit tests check it)."""
+    parts = []
+    start = layout.possible_duplicate_at
+    if possible_duplicate is None:
+        parts.append(body[:layout.visited_start])
+    else:
+        parts += [body[:start], b"\x01" if possible_duplicate else b"\x00", body[start + 1:layout.visited_start]]
+    if visited_dsids is None and bucket is None:
+        parts.append(body[layout.visited_start:])
+        return b"".join(parts)
+    parts.append(body[layout.visited_start:layout.visited_end] if visited_dsids is None
+                 else _int_array(visited_dsids))
+    parts.append(body[layout.visited_end:layout.bucket_end] if bucket is None else varint32(bucket))
+    parts.append(body[layout.bucket_end:])
+    return b"".join(parts)
+
+
+# --- queue records -----------------------------------------------------------------------------
+
+
+def queued_event(header: bytes, flags: int, queue_id: str, changelog_partition: int, changelog_offset: int,
+                 enqueued_at: int, event_body: bytes) -> bytes:
+    """A ``QueuedEvent`` record (``header``: the marker and the current QueuedEvent fingerprint,
+    ``codec.header("QueuedEvent")``) around an event body, as fastavro would write it."""
+    return b"".join((header, varint32(flags), _cached_string(queue_id), varint32(changelog_partition),
+                     varint(changelog_offset), varint(enqueued_at), event_body))
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedView:
+    """A queue record read down to its event body, the event itself not decoded."""
+
+    flags: int
+    queue_id: str
+    changelog_partition: int
+    changelog_offset: int
+    enqueued_at: int
+    #: The EntryEvent's Avro body (``decode_entry`` reads it).
+    event_body: bytes
+
+    @property
+    def possible_duplicate(self) -> bool:
+        return bool(self.flags & FLAG_POSSIBLE_DUPLICATE)
+
+    @property
+    def routed(self) -> bool:
+        return bool(self.flags & FLAG_ROUTED)
+
+
+def read_queued(codec: Codec, data: bytes | None) -> QueuedView:
+    """A queue record's fields and event body; ``CodecError`` when it is not a QueuedEvent.
+
+    The event body is not checked here: its first reader (``decode_entry``)
+    finds a damaged one.  A record of an older QueuedEvent version (no
+    ``flags``) is decoded whole with schema resolution and its event written
+    again, so what it returns is the same for every version."""
+    header = codec.header("QueuedEvent")
+    if data is not None and data[:len(header)] == header:
+        try:
+            pos = len(header)
+            flags, pos = _read_int(data, pos, "QueuedEvent.flags")
+            queue_id, pos = _read_string(data, pos)
+            partition, pos = _read_int(data, pos, "QueuedEvent.changelog_partition")
+            offset, pos = read_long(data, pos)
+            enqueued_at, pos = read_long(data, pos)
+        except IndexError:
+            raise MalformedRecord(f"QueuedEvent of {len(data)} bytes is truncated") from None
+        return QueuedView(flags, queue_id, partition, offset, enqueued_at, data[pos:])
+    record = codec.decode_as("QueuedEvent", data)
+    event = EntryEvent.from_record(record["event"])
+    return QueuedView(record["flags"], record["queue_id"], record["changelog_partition"], record["changelog_offset"],
+                      record["enqueued_at"], entry_event_body(event))
+
+
+__all__ = ["FLAG_POSSIBLE_DUPLICATE", "FLAG_ROUTED", "EntryLayout", "QueuedView", "decode_entry",
+           "entry_event_body", "entry_region_key", "queued_event", "read_long", "read_queued", "splice_entry",
+           "string", "varint", "varint32"]
