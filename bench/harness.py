@@ -15,11 +15,20 @@ One run, step by step:
    temporary directory;
 2. call each selected benchmark in registration order; one that raises is
    reported as failed and the others still run;
-3. print the table and write ``bench/results.json`` (machine, time, results);
+3. print the figures, the CPU each measured process used per event (a
+   table of its own) and the issue's aims with "met" or "not met"
+   (``bench/aims.py``), and write ``bench/results.json`` (machine, time,
+   results, aims);
 4. stop the broker and delete the directory, also on Ctrl-C or SIGTERM.  A
    failed run keeps the directory (service logs) and says where it is.
 
 A benchmark owns what it starts: it stops its processes in ``finally``.
+
+CPU per event: ``Context.cpu_use`` reads the CPU seconds (user + system,
+every thread, from ``/proc/PID/stat``) of each named process every
+``CPU_SAMPLE_S`` while a block runs; ``Context.cpu_per_event`` divides
+what each used over the part that handled the events by the events, in
+microseconds, and returns them as results of unit ``µs/event``.
 """
 
 from __future__ import annotations
@@ -35,10 +44,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Iterator
+from bisect import bisect_left
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +73,10 @@ REPO = BENCH_DIR.parent
 RESULTS_PATH = BENCH_DIR / "results.json"
 PROFILES_DIR = BENCH_DIR / "profiles"
 PY_SPY = Path(sys.executable).parent / "py-spy"
+#: The unit of the CPU-per-event results (printed in a table of their own).
+CPU_UNIT = "µs/event"
+#: Seconds between two readings of the measured processes' CPU (``Context.cpu_use``).
+CPU_SAMPLE_S = 0.05
 
 
 # --- what a benchmark returns ------------------------------------------------
@@ -151,26 +166,75 @@ class Context:
             self.progress.remove_task(task)
 
     @contextlib.contextmanager
-    def cpu_use(self, label: str, pids: dict[str, int | None]) -> Iterator[None]:
-        """Note the CPU (in cores) each named process used during the block.
+    def cpu_use(self, label: str, processes: Mapping[str, "CpuSource"], *,
+                broker: str | None = "broker") -> Iterator["CpuUse"]:
+        """Measure the CPU each named process uses during the block; yields the :class:`CpuUse`.
 
-        On a 2-core machine that says at once whether a figure is bound by
-        one process's CPU (a Python service at ~1 core is GIL-bound) or by
-        the machine.  ``broker`` and ``bench`` (this process: the clients)
-        are added when not given.
+        ``processes`` maps a name to a pid, a list of pids (a group, summed)
+        or a function returning CPU seconds (a process tree).  The run's
+        broker (named ``broker``, or as given; None leaves it out) and
+        ``bench`` (this process: the clients, the runner) are added.  The
+        block's use, in cores, is noted when it ends: on a 2-core machine
+        that says at once whether a figure is bound by one process's CPU (a
+        Python service at ~1 core is GIL-bound) or by the machine.  Once the
+        block has ended, ``seconds`` and ``between`` give CPU seconds for
+        :meth:`cpu_per_event`.
         """
-        pids = {"broker": self.broker_pid, "bench": os.getpid(), **pids}
-        before = {name: cpu_seconds(pid) for name, pid in pids.items() if pid is not None}
-        t0 = time.monotonic()
-        yield
-        wall = time.monotonic() - t0
-        used = []
-        for name, start in before.items():
-            end = cpu_seconds(pids[name])  # type: ignore[arg-type]
-            if start is not None and end is not None and wall > 0:
-                used.append(f"{name} {(end - start) / wall:.2f}")
-        if used:
-            self.note(f"{label}: CPU used, in cores of {os.cpu_count()}: {', '.join(used)}")
+        sources: dict[str, CpuSource] = {}
+        if broker is not None:
+            sources[broker] = self.broker_pid
+        sources["bench"] = os.getpid()
+        sources.update(processes)
+        use = CpuUse(label, sources)
+        use.start()
+        try:
+            yield use
+        finally:
+            use.stop()
+        cores = use.cores()
+        if cores:
+            self.note(f"{label}: CPU used, in cores of {os.cpu_count()}: "
+                      + ", ".join(f"{name} {c:.2f}" for name, c in cores.items()))
+
+    def cpu_per_event(self, figure: str, cpu_s: Mapping[str, float], events: int, *,
+                      processes: Sequence[str], total: Sequence[str] = (),
+                      baselines: Mapping[str, tuple[str, float | None]] | None = None,
+                      what: str = "") -> list[Result]:
+        """µs of CPU per event of each of ``processes``, and of their ``total``, as results.
+
+        ``cpu_s`` holds the CPU seconds each process used over the part of
+        the run that handled ``events`` events (``CpuUse.seconds`` or a
+        window of it, ``CpuUse.between``).  Each result is named
+        ``<figure>.cpu.<process>``; the total ``<figure>.cpu.<a>+<b>+…``.
+        ``baselines`` maps a process (or the total, ``a+b+…``) to the name and
+        µs per event of what it is compared with (the raw mirror's CPU per
+        record); the others have none.  A process whose CPU was not read is
+        left out, and so is a total missing one of its processes; the note
+        says so.  ``what`` names the event in the note ("per delivery").
+        """
+        baselines = baselines or {}
+        if events <= 0:
+            raise ValueError(f"{figure}: CPU per event of {events} events")
+        per_event = {name: cpu_s[name] * 1e6 / events for name in processes if name in cpu_s}
+        results = []
+        for name, us in per_event.items():
+            base_name, base_us = baselines.get(name, (None, None))
+            results.append(Result(f"{figure}.cpu.{name}", us, CPU_UNIT, base_name, base_us))
+        parts = [f"{name} {us:,.1f}" for name, us in per_event.items()]
+        unread = [name for name in processes if name not in cpu_s]
+        if total:
+            key = "+".join(total)
+            if all(name in cpu_s for name in total):
+                us = sum(cpu_s[name] for name in total) * 1e6 / events
+                base_name, base_us = baselines.get(key, (None, None))
+                results.append(Result(f"{figure}.cpu.{key}", us, CPU_UNIT, base_name, base_us))
+                parts.append(f"{' + '.join(total)} {us:,.1f}"
+                             + (f" ({base_name} {base_us:,.1f})" if base_name and base_us is not None else ""))
+            else:
+                unread += [f"the total {' + '.join(total)}"]
+        self.note(f"CPU per event{' (' + what + ')' if what else ''}, µs, {events:,} events: {', '.join(parts)}"
+                  + (f"; not read: {', '.join(unread)}" if unread else ""))
+        return results
 
     @contextlib.contextmanager
     def profiling(self, pid: int, label: str) -> Iterator[None]:
@@ -222,6 +286,112 @@ def cpu_seconds(pid: int) -> float | None:
         return None
     # Fields 14 and 15 of stat(5) (utime, stime), counted after the ")" of the command name.
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+#: What ``Context.cpu_use`` reads: a pid, a group of pids (summed), or a function returning CPU seconds.
+CpuSource = int | Sequence[int] | Callable[[], float | None] | None
+
+
+def read_cpu(source: CpuSource) -> float | None:
+    """The CPU seconds of a :data:`CpuSource` now; None if it cannot be read (gone, or no pid)."""
+    if source is None:
+        return None
+    if isinstance(source, int):
+        return cpu_seconds(source)
+    if callable(source):
+        return source()
+    seconds = [cpu_seconds(pid) for pid in source]
+    if not seconds or any(s is None for s in seconds):
+        return None
+    return sum(s for s in seconds if s is not None)
+
+
+class CpuUse:
+    """The CPU seconds named processes used during a block, read every ``CPU_SAMPLE_S`` by a thread.
+
+    ``seconds()`` covers the whole block; ``between(t0, t1)`` a window of it
+    (``time.monotonic()`` times), interpolated between the readings either
+    side, so that a benchmark can leave a process's start-up out.  The
+    kernel counts CPU time in clock ticks (10 ms), so a window should last
+    a second or more.  A process whose CPU could not be read at both ends
+    of the window (it exited) is left out.
+    """
+
+    def __init__(self, label: str, sources: Mapping[str, CpuSource]) -> None:
+        self.label = label
+        self._sources = dict(sources)
+        #: (monotonic time, {name: CPU seconds}) in time order; the first at the start, the last at the end.
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"cpu-{label}", daemon=True)
+
+    def _read(self) -> tuple[float, dict[str, float]]:
+        now = time.monotonic()
+        values = {}
+        for name, source in self._sources.items():
+            value = read_cpu(source)
+            if value is not None:
+                values[name] = value
+        return now, values
+
+    def start(self) -> None:
+        self.samples.append(self._read())
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopping.wait(CPU_SAMPLE_S):
+            self.samples.append(self._read())
+
+    def stop(self) -> None:
+        """Take the last reading.  Idempotent."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        self._thread.join(5)
+        self.samples.append(self._read())
+
+    @property
+    def started(self) -> float:
+        return self.samples[0][0]
+
+    @property
+    def ended(self) -> float:
+        return self.samples[-1][0]
+
+    def _at(self, name: str, t: float) -> float | None:
+        """Process ``name``'s CPU seconds at time ``t`` (clamped to the block), interpolated."""
+        points = [(ts, v[name]) for ts, v in self.samples if name in v]
+        if not points:
+            return None
+        times = [ts for ts, _ in points]
+        t = min(max(t, self.started), self.ended)
+        if t < times[0] - CPU_SAMPLE_S or t > times[-1] + CPU_SAMPLE_S:
+            return None  # not read around t: not running yet, or gone
+        if t <= times[0]:
+            return points[0][1]
+        if t >= times[-1]:
+            return points[-1][1]
+        i = bisect_left(times, t)
+        (t0, v0), (t1, v1) = points[i - 1], points[i]
+        return v0 + (v1 - v0) * (t - t0) / (t1 - t0) if t1 > t0 else v1
+
+    def between(self, t0: float, t1: float) -> dict[str, float]:
+        """CPU seconds each process used from ``t0`` to ``t1`` (monotonic, within the block)."""
+        out = {}
+        for name in self._sources:
+            start, end = self._at(name, t0), self._at(name, t1)
+            if start is not None and end is not None:
+                out[name] = max(0.0, end - start)
+        return out
+
+    def seconds(self) -> dict[str, float]:
+        """CPU seconds each process used during the whole block."""
+        return self.between(self.started, self.ended)
+
+    def cores(self) -> dict[str, float]:
+        """The block's use of each process, in cores (CPU seconds per second of the block)."""
+        wall = self.ended - self.started
+        return {name: used / wall for name, used in self.seconds().items()} if wall > 0 else {}
 
 
 def profile_summary(path: Path, top: int = 15) -> tuple[int, list[tuple[str, int]], list[tuple[str, int]]]:
@@ -372,6 +542,7 @@ def _fmt(value: float | None) -> str:
 
 
 def results_table(results: list[Result], title: str) -> Table:
+    """The figures, or the CPU per event: one row per result, in the order the benchmarks gave them."""
     table = Table(title=title)
     table.add_column("figure", no_wrap=True)
     table.add_column("value", justify="right")
@@ -383,6 +554,19 @@ def results_table(results: list[Result], title: str) -> Table:
         ratio = r.ratio
         table.add_row(r.name, _fmt(r.value), r.unit, r.baseline or "–", _fmt(r.baseline_value),
                       "–" if ratio is None else f"{ratio:.3f}×")
+    return table
+
+
+def aims_table(verdicts: list[Any], title: str) -> Table:
+    """The issue's aims (``bench/aims.py``): each figure as measured in this run, its aim, met or not."""
+    table = Table(title=title)
+    table.add_column("aim")
+    table.add_column("this run")
+    table.add_column("aim", no_wrap=True)
+    table.add_column("", no_wrap=True)
+    for v in verdicts:
+        style = "green" if v.met else "red" if v.met is False else "yellow"
+        table.add_row(v.aim, v.measured, v.target, f"[{style}]{v.verdict}[/]")
     return table
 
 
@@ -457,12 +641,22 @@ def run(
                 console.log(f"{entry.name}: {durations[entry.name]:.1f}s")
                 progress.advance(overall)
         total_s = time.monotonic() - started
+        from .aims import evaluate
+
+        verdicts = evaluate(results, [e.name for e in entries])
         title = f"Sluice benchmarks on {broker.engine_label}" + (" (quick)" if quick else "")
-        console.print(results_table(results, title))
         for n in notes:
             console.print(f"  [dim]·[/] {n}")
         for path in profiles:
             console.print(profile_table(path))
+        figures = [r for r in results if r.unit != CPU_UNIT]
+        cpu = [r for r in results if r.unit == CPU_UNIT]
+        console.print(results_table(figures, title))
+        if cpu:
+            console.print(results_table(cpu, "CPU per event: µs of CPU time of each process per event"))
+        if verdicts:
+            console.print(aims_table(verdicts, "Aims (issue 18), judged on this run"
+                                     + (": a quick run, small and noisy, does not decide them" if quick else "")))
         document = {
             "machine": machine_info(broker.engine_label, load_at_start),
             "time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -472,6 +666,7 @@ def run(
             "notes": notes,
             "profiled": bool(profiles),
             "results": [r.to_dict() for r in results],
+            "aims": [v.to_dict() for v in verdicts],
         }
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(document, indent=2) + "\n")
