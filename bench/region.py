@@ -348,7 +348,7 @@ def put_all_ingest(ctx: Context) -> list[Result]:
                 client.put_all(REGION, batch)
         ctx.step(f"put_all: {entries:,} entries in batches of {BATCH_ENTRIES} from {INGEST_THREADS} threads")
         with ctx.counting("region put_all", entries) as advance, ctx.profiling(region.pid, "region"), \
-                ctx.cpu_use("put_all", {"region": region.pid}):
+                ctx.cpu_use("put_all", {"region": region.pid}) as cpu:
             region_s, retries = send_batches(region.url, batches, INGEST_THREADS, advance)
         if retries:
             ctx.note(f"the clients retried {retries} put_all requests")
@@ -359,7 +359,9 @@ def put_all_ingest(ctx: Context) -> list[Result]:
         verify_region(ctx, region.url, expected, site.cfg)
     finally:
         region.stop()
-    return [Result("region.put_all.ingest", region_rate, "entries/s", RAW_PRODUCER, raw_rate)]
+    return [Result("region.put_all.ingest", region_rate, "entries/s", RAW_PRODUCER, raw_rate),
+            *ctx.cpu_per_event("region.put_all.ingest", renamed(cpu.seconds(), bench="clients"), entries,
+                               processes=("region", "broker", "clients"), what="per entry")]
 
 
 @benchmark("region.put.latency", "single-entry put latency p50/p99 vs a raw produce + flush")
@@ -396,13 +398,15 @@ def put_latency(ctx: Context) -> list[Result]:
         ctx.step(f"region: {puts} sequential puts, after {warm} warm-up")
         with RegionClient(region.url) as client, ctx.counting("region put", puts + warm) as advance, \
                 ctx.profiling(region.pid, "region"):
-            for n, (key, value) in enumerate(zip(keys, values)):
-                t0 = time.perf_counter()
+            for key, value in zip(keys[:warm], values[:warm]):
                 client.put(REGION, key, value)
-                elapsed = time.perf_counter() - t0
-                if n >= warm:
-                    put_ms.append(elapsed * 1000)
                 advance(1)
+            with ctx.cpu_use("put", {"region": region.pid}) as cpu:
+                for key, value in zip(keys[warm:], values[warm:]):
+                    t0 = time.perf_counter()
+                    client.put(REGION, key, value)
+                    put_ms.append((time.perf_counter() - t0) * 1000)
+                    advance(1)
             if client.retries:
                 ctx.note(f"{client.retries} puts were retried")
         verify_region(ctx, region.url, dict(zip(keys, values)), site.cfg)
@@ -414,4 +418,11 @@ def put_latency(ctx: Context) -> list[Result]:
                percentile(raw_ms, 50)),
         Result("region.put.latency.p99", percentile(put_ms, 99), "ms", f"{RAW_PRODUCER}.flush.p99",
                percentile(raw_ms, 99)),
+        *ctx.cpu_per_event("region.put.latency", renamed(cpu.seconds(), bench="client"), puts,
+                           processes=("region", "broker", "client"), what="per put"),
     ]
+
+
+def renamed(cpu_s: dict[str, float], **names: str) -> dict[str, float]:
+    """``cpu_s`` with some processes named for what they do in the benchmark (``bench`` runs the clients)."""
+    return {names.get(name, name): seconds for name, seconds in cpu_s.items()}
