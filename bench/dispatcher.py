@@ -5,12 +5,15 @@ topic of a parallel async event queue (8 partitions) is filled *before* the
 dispatcher starts, with ``QueuedEvent`` records encoded by ``sluice.core.codec``
 exactly as the region service writes them, by a plain confluent-kafka
 producer.  Then one ``python -m sluice.cli dispatcher`` process is started
-and timed from its spawn until the queue is drained: every event offered,
+and watched from its spawn until the queue is drained: every event offered,
 accepted and covered by a durable removal record, which is when ``sluice
 admin status`` (``queue_status``) counts every partition's size as 0.  The
 bench follows the removals topic to see that moment within milliseconds,
-then confirms it with ``queue_status``.  Nothing is subtracted; start-up
-and group join are noted.  README.md says what each figure means.
+then confirms it with ``queue_status``.  The figure is the steady state,
+from the first batch the listener accepted to the last (the listener writes
+a line per batch); the start-up, from the spawn to the first accepted batch,
+is a figure of its own; the CPU each process used per event is taken over
+the steady state too.  README.md says what each figure means.
 
 ``dispatcher.noop.throughput``
     1. Build ``events`` records (varied keys, 200-byte JSON values) for two
@@ -18,7 +21,11 @@ and group join are noted.  README.md says what each figure means.
        batch_size 100), and fill both topics.
     2. Baseline ``raw.consumer``: one confluent-kafka consumer assigned all 8
        partitions from the beginning reads the ``noop`` topic to its end with
-       ``consume(1000, …)`` (a warm-up pass, then timed passes; the median).
+       ``consume(1000, …)`` (a warm-up pass, then timed passes; the median),
+       timed from its first records to its last.  Baseline
+       ``raw.consumer.startup``: a Python process that joins a group on the
+       topic and reads (``bench/first_record.py``), from its spawn to its
+       first record.
     3. One dispatcher per queue, one after the other, with the no-op
        ``CountingListener``; the listener's batch lines must tile every
        partition's offsets exactly (nothing lost, nothing offered twice).
@@ -48,16 +55,18 @@ import glob
 import os
 import random
 import re
+import select
 import shutil
 import signal
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,7 +75,6 @@ import orjson
 import yaml
 
 from sluice.admin.cli import queue_status
-from sluice.core.avrowire import string as avro_string
 from sluice.core.codec import HEADER_BYTES, get_codec
 from sluice.core.config import SiteConfig, load_config
 from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
@@ -75,7 +83,7 @@ from sluice.core.topics import apply_topics
 
 from sluice.core import processes
 
-from .harness import REPO, Context, Result, benchmark, cpu_seconds, die_with_parent
+from .harness import REPO, Context, CpuSource, CpuUse, Result, benchmark, cpu_seconds, die_with_parent
 from .region import RawProducer, end_offsets, make_value, percentile
 
 REGION = "orders"
@@ -87,6 +95,8 @@ NOOP100_QUEUE = "noop-b100"
 SQL_QUEUE = "writebehind"
 SQL_TABLE = "bench_orders"
 RAW_TABLE = "bench_raw_upsert"
+#: Records built between two steps of the build's progress bar.
+BUILD_STEP = 10_000
 #: Events per key in the SQL workload (5 shuffled rounds over every key).
 VERSIONS_PER_KEY = 5
 #: Seconds between ``queue_status`` calls (and batch-line reads) while waiting for the drain.
@@ -95,6 +105,13 @@ RAW_CONSUMER_PASSES = 3
 RAW_CONSUMER_PASSES_QUICK = 5
 #: Events decoded in this process to note what decoding alone costs.
 DECODE_SAMPLE = 20_000
+#: Spawns of the start-up baseline (a raw consumer process, ``bench/first_record.py``); the median.
+STARTUP_PASSES = 3
+STARTUP_PASSES_QUICK = 1
+#: Seconds the start-up baseline may take to read its first record.
+FIRST_RECORD_TIMEOUT_S = 90.0
+#: A steady state shorter than this (seconds), or than half the run, is noted as too short to stand for the rate.
+STEADY_MIN_S = 1.0
 #: Keys read back from PostgreSQL to check their values.
 VERIFY_SAMPLE = 1000
 WRITER = "bench-writer"
@@ -124,8 +141,12 @@ class Workload:
         return len(self.records)
 
 
-def build_workload(queue_id: str, events: list[tuple[str, bytes, Operation, int]]) -> Workload:
-    """``events`` (key, JSON value, operation, entry version) as the region service would enqueue them."""
+def build_workload(queue_id: str, events: list[tuple[str, bytes, Operation, int]],
+                   advance: Callable[[int], None] | None = None) -> Workload:
+    """``events`` (key, JSON value, operation, entry version) as the region service would enqueue them.
+
+    ``advance(n)`` is called every ``BUILD_STEP`` records (a progress bar: 400,000 take ~10 s).
+    """
     codec = get_codec()
     now_ms = int(time.time() * 1000)
     changelog_offsets = [0] * BUCKETS
@@ -147,18 +168,46 @@ def build_workload(queue_id: str, events: list[tuple[str, bytes, Operation, int]
         records.append((key_bytes, codec.encode("QueuedEvent", record, validate=False), bucket))
         last[key] = (value, entry_version)
         value_bytes += len(value)
+        if advance is not None and (seq + 1) % BUILD_STEP == 0:
+            advance(BUILD_STEP)
     return Workload(queue_id, records, dict(enumerate(changelog_offsets)), value_bytes // max(1, len(events)), last,
                     now_ms)
 
 
+def avro_string(text: str) -> bytes:
+    """``text`` as Avro encodes a string: its UTF-8 length as a zig-zag varint, then the bytes."""
+    data = text.encode("utf-8")
+    n = len(data) << 1  # zig-zag of a non-negative length
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out) + data
+
+
 def for_queue(workload: Workload, queue_id: str) -> Workload:
-    """The same records for another queue: only the leading ``queue_id`` field of the Avro body differs."""
+    """The same records for another queue: only the ``queue_id`` field of the Avro body differs.
+
+    The field's place is found in the first record (the fields before it, if
+    any, are the same in every record of the workload: ``build_workload``
+    sets none of them per record), checked in every record, and the first and
+    last new records are decoded to be sure.
+    """
     old, new = avro_string(workload.queue_id), avro_string(queue_id)
+    at = workload.records[0][1].find(old, HEADER_BYTES)
+    if at < 0:
+        raise RuntimeError(f"queue id {workload.queue_id!r} not found in a QueuedEvent record")
+    end = at + len(old)
     records = []
     for key, value, partition in workload.records:
-        assert value[HEADER_BYTES:HEADER_BYTES + len(old)] == old
-        records.append((key, value[:HEADER_BYTES] + new + value[HEADER_BYTES + len(old):], partition))
-    get_codec().decode_as("QueuedEvent", records[0][1])  # still a valid record
+        if value[at:end] != old:
+            raise RuntimeError(f"queue id {workload.queue_id!r} not at byte {at} of every QueuedEvent record")
+        records.append((key, value[:at] + new + value[end:], partition))
+    codec = get_codec()
+    for _, value, _ in (records[0], records[-1]):
+        if codec.decode_as("QueuedEvent", value)["queue_id"] != queue_id:
+            raise RuntimeError(f"re-addressing QueuedEvent records to {queue_id!r} failed")
     return Workload(queue_id, records, workload.per_partition, workload.value_bytes, workload.last,
                     workload.timestamp_ms)
 
@@ -236,11 +285,32 @@ def raw_consumer_settings(bootstrap: str) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True, slots=True)
+class RawRead:
+    """One raw consumer pass: seconds from ``assign`` to the last record, to the first, and what came first."""
+
+    seconds: float
+    first_s: float
+    #: Records the first ``consume`` returned (already read when the steady clock starts).
+    first_count: int
+    records: int
+
+    @property
+    def rate(self) -> float:
+        """Records/s from ``assign`` to the last record."""
+        return self.records / self.seconds
+
+    @property
+    def steady_rate(self) -> float:
+        """Records/s from the first ``consume`` that returned records to the last (the dispatcher's clock)."""
+        span = self.seconds - self.first_s
+        return (self.records - self.first_count) / span if span > 0 else 0.0
+
+
 def raw_consume(bootstrap: str, topic: str, workload: Workload, advance: Any = None,
-                warm: bool = True) -> tuple[float, float]:
+                warm: bool = True) -> RawRead:
     """Read every record of ``topic`` with one consumer.
 
-    Returns the seconds from ``assign`` to the last record and to the first.
     ``warm``: the topic's metadata is fetched before the clock starts.  A
     cold client assigned ``OFFSET_BEGINNING`` before it knows the partition
     leaders parks each offset query on librdkafka's retry timer (~0.5 s on
@@ -255,6 +325,7 @@ def raw_consume(bootstrap: str, topic: str, workload: Workload, advance: Any = N
         count = 0
         nbytes = 0
         first_s = None
+        first_count = 0
         remaining = dict(ends)
         deadline = time.monotonic() + 120
         t0 = time.perf_counter()
@@ -274,6 +345,7 @@ def raw_consume(bootstrap: str, topic: str, workload: Workload, advance: Any = N
             if msgs:
                 if first_s is None:
                     first_s = time.perf_counter() - t0
+                    first_count = len(msgs)
                 if advance is not None:
                     advance(len(msgs))
         elapsed = time.perf_counter() - t0
@@ -282,25 +354,56 @@ def raw_consume(bootstrap: str, topic: str, workload: Workload, advance: Any = N
     if count != len(workload) or nbytes != expected_bytes:
         raise RuntimeError(f"raw consumer read {count} records ({nbytes} bytes), "
                            f"expected {len(workload)} ({expected_bytes} bytes)")
-    return elapsed, first_s or 0.0
+    return RawRead(elapsed, first_s or 0.0, first_count, count)
 
 
 def raw_consumer_rate(ctx: Context, cfg: SiteConfig, workload: Workload) -> float:
+    """The raw consumer's steady rate on the workload's topic: a cold warm-up pass, then timed passes, the median."""
     topic = cfg.topics.queue(workload.queue_id)
     passes = ctx.sized(RAW_CONSUMER_PASSES, RAW_CONSUMER_PASSES_QUICK)
-    cold_s, cold_first_s = raw_consume(ctx.bootstrap, topic, workload, warm=False)  # also the warm-up
-    rates = []
-    firsts = []
+    cold = raw_consume(ctx.bootstrap, topic, workload, warm=False)  # also the warm-up
+    reads = []
     with ctx.counting("raw consumer", len(workload) * passes) as advance, ctx.cpu_use("raw consumer", {}):
         for _ in range(passes):
-            seconds, first_s = raw_consume(ctx.bootstrap, topic, workload, advance)
-            rates.append(len(workload) / seconds)
-            firsts.append(first_s)
-    rate = statistics.median(rates)
-    ctx.step(f"raw consumer: {rate:,.0f} records/s (median; passes: {', '.join(f'{r:,.0f}' for r in rates)})")
-    ctx.note(f"raw consumer: first record {statistics.median(firsts) * 1000:.0f} ms after assign (metadata known); "
-             f"a cold consumer (the warm-up pass) took {cold_s:.2f}s, its first record after {cold_first_s:.2f}s")
+            reads.append(raw_consume(ctx.bootstrap, topic, workload, advance))
+    rate = statistics.median(r.steady_rate for r in reads)
+    ctx.step(f"raw consumer: {rate:,.0f} records/s from its first records to the last (median; passes: "
+             f"{', '.join(f'{r.steady_rate:,.0f}' for r in reads)})")
+    ctx.note(f"raw consumer: {rate:,.0f} records/s steady, {statistics.median(r.rate for r in reads):,.0f} from "
+             f"assign; first records {statistics.median(r.first_s for r in reads) * 1000:.0f} ms after assign "
+             f"(metadata known); a cold consumer (the warm-up pass) took {cold.seconds:.2f}s, its first record "
+             f"after {cold.first_s:.2f}s")
     return rate
+
+
+def raw_consumer_startup(ctx: Context, topic: str, passes: int) -> float:
+    """Seconds from spawning ``python -m bench.first_record`` until it holds a record of ``topic``; the median."""
+    times = []
+    for _ in range(passes):
+        t0 = time.monotonic()
+        proc = subprocess.Popen([sys.executable, "-m", "bench.first_record", ctx.bootstrap, topic], cwd=REPO,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True, preexec_fn=die_with_parent)  # noqa: PLW1509 - only calls prctl
+        try:
+            assert proc.stdout is not None
+            ready, _, _ = select.select([proc.stdout], [], [], FIRST_RECORD_TIMEOUT_S)
+            line = proc.stdout.readline() if ready else b""
+            at = time.monotonic()
+            if line.strip() != b"first":
+                proc.kill()
+                _, err = proc.communicate(timeout=10)
+                raise RuntimeError(f"the raw consumer process read no record in {FIRST_RECORD_TIMEOUT_S:.0f}s "
+                                   f"(exit {proc.returncode}): {err.decode(errors='replace')[-1000:]}")
+            proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        times.append(at - t0)
+    median = statistics.median(times)
+    ctx.note(f"raw consumer process: first record {median:.2f}s after its spawn (median of "
+             f"{', '.join(f'{t:.2f}' for t in times)}): interpreter, Kafka client, group join, first fetch")
+    return median
 
 
 def note_decode_cost(ctx: Context, workload: Workload) -> None:
@@ -431,7 +534,13 @@ class RemovalTail:
 
 @dataclass
 class Drained:
-    """One timed dispatcher run: from spawn until the queue was drained."""
+    """One timed dispatcher run: from spawn until the queue was drained.
+
+    Times are seconds from the spawn.  The steady state runs from the first
+    accepted batch to the last: the process's start-up (interpreter,
+    imports, Kafka clients, group join, first fetch) lies before it, the
+    drain's tail (the last removal record) after it.
+    """
 
     seconds: float
     ready_s: float
@@ -441,12 +550,29 @@ class Drained:
     confirmed_s: float
     batches: list[BatchLine]
     rejected: int
+    #: The CPU the processes used from the spawn until the queue was drained.
+    cpu: CpuUse
+    #: ``time.monotonic()`` of the spawn.
+    started: float
+
+    @property
+    def steady_events(self) -> int:
+        """Events accepted after the first batch (those the steady clock times)."""
+        first = min(self.batches, key=lambda b: b.wall)
+        return sum(b.events for b in self.batches) - first.events
+
+    @property
+    def steady_s(self) -> float:
+        return self.last_batch_s - self.first_batch_s
 
     @property
     def steady_rate(self) -> float:
         """Events per second from the first accepted batch to the last (start-up and the drain's tail left out)."""
-        span = self.last_batch_s - self.first_batch_s
-        return sum(b.events for b in self.batches) / span if span > 0 else 0.0
+        return self.steady_events / self.steady_s if self.steady_s > 0 else 0.0
+
+    def steady_cpu(self) -> dict[str, float]:
+        """CPU seconds each process used from the first accepted batch to the last."""
+        return self.cpu.between(self.started + self.first_batch_s, self.started + self.last_batch_s)
 
     def describe(self) -> str:
         sizes = [b.events for b in self.batches]
@@ -454,10 +580,18 @@ class Drained:
         return (f"banner after {self.ready_s:.2f}s, partitions assigned after {joined}, first batch accepted after "
                 f"{self.first_batch_s:.2f}s, last after {self.last_batch_s:.2f}s, last removal durable after "
                 f"{self.seconds:.2f}s (queue_status said empty at {self.confirmed_s:.2f}s); "
-                f"{self.steady_rate:,.0f} events/s from the first batch to the last; "
+                f"{self.steady_rate:,.0f} events/s from the first batch to the last, "
+                f"{sum(sizes) / self.seconds:,.0f} from the spawn to the last removal; "
                 f"{len(sizes)} batches, {statistics.mean(sizes):.0f} events on average (min {min(sizes)}, "
                 f"max {max(sizes)})"
                 + (f"; {self.rejected} offers refused and offered again" if self.rejected else ""))
+
+    def note_steadiness(self, ctx: Context) -> None:
+        """Say so when the steady state is too short, or too small a part of the run, to stand for it."""
+        if self.steady_s < STEADY_MIN_S or self.steady_s < 0.5 * self.seconds:
+            ctx.note(f"the steady state lasted {self.steady_s:.2f}s of the "
+                     f"{self.seconds:.2f}s from the spawn to the drain: too short to stand for the rate "
+                     "(a larger workload would)")
 
 
 def run_dispatcher(ctx: Context, config_path: Path, cfg: SiteConfig, workload: Workload, batch_dir: Path,
@@ -473,11 +607,12 @@ def run_dispatcher(ctx: Context, config_path: Path, cfg: SiteConfig, workload: W
     log = BatchLog(batch_dir)
     timeout_s = 60 + total / 1000
     tail = RemovalTail(ctx.bootstrap, cfg.topics.removals(queue_id), workload.per_partition)
+    measured: dict[str, CpuSource] = {} if postgres_pid is None else {"postgres": TreeCpu(postgres_pid)}
     try:
         ctx.step(f"{label}: starting one dispatcher of queue {queue_id} ({total:,} events waiting)")
         with DispatcherProcess(config_path, queue_id, ctx.workdir / f"dispatcher-{queue_id}.log") as proc:
             with ctx.counting(label, total) as advance, ctx.profiling(proc.pid, queue_id), \
-                    ctx.cpu_use(label, {"dispatcher": proc.pid}), tree_cpu_use(ctx, label, "postgres", postgres_pid):
+                    ctx.cpu_use(label, {"dispatcher": proc.pid, **measured}) as cpu:
                 next_refresh = 0.0
                 while not tail.poll():
                     now = time.monotonic()
@@ -515,7 +650,7 @@ def run_dispatcher(ctx: Context, config_path: Path, cfg: SiteConfig, workload: W
         first_batch_s=min(b.wall for b in batches) - proc.started_wall,
         last_batch_s=max(b.wall for b in batches) - proc.started_wall,
         confirmed_s=confirmed - proc.started, batches=batches,
-        rejected=sum(1 for b in log.lines if not b.accepted),
+        rejected=sum(1 for b in log.lines if not b.accepted), cpu=cpu, started=proc.started,
     )
 
 
@@ -533,9 +668,10 @@ def noop_queue(queue_id: str, batch_size: int, batch_dir: Path) -> dict[str, Any
 
 @benchmark("dispatcher.noop.throughput", "parallel queue, 8 buckets, no-op listener, events/s vs a raw consumer")
 def noop_throughput(ctx: Context) -> list[Result]:
-    n = ctx.sized(200_000, 20_000)
+    n = ctx.sized(400_000, 20_000)
     ctx.step(f"building {n:,} queue records (200-byte values) for queues {NOOP_QUEUE} and {NOOP100_QUEUE}")
-    workload = build_workload(NOOP_QUEUE, noop_events(n))
+    with ctx.counting("building the workload", n) as advance:
+        workload = build_workload(NOOP_QUEUE, noop_events(n), advance)
     workload100 = for_queue(workload, NOOP100_QUEUE)
     batches, batches100 = ctx.workdir / "batches-noop", ctx.workdir / "batches-noop-b100"
     config_path = ctx.workdir / "site.yaml"
@@ -545,6 +681,8 @@ def noop_throughput(ctx: Context) -> list[Result]:
     fill_queue(ctx, cfg, workload100)
 
     raw_rate = raw_consumer_rate(ctx, cfg, workload)
+    startup_baseline = raw_consumer_startup(ctx, cfg.topics.queue(NOOP_QUEUE),
+                                            ctx.sized(STARTUP_PASSES, STARTUP_PASSES_QUICK))
     note_decode_cost(ctx, workload)
 
     results = []
@@ -553,11 +691,16 @@ def noop_throughput(ctx: Context) -> list[Result]:
                                        "dispatcher.noop.throughput.batch100")):
         run = run_dispatcher(ctx, config_path, cfg, wl, batch_dir, f"dispatch, batch_size {size}")
         check_dead_letters(ctx, cfg, wl.queue_id)
-        rate = n / run.seconds
         duplicates = sum(b.duplicates for b in run.batches)
-        ctx.note(f"batch_size {size}: {rate:,.0f} events/s; {run.describe()}; {duplicates:,} of {n:,} events "
-                 f"flagged possibleDuplicate")
-        results.append(Result(name, rate, "events/s", RAW_CONSUMER, raw_rate))
+        ctx.note(f"batch_size {size}: {run.steady_rate:,.0f} events/s steady; start-up {run.first_batch_s:.2f}s; "
+                 f"{run.describe()}; {duplicates:,} of {n:,} events flagged possibleDuplicate")
+        run.note_steadiness(ctx)
+        results.append(Result(name, run.steady_rate, "events/s", RAW_CONSUMER, raw_rate))
+        if size == BATCH_SIZE:
+            results.append(Result("dispatcher.noop.startup", run.first_batch_s, "s", f"{RAW_CONSUMER}.startup",
+                                  startup_baseline))
+        results += ctx.cpu_per_event(name, run.steady_cpu(), run.steady_events, processes=("dispatcher", "broker"),
+                                     what="steady state")
     return results
 
 
@@ -697,43 +840,42 @@ class PostgresServer:
         return psycopg.connect(self.url, **kwargs)
 
 
-def tree_cpu_seconds(pid: int) -> dict[int, float]:
-    """CPU seconds of ``pid`` and each of its descendants now alive (PostgreSQL works in child processes)."""
-    parents: dict[int, int] = {}
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            fields = Path(stat).read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        parents[int(stat.split("/")[2])] = int(fields[1])
+def tree_pids(pid: int) -> set[int]:
+    """``pid`` and each of its descendants now alive (PostgreSQL works in child processes).
+
+    Read from ``/proc/PID/task/TID/children`` (a few µs each), not by
+    scanning every process of the machine.
+    """
     tree, frontier = {pid}, [pid]
     while frontier:
         parent = frontier.pop()
-        for child, ppid in parents.items():
-            if ppid == parent and child not in tree:
-                tree.add(child)
-                frontier.append(child)
-    out = {}
-    for p in tree:
-        used = cpu_seconds(p)
-        if used is not None:
-            out[p] = used
-    return out
+        for children in glob.glob(f"/proc/{parent}/task/*/children"):
+            try:
+                found = [int(c) for c in Path(children).read_text().split()]
+            except (OSError, ValueError):
+                continue  # the thread or the process is gone
+            for child in found:
+                if child not in tree:
+                    tree.add(child)
+                    frontier.append(child)
+    return tree
 
 
-@contextlib.contextmanager
-def tree_cpu_use(ctx: Context, label: str, name: str, pid: int | None) -> Iterator[None]:
-    """Note the CPU (in cores) a process tree used during the block (processes born during it count in full)."""
-    if pid is None:
-        yield
-        return
-    before = tree_cpu_seconds(pid)
-    t0 = time.monotonic()
-    yield
-    wall = time.monotonic() - t0
-    after = tree_cpu_seconds(pid)
-    used = sum(end - before.get(p, 0.0) for p, end in after.items())
-    ctx.note(f"{label}: CPU used by {name} (all its processes): {used / wall:.2f} cores")
+class TreeCpu:
+    """The CPU seconds of a process and its descendants now alive: a ``CpuSource`` for ``ctx.cpu_use``.
+
+    A process born during a measured block counts in full (all its CPU was
+    used during the block); one that exits during it stops counting.
+    """
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def __call__(self) -> float | None:
+        root = cpu_seconds(self.pid)
+        if root is None:
+            return None
+        return root + sum(used for p in tree_pids(self.pid) - {self.pid} if (used := cpu_seconds(p)) is not None)
 
 
 # --- the raw psycopg baseline --------------------------------------------------------------------
@@ -777,8 +919,8 @@ def raw_upsert(ctx: Context, server: PostgresServer, batches: list[list[tuple[An
     per_batch = []
     label = "raw psycopg upsert"
     with server.connect(autocommit=False) as conn, ctx.counting(label, sum(map(len, batches))) as advance, \
-            (ctx.cpu_use(label, {}) if measure else contextlib.nullcontext()), \
-            tree_cpu_use(ctx, label, "postgres", server.pid if measure else None):
+            (ctx.cpu_use(label, {"postgres": TreeCpu(server.pid)}) if measure and server.pid is not None
+             else contextlib.nullcontext()):
         t0 = time.perf_counter()
         for rows in batches:
             b0 = time.perf_counter()
@@ -858,13 +1000,14 @@ def sql_postgres(ctx: Context) -> list[Result]:
     finally:
         server.stop()
 
-    rate = n / run.seconds
+    rate = run.steady_rate
     full = [b.seconds * 1000 for b in run.batches if b.events == BATCH_SIZE]
     if not full:
         raise RuntimeError(f"no batch of {BATCH_SIZE} events was offered: {run.describe()}")
     raw_full = [s * 1000 for s, rows in zip(raw_batch_s, batches) if len(rows) == BATCH_SIZE]
-    ctx.note(f"write-behind: {rate:,.0f} rows/s; {run.describe()}; latency from the {len(full)} batches of "
-             f"{BATCH_SIZE} events (raw psycopg: {len(raw_full)} batches)")
+    ctx.note(f"write-behind: {rate:,.0f} rows/s steady; start-up {run.first_batch_s:.2f}s; {run.describe()}; "
+             f"latency from the {len(full)} batches of {BATCH_SIZE} events (raw psycopg: {len(raw_full)} batches)")
+    run.note_steadiness(ctx)
     return [
         Result("dispatcher.sql.postgres.throughput", rate, "rows/s", RAW_UPSERT, upsert_rate),
         Result("dispatcher.sql.postgres.throughput", rate, "rows/s", RAW_CONSUMER, consumer_rate),
@@ -872,4 +1015,6 @@ def sql_postgres(ctx: Context) -> list[Result]:
                f"{RAW_UPSERT}.batch.p50", percentile(raw_full, 50)),
         Result("dispatcher.sql.postgres.batch_latency.p99", percentile(full, 99), "ms",
                f"{RAW_UPSERT}.batch.p99", percentile(raw_full, 99)),
+        *ctx.cpu_per_event("dispatcher.sql.postgres.throughput", run.steady_cpu(), run.steady_events,
+                           processes=("dispatcher", "broker", "postgres"), what="per row, steady state"),
     ]
