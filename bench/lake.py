@@ -3,7 +3,7 @@
 ``lake.ingest``
     1. Build the changelog before any clock starts: 1,000,000 ``EntryEvent``
        records (quick: 20,000), one per key, 200-byte JSON values, encoded
-       as the region service encodes them (``sluice.core.avrowire``), and
+       as the region service encodes them (``sluice.core.eventwire``), and
        produce them with the raw producer of ``bench.region`` into the
        changelog of region ``orders`` (8 buckets), each in its bucket's
        partition.
@@ -40,7 +40,7 @@ from typing import Any
 
 import orjson
 
-from sluice.core.avrowire import entry_event_body
+from sluice.core.eventwire import entry_event_body
 from sluice.core.codec import MARKER, get_codec
 from sluice.core.config import SiteConfig
 from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
@@ -141,7 +141,7 @@ def lake_ingest(ctx: Context) -> list[Result]:
         lake = ctx.workdir / "lake"
         shutil.rmtree(lake, ignore_errors=True)
         ctx.step(f"lake: {events:,} changelog records into {lake}")
-        with ctx.cpu_use("lake", {"spark": jvm_pid}):
+        with ctx.cpu_use("lake", {"spark": jvm_pid}) as cpu:
             started = time.perf_counter()
             run = start_lake(spark, cfg, str(lake), available_now=True)
             wait_lake(run, ctx.step)
@@ -154,7 +154,8 @@ def lake_ingest(ctx: Context) -> list[Result]:
         ctx.step(f"verified: the lake holds {events:,} rows, one per changelog record, none corrupt")
     finally:
         session.stop()
-    return [Result("lake.ingest", lake_rate, "rows/s", RAW_CONSUMER, raw_rate)]
+    return [Result("lake.ingest", lake_rate, "rows/s", RAW_CONSUMER, raw_rate),
+            *ctx.cpu_per_event("lake.ingest", cpu.seconds(), events, processes=("spark", "broker"), what="per row")]
 
 
 def verify(spark: Any, lake: Any, events: int) -> None:

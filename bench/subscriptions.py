@@ -70,7 +70,7 @@ from sluice.core.processes import RegionProcess, SubscriptionsProcess, die_with_
 
 from .dispatcher import raw_consumer_settings
 from .gateway import paced_writes, watcher_settings
-from .harness import REPO, Context, Result, benchmark, cpu_seconds
+from .harness import REPO, Context, Result, benchmark
 from .region import VALUE_BYTES, percentile
 from .site import write_site
 
@@ -106,7 +106,8 @@ SETTLE_S = 1.0
 #: Client construction, interest registration and marker, per client process.
 SETUP_TIMEOUT_S = 120.0
 #: Seconds the CPU of the idle system (clients live, nothing written) is measured.
-IDLE_S = 2.0
+IDLE_S = 2
+IDLE_S_QUICK = 1
 #: Clients a client process sets up at the same time (each waits on the service's answers).
 SETUP_THREADS = 25
 
@@ -600,27 +601,6 @@ def process_gone(*procs: Any) -> Callable[[], str | None]:
     return check
 
 
-@contextlib.contextmanager
-def cpu_note(ctx: Context, label: str, groups: dict[str, list[int]]) -> Iterator[None]:
-    """Note the CPU (cores) each group of processes used during the block (``clients``: all four summed)."""
-    groups = {"broker": [ctx.broker_pid] if ctx.broker_pid else [], "bench": [os.getpid()], **groups}
-
-    def total(pids: list[int]) -> float | None:
-        seconds = [cpu_seconds(p) for p in pids]
-        return None if any(s is None for s in seconds) else sum(s for s in seconds if s is not None)
-
-    before = {name: total(pids) for name, pids in groups.items()}
-    t0 = time.monotonic()
-    yield
-    wall = time.monotonic() - t0
-    used = []
-    for name, pids in groups.items():
-        start, end = before[name], total(pids)
-        if start is not None and end is not None and wall > 0:
-            used.append(f"{name} {(end - start) / wall:.2f}")
-    ctx.note(f"{label}: CPU used, in cores of {os.cpu_count()}: {', '.join(used)}")
-
-
 def write_chunks(client: RegionClient, first: int, count: int, size: int, stamps: list[float]) -> None:
     """Updates ``first`` … ``first + count - 1`` in put_all chunks of ``size``, one after the other."""
     for s in range(first, first + count, size):
@@ -682,9 +662,10 @@ def fanout(ctx: Context) -> list[Result]:
                                    f"log:\n{c.log_tail()}")
         ctx.note(f"{CLIENTS} clients live (constructed, interest registered, marker seen) in "
                  f"{time.monotonic() - t_setup:.1f}s")
-        with cpu_note(ctx, f"idle ({IDLE_S:.0f}s, {CLIENTS} clients live, nothing written)", {
-                "region": [region.pid], "subscriptions": [s.pid for s in subs], "clients": [c.pid for c in clients]}):
-            time.sleep(IDLE_S)
+        measured = {"region": region.pid, "subscriptions": [s.pid for s in subs], "clients": [c.pid for c in clients]}
+        idle_s = ctx.sized(IDLE_S, IDLE_S_QUICK)
+        with ctx.cpu_use(f"idle ({idle_s:.0f}s, {CLIENTS} clients live, nothing written)", measured):
+            time.sleep(idle_s)
         with RegionClient(region.url, timeout_s=60, retry_for_s=60) as writer:
             # Warm-up: every key once, through the whole path.
             with ctx.counting("warm-up deliveries", warm * per_key) as advance, group.advancing(advance):
@@ -699,14 +680,13 @@ def fanout(ctx: Context) -> list[Result]:
                     contextlib.ExitStack() as stack:
                 for n, s in enumerate(subs):
                     stack.enter_context(ctx.profiling(s.pid, f"subscriptions-{n}"))
-                stack.enter_context(cpu_note(ctx, "throughput", {
-                    "region": [region.pid], "subscriptions": [s.pid for s in subs],
-                    "clients": [c.pid for c in clients]}))
+                cpu = stack.enter_context(ctx.cpu_use("throughput", measured))
                 t0 = time.time()
                 write_chunks(writer, first, events, BATCH_ENTRIES, stamps)
                 written_s = time.time() - t0
                 group.wait_total(target, DELIVERY_TIMEOUT_S, alive)
             ctx.step(f"throughput: written in {written_s:.2f}s ({events / written_s:,.0f} updates/s)")
+            throughput_cpu = cpu.seconds()
 
             # Latency: a steady rate, with the raw consumer tailing the changelog.
             target = written * per_key
@@ -720,8 +700,7 @@ def fanout(ctx: Context) -> list[Result]:
                     writer.put_all(REGION, chunk(first_lat + first_i, count, stamps))
 
                 with ctx.counting("latency deliveries", total_lat * per_key) as advance, group.advancing(advance), \
-                        cpu_note(ctx, "latency", {"region": [region.pid], "subscriptions": [s.pid for s in subs],
-                                                  "clients": [c.pid for c in clients]}):
+                        ctx.cpu_use("latency", measured):
                     achieved, late = paced_writes(total_lat, LATENCY_RATE, LATENCY_CHUNK, 1, write, sent_at)
                     watcher.wait_reached(DELIVERY_TIMEOUT_S)
                     group.wait_total(target, DELIVERY_TIMEOUT_S, alive)
@@ -785,7 +764,7 @@ def fanout(ctx: Context) -> list[Result]:
              f"{RAW_PASSES} timed passes")
     raw_read(ctx.bootstrap, changelog, ends)
     rates = []
-    with ctx.counting("raw consumer passes", RAW_PASSES) as advance, cpu_note(ctx, "raw consumer", {}):
+    with ctx.counting("raw consumer passes", RAW_PASSES) as advance, ctx.cpu_use("raw consumer", {}):
         for _ in range(RAW_PASSES):
             rates.append(written / raw_read(ctx.bootstrap, changelog, ends))
             advance(1)
@@ -797,6 +776,9 @@ def fanout(ctx: Context) -> list[Result]:
                percentile(raw_ms, 50)),
         Result("subscriptions.fanout.latency.p99", percentile(sluice_ms, 99), "ms", f"{RAW_CONSUMER}.latency.p99",
                percentile(raw_ms, 99)),
+        # Over the throughput part, per delivery (an update costs per_key of them).
+        *ctx.cpu_per_event("subscriptions.fanout.delivered", throughput_cpu, events * per_key,
+                           processes=("region", "subscriptions", "clients", "broker"), what="per delivery"),
     ]
 
 
