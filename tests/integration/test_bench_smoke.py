@@ -32,12 +32,29 @@ def bench_areas() -> list[str]:
     return areas
 
 
+#: Per area: figures that must come with the CPU per event of the processes measured.
+CPU_FIGURES = {
+    "region": ("region.put_all.ingest", "region.put.latency"),
+    "dispatcher": ("dispatcher.noop.throughput", "dispatcher.sql.postgres.throughput"),
+    "subscriptions": ("subscriptions.fanout.delivered",),
+}
+#: Per area: the aims of issue 18 its benchmarks are judged on.
+AREA_AIMS = {
+    "region": ("region.put_all.ingest ÷ raw producer", "region.put.latency p99"),
+    "dispatcher": ("dispatcher.noop.throughput ÷ raw consumer, steady state",),
+    "subscriptions": ("subscriptions.fanout.delivered ÷ raw consumer",),
+}
+CPU_UNIT = "µs/event"
+
+
 @pytest.mark.timeout(300)
 def test_quick_bench_run_writes_results_with_ratios(tmp_path: Path) -> None:
-    """`python -m bench --quick` exits 0 and writes every figure with its same-run baseline and ratio."""
+    """`python -m bench --quick` exits 0 and writes every figure with its same-run baseline and ratio, the CPU
+    per event of the processes each benchmark measures, and the issue's aims judged met or not met."""
     areas = [a for a in bench_areas() if a not in SKIPPED_AREAS]
     assert {"region", "dispatcher"} <= set(areas)
     results = []
+    aims = []
     for area in areas:
         out = tmp_path / f"{area}.json"
         done = subprocess.run(
@@ -45,11 +62,28 @@ def test_quick_bench_run_writes_results_with_ratios(tmp_path: Path) -> None:
             cwd=REPO, capture_output=True, text=True, timeout=220,
         )
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert "CPU per event" in done.stdout and "Aims" in done.stdout, done.stdout[-3000:]
         data = json.loads(out.read_text())
-        assert {"machine", "time", "results"} <= set(data)
+        assert {"machine", "time", "results", "aims"} <= set(data)
         results += data["results"]
+        aims += data["aims"]
     names = {r["name"] for r in results}
-    assert {"region.put_all.ingest", "region.put.latency.p50", "region.put.latency.p99"} <= names
+    assert {"region.put_all.ingest", "region.put.latency.p50", "region.put.latency.p99",
+            "dispatcher.noop.throughput", "dispatcher.noop.startup"} <= names
+    for area in areas:
+        for figure in CPU_FIGURES.get(area, ()):
+            assert any(n.startswith(f"{figure}.cpu.") for n in names), f"no CPU per event for {figure}: {names}"
     for r in results:
+        if r["unit"] == CPU_UNIT:
+            # Per process; most have no baseline.  A nearly idle process may read 0 in a quick run.
+            assert r["value"] >= 0, r
+            if r["baseline_value"]:
+                assert r["ratio"] == pytest.approx(r["value"] / r["baseline_value"])
+            continue
         assert r["value"] > 0 and r["baseline_value"] > 0, r
         assert r["ratio"] == pytest.approx(r["value"] / r["baseline_value"])
+    judged = {a["aim"]: a for a in aims}
+    for area in areas:
+        for aim in AREA_AIMS.get(area, ()):
+            assert aim in judged, f"aim {aim!r} not judged: {sorted(judged)}"
+            assert judged[aim]["verdict"] in {"met", "not met"} and judged[aim]["measured"], judged[aim]
