@@ -369,3 +369,247 @@ def read_queued(codec: Codec, data: bytes | None) -> QueuedView:
 __all__ = ["FLAG_POSSIBLE_DUPLICATE", "FLAG_ROUTED", "EntryLayout", "QueuedView", "decode_entry",
            "entry_event_body", "entry_region_key", "queued_event", "read_long", "read_queued", "splice_entry",
            "string", "varint", "varint32"]
+
+
+# --- gateway batches (issue 18) ----------------------------------------------------------------
+#
+# A GatewayBatch of version 3 carries its events as the EntryEvent bodies they were queued as
+# (``event_bodies``), with what the sender changes beside them: the indexes of the events that are
+# possibleDuplicate (``duplicate_events``) and, per region, the dsids added to visited_dsids
+# (``visited_added``).  The sender writes one without decoding an event (``gateway_batch``); the
+# receiver reads one down to its bodies (``read_gateway_batch``), routes each by its key
+# (``entry_region_key``) and hands the region's bucket owners the record, or a record of the events
+# each owns, again as bytes; only the owner decodes an event, and it merges the sender's changes in
+# (``visited_after``).  A receiver that has not said it reads version 3 (GatewayAck.batch_versions)
+# gets version 2, events as records with the changes spliced in (``gateway_batch_v2``).
+
+from collections.abc import Iterable, Mapping, Sequence  # noqa: E402 - this section's own
+from dataclasses import replace  # noqa: E402
+
+#: The GatewayBatch versions this release reads (GatewayAck.batch_versions): 1 and 2 carry their
+#: events as records, 3 as queued bodies.
+BATCH_VERSIONS_READ = (1, 2, 3)
+#: The version of the current GatewayBatch schema, the first whose events travel as bodies.
+BATCH_VERSION_BODIES = 3
+#: The single-object header of GatewayBatch version 2 (``avro/history/GatewayBatch.v2.avsc``): the
+#: schema is frozen, so its fingerprint is too (a unit test checks it against the file).
+GATEWAY_BATCH_V2_HEADER = b"\xc3\x01" + bytes.fromhex("caf45773c95cd177")
+#: An EventID for an event whose body does not say its own (damaged): no real one has negative ids.
+UNKNOWN_EVENT_ID = EventID("", -1, -1)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchView:
+    """A GatewayBatch read down to its events' bodies, the events themselves not decoded."""
+
+    sender_id: str
+    source_dsid: int
+    target_dsid: int
+    queue_partition: int
+    batch_id: int
+    first_offset: int
+    last_offset: int
+    #: The batch was sent before: every event of it is possibleDuplicate.
+    possible_duplicate: bool
+    created_at: int
+    #: Each event's EntryEvent body: those of ``events`` (records, as versions 1 and 2 carry them) then
+    #: those of ``event_bodies``.
+    bodies: tuple[bytes, ...]
+    #: The indexes of the events the sender flagged possibleDuplicate (the batch's own flag aside).
+    duplicate_events: frozenset[int]
+    visited_added: dict[str, tuple[int, ...]]
+    traceparents: tuple[str, ...]
+    #: Written with the current schema (else an older version, read through schema resolution).
+    current: bool
+
+    def events(self) -> list[EntryEvent]:
+        """Every event as the receiving site applies it (``batch_event``); ``MalformedRecord`` for a
+        damaged body."""
+        return [batch_event(self, i) for i in range(len(self.bodies))]
+
+
+def batch_event(view: BatchView, index: int) -> EntryEvent:
+    """Event ``index`` of a batch as the receiving site applies it: its body decoded, the sender's
+    changes merged in: possibleDuplicate when its body, ``duplicate_events`` or the batch says so, and
+    ``visited_added`` of its region (the batch's source_dsid for a region not listed) joined to its
+    visited_dsids, never its origin (``visited_after``).  For a batch of version 1 or 2 the sender
+    merged them already, and merging again changes nothing.  ``MalformedRecord`` for a damaged body."""
+    event, _layout = decode_entry(view.bodies[index])
+    added = view.visited_added.get(event.region)
+    visited = visited_after(event.visited_dsids, (view.source_dsid,) if added is None else added, event.origin_dsid)
+    duplicate = event.possible_duplicate or view.possible_duplicate or index in view.duplicate_events
+    if visited == event.visited_dsids and duplicate == event.possible_duplicate:
+        return event
+    return replace(event, visited_dsids=visited, possible_duplicate=duplicate)
+
+
+def visited_after(visited: Sequence[int], added: Iterable[int], origin: int) -> tuple[int, ...]:
+    """An event's visited_dsids once the sites ``added`` are in: sorted, without its origin."""
+    merged = set(visited)
+    merged.update(added)
+    merged.discard(origin)
+    return tuple(sorted(merged))
+
+
+def _batch_head(sender_id: str, source_dsid: int, target_dsid: int, queue_partition: int, batch_id: int,
+                first_offset: int, last_offset: int, possible_duplicate: bool, created_at: int) -> bytes:
+    """The fields every GatewayBatch version begins with, up to ``events``."""
+    return b"".join((string(sender_id), varint32(source_dsid), varint32(target_dsid), varint32(queue_partition),
+                     varint(batch_id), varint(first_offset), varint(last_offset),
+                     b"\x01" if possible_duplicate else b"\x00", varint(created_at)))
+
+
+def gateway_batch(header: bytes, *, sender_id: str, source_dsid: int, target_dsid: int, queue_partition: int,
+                  batch_id: int, first_offset: int, last_offset: int, possible_duplicate: bool, created_at: int,
+                  bodies: Sequence[bytes], duplicate_events: Sequence[int] = (),
+                  visited_added: Mapping[str, Sequence[int]] | None = None,
+                  traceparents: Sequence[str] = ()) -> bytes:
+    """A GatewayBatch of the current version (``header``: ``codec.header("GatewayBatch")``) carrying
+    ``bodies`` as they are, byte for byte what fastavro writes of the same record."""
+    parts = [header, _batch_head(sender_id, source_dsid, target_dsid, queue_partition, batch_id, first_offset,
+                                 last_offset, possible_duplicate, created_at),
+             b"\x00\x00"]  # events: none as records; signature: null
+    if bodies:
+        parts.append(varint(len(bodies)))
+        for body in bodies:
+            parts.append(varint(len(body)))
+            parts.append(body)
+    parts.append(b"\x00")
+    parts.append(_int_array(tuple(duplicate_events)))
+    if visited_added:
+        parts.append(varint(len(visited_added)))
+        for region, dsids in visited_added.items():
+            parts.append(_cached_string(region))
+            parts.append(_int_array(tuple(dsids)))
+    parts.append(b"\x00")
+    if traceparents:
+        parts.append(varint(len(traceparents)))
+        parts.extend(string(t) for t in traceparents)
+    parts.append(b"\x00")
+    return b"".join(parts)
+
+
+def gateway_batch_v2(*, sender_id: str, source_dsid: int, target_dsid: int, queue_partition: int, batch_id: int,
+                     first_offset: int, last_offset: int, possible_duplicate: bool, created_at: int,
+                     bodies: Sequence[bytes]) -> bytes:
+    """A GatewayBatch of version 2, as a sender of that version wrote it: each body (the sender's
+    changes already spliced in, ``splice_entry``) is an EntryEvent record of its ``events``."""
+    parts = [GATEWAY_BATCH_V2_HEADER, _batch_head(sender_id, source_dsid, target_dsid, queue_partition, batch_id,
+                                                  first_offset, last_offset, possible_duplicate, created_at)]
+    if bodies:
+        parts.append(varint(len(bodies)))
+        parts.extend(bodies)
+    parts.append(b"\x00\x00")  # the end of events; signature: null
+    return b"".join(parts)
+
+
+def read_gateway_batch(codec: Codec, data: bytes | None) -> BatchView:
+    """A GatewayBatch's fields and its events' bodies; ``CodecError`` when it is not a GatewayBatch.
+
+    The current version is read by hand, its ``event_bodies`` not decoded (a damaged one is found by
+    whoever decodes it); an event carried as a record (``events``) is read to find where it ends, so
+    a damaged one refuses the batch, as the codec would.  An older version is decoded whole with
+    schema resolution and its events written again as bodies."""
+    header = codec.header("GatewayBatch")
+    if data is not None and data[:len(header)] == header:
+        try:
+            return _read_batch(data, len(header))
+        except IndexError:
+            raise MalformedRecord(f"GatewayBatch of {len(data)} bytes is truncated") from None
+    record = codec.decode_as("GatewayBatch", data)
+    bodies = [entry_event_body(EntryEvent.from_record(e)) for e in record["events"]]
+    bodies += record["event_bodies"]
+    return BatchView(record["sender_id"], record["source_dsid"], record["target_dsid"], record["queue_partition"],
+                     record["batch_id"], record["first_offset"], record["last_offset"],
+                     record["possible_duplicate"], record["created_at"], tuple(bodies),
+                     frozenset(record["duplicate_events"]),
+                     {r: tuple(d) for r, d in record["visited_added"].items()}, tuple(record["traceparents"]),
+                     current=False)
+
+
+def _read_count(buf: bytes, pos: int) -> tuple[int, int]:
+    """An array or map block's item count (0: the end), its byte size skipped when it is given."""
+    count, pos = read_long(buf, pos)
+    if count < 0:
+        count = -count
+        _size, pos = read_long(buf, pos)
+    return count, pos
+
+
+def _read_batch(buf: bytes, pos: int) -> BatchView:
+    sender_id, pos = _read_string(buf, pos)
+    source, pos = _read_int(buf, pos, "GatewayBatch.source_dsid")
+    target, pos = _read_int(buf, pos, "GatewayBatch.target_dsid")
+    partition, pos = _read_int(buf, pos, "GatewayBatch.queue_partition")
+    batch_id, pos = read_long(buf, pos)
+    first, pos = read_long(buf, pos)
+    last, pos = read_long(buf, pos)
+    duplicate, pos = _read_boolean(buf, pos)
+    created, pos = read_long(buf, pos)
+    bodies: list[bytes] = []
+    while True:
+        count, pos = _read_count(buf, pos)
+        if count == 0:
+            break
+        for _ in range(count):
+            start = pos
+            _event, _layout, pos = _decode_entry(buf, pos)
+            bodies.append(buf[start:pos])
+    branch, pos = _union_branch(buf, pos, "GatewayBatch.signature")
+    if branch:
+        pos = _skip_bytes(buf, pos)
+    while True:
+        count, pos = _read_count(buf, pos)
+        if count == 0:
+            break
+        for _ in range(count):
+            body, pos = _read_bytes(buf, pos)
+            bodies.append(body)
+    flags, pos = _read_int_array(buf, pos, "GatewayBatch.duplicate_events")
+    added: dict[str, tuple[int, ...]] = {}
+    while True:
+        count, pos = _read_count(buf, pos)
+        if count == 0:
+            break
+        for _ in range(count):
+            region, pos = _read_string(buf, pos)
+            added[region], pos = _read_int_array(buf, pos, "GatewayBatch.visited_added")
+    traces: list[str] = []
+    while True:
+        count, pos = _read_count(buf, pos)
+        if count == 0:
+            break
+        for _ in range(count):
+            trace, pos = _read_string(buf, pos)
+            traces.append(trace)
+    if pos != len(buf):
+        raise MalformedRecord(f"GatewayBatch body has {len(buf) - pos} trailing bytes")
+    return BatchView(sender_id, source, target, partition, batch_id, first, last, duplicate, created,
+                     tuple(bodies), frozenset(flags), added, tuple(traces), current=True)
+
+
+def entry_event_id(body: bytes, pos: int = 0) -> EventID:
+    """The EventID of an EntryEvent body, read past the fields before it without decoding them;
+    ``MalformedRecord`` when the body does not reach it."""
+    try:
+        pos = _skip_bytes(body, pos)  # region
+        pos = _skip_bytes(body, pos)  # key
+        _op, pos = read_long(body, pos)
+        branch, pos = _union_branch(body, pos, "EntryEvent.value")
+        if branch:
+            pos = _skip_bytes(body, pos)
+        pos = _skip_bytes(body, pos)  # value_encoding
+        branch, pos = _union_branch(body, pos, "EntryEvent.callback_argument")
+        if branch:
+            pos = _skip_bytes(body, pos)
+        member, pos = _read_string(body, pos + 1)  # past possible_duplicate
+        thread, pos = read_long(body, pos)
+        sequence, _ = read_long(body, pos)
+    except IndexError:
+        raise MalformedRecord(f"EntryEvent body of {len(body) - pos} bytes is truncated") from None
+    return EventID(member, thread, sequence)
+
+
+__all__ += ["BATCH_VERSIONS_READ", "BATCH_VERSION_BODIES", "GATEWAY_BATCH_V2_HEADER", "UNKNOWN_EVENT_ID", "BatchView",
+            "batch_event", "entry_event_id", "gateway_batch", "gateway_batch_v2",
+            "read_gateway_batch", "visited_after"]

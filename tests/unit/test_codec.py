@@ -146,6 +146,10 @@ def record_strategies(millis: st.SearchStrategy[int] = longs) -> dict[str, st.Se
                 "created_at": millis,
                 "events": st.lists(entry_event, max_size=4),
                 "signature": optional_bytes,
+                "event_bodies": st.lists(st.binary(max_size=32), max_size=4),
+                "duplicate_events": st.lists(ints, max_size=4),
+                "visited_added": st.dictionaries(texts, st.lists(ints, max_size=3), max_size=3),
+                "traceparents": st.lists(texts, max_size=4),
             }
         ),
         "GatewayAck": st.fixed_dictionaries(
@@ -161,6 +165,7 @@ def record_strategies(millis: st.SearchStrategy[int] = longs) -> dict[str, st.Se
                 "exceptions": st.lists(batch_exception, max_size=4),
                 "acked_at": millis,
                 "last_batch_id": longs,
+                "batch_versions": st.lists(ints, max_size=4),
             }
         ),
         "RemovalRecord": st.fixed_dictionaries(
@@ -283,6 +288,8 @@ GATEWAY_BATCH = {
     "sender_id": "site1-sender", "source_dsid": 1, "target_dsid": 2, "queue_partition": 0, "batch_id": 9,
     "first_offset": 100, "last_offset": 101, "possible_duplicate": False, "created_at": 1_700_000_000_000,
     "events": [ENTRY_EVENT, {**ENTRY_EVENT, "operation": "DESTROY", "value": None}], "signature": None,
+    "event_bodies": [b"\x0corders\x04k2"], "duplicate_events": [1, 2], "visited_added": {"orders": [1, 2]},
+    "traceparents": ["00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "", ""],
 }
 SAMPLES: dict[str, dict[str, Any]] = {
     "EventID": EVENT_ID,
@@ -295,7 +302,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
         "sender_id": "site1-sender", "source_dsid": 1, "receiver_dsid": 2, "queue_partition": 0, "batch_id": 9,
         "last_applied_index": 0, "last_applied_event_id": EVENT_ID, "duplicate_batch": False,
         "exceptions": [{"index": 1, "event_id": EVENT_ID, "exception_class": "EntryNotFound", "message": "k1"}],
-        "acked_at": 1_700_000_000_002, "last_batch_id": 9,
+        "acked_at": 1_700_000_000_002, "last_batch_id": 9, "batch_versions": [1, 2, 3],
     },
     "RemovalRecord": {"queue_id": "q", "queue_partition": 0, "batch_id": 9, "last_removed_offset": 101,
                       "last_event_id": EVENT_ID, "removed_count": 2, "removed_at": 1_700_000_000_003},
@@ -651,7 +658,9 @@ def test_encoding_under_an_unknown_schema_name_is_refused() -> None:
 def _with_defaults_of_new_fields(name: str, record: Any) -> Any:
     """The sample as an older writer could have written it: fields added since at their defaults."""
     added = {"EntryEvent": {"transaction": None}, "QueueStatus": {"last_accepted_at": 0, "waiting": 0},
-             "FillCheckpoint": {"queues": None}, "GatewayAck": {"last_batch_id": -1}, "QueuedEvent": {"flags": 0}}
+             "FillCheckpoint": {"queues": None}, "GatewayAck": {"last_batch_id": -1, "batch_versions": []},
+             "QueuedEvent": {"flags": 0},
+             "GatewayBatch": {"event_bodies": [], "duplicate_events": [], "visited_added": {}, "traceparents": []}}
     out = {**record, **added.get(name, {})}
     if name == "QueuedEvent":
         out["event"] = _with_defaults_of_new_fields("EntryEvent", record["event"])

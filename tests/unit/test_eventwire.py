@@ -193,3 +193,165 @@ def test_damaged_bodies_are_refused_like_fastavro_refuses_them(event: EntryEvent
             return
         decoded = None
     assert decoded == expected
+
+
+# --- gateway batches (issue 18) ----------------------------------------------------------------
+
+from sluice.core import eventwire as wire  # noqa: E402 - this section's own
+
+DSIDS = st.integers(min_value=1, max_value=255)
+TEXT = st.text(max_size=12)
+
+
+def _batch_fields(batch_id: int = 9, duplicate: bool = False) -> dict:
+    return {"sender_id": "to-b", "source_dsid": 1, "target_dsid": 2, "queue_partition": 3, "batch_id": batch_id,
+            "first_offset": 100, "last_offset": 101, "possible_duplicate": duplicate, "created_at": 1_700_000_000_000}
+
+
+def _older_schema(version: int):
+    path = schema_dir() / "history" / f"GatewayBatch.v{version}.avsc"
+    schema = fastavro.parse_schema(json.loads(path.read_text()), named_schemas={})
+    header = MARKER + bytes.fromhex(fingerprint(to_parsing_canonical_form(schema), "CRC-64-AVRO"))
+    return schema, header
+
+
+def _written_with(schema, header: bytes, record: dict) -> bytes:
+    buf = io.BytesIO()
+    buf.write(header)
+    fastavro.schemaless_writer(buf, schema, record)
+    return buf.getvalue()
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(st.lists(events, max_size=5), st.data())
+def test_a_batch_of_bodies_is_byte_identical_to_fastavro_and_reads_back(evs: list[EntryEvent],
+                                                                      data: st.DataObject) -> None:
+    """gateway_batch writes what fastavro writes of the same GatewayBatch record (events as bodies, the
+    duplicate bitmap, visited_added, traceparents), and read_gateway_batch gives every field back."""
+    bodies = [entry_event_body(e) for e in evs]
+    flags = sorted(data.draw(st.sets(st.integers(min_value=0, max_value=max(len(evs) - 1, 0)), max_size=len(evs))))
+    added = data.draw(st.dictionaries(TEXT, st.lists(DSIDS, max_size=4), max_size=3))
+    traces = data.draw(st.just([]) | st.lists(TEXT, min_size=len(evs), max_size=len(evs)))
+    fields = {**_batch_fields(data.draw(INT64), data.draw(st.booleans())), "sender_id": data.draw(TEXT)}
+    codec = get_codec()
+    value = wire.gateway_batch(codec.header("GatewayBatch"), **fields, bodies=bodies, duplicate_events=flags,
+                               visited_added=added, traceparents=traces)
+    record = {**fields, "events": [], "signature": None, "event_bodies": bodies, "duplicate_events": flags,
+              "visited_added": added, "traceparents": traces}
+    assert value == codec.encode("GatewayBatch", record)
+    view = wire.read_gateway_batch(codec, value)
+    assert view.current and view.bodies == tuple(bodies) and view.traceparents == tuple(traces)
+    assert view.visited_added == {r: tuple(d) for r, d in added.items()}
+    assert view.duplicate_events == frozenset(flags)
+    assert {k: getattr(view, k) for k in fields} == fields
+
+
+def test_a_current_batch_with_events_as_records_reads_them_before_the_bodies() -> None:
+    """A current-version record may still carry events as records (a writer that fills only the fields it
+    knew): they come first, as bodies equal to the events', then event_bodies."""
+    a, b = (EntryEvent("orders", k, Operation.UPDATE, b"1", EventID("m", 1, i), VersionTag(1, 5, 1), 1, 0, 5)
+            for i, k in enumerate(("a", "b")))
+    codec = get_codec()
+    value = codec.encode("GatewayBatch", {**_batch_fields(), "events": [a.to_record()], "signature": b"sig",
+                                          "event_bodies": [entry_event_body(b)]})
+    view = wire.read_gateway_batch(codec, value)
+    assert view.bodies == (entry_event_body(a), entry_event_body(b)) and view.current
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_batch_of_an_older_version_reads_as_bodies(version: int) -> None:
+    """Versions 1 and 2 carry events as records: read through schema resolution, each event becomes the body
+    of the same event (version 1's events lack the transaction, which reads as none)."""
+    event = EntryEvent("orders", "k", Operation.CREATE, b'{"v":1}', EventID("m", 1, 2), VersionTag(1, 5, 1, "x"), 1,
+                       0, 5, visited_dsids=(1, 2), possible_duplicate=True)
+    record = event.to_record()
+    if version == 1:
+        del record["transaction"]
+    schema, header = _older_schema(version)
+    value = _written_with(schema, header, {**_batch_fields(), "events": [record, record], "signature": None})
+    view = wire.read_gateway_batch(get_codec(), value)
+    assert view.bodies == (entry_event_body(event),) * 2 and not view.current
+    assert (view.duplicate_events, view.visited_added, view.traceparents) == (frozenset(), {}, ())
+    assert (view.batch_id, view.sender_id, view.created_at) == (9, "to-b", 1_700_000_000_000)
+
+
+def test_the_version_2_header_is_the_fingerprint_of_its_history_file() -> None:
+    """GATEWAY_BATCH_V2_HEADER is frozen in code: it must be the fingerprint of avro/history/GatewayBatch.v2."""
+    assert wire.GATEWAY_BATCH_V2_HEADER == _older_schema(2)[1]
+    assert get_codec().schema_of(wire.GATEWAY_BATCH_V2_HEADER) == "GatewayBatch"
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(st.lists(events, max_size=4), st.booleans())
+def test_a_version_2_batch_is_byte_identical_to_fastavro_with_the_old_schema(evs: list[EntryEvent],
+                                                                           duplicate: bool) -> None:
+    """gateway_batch_v2 writes what a version-2 sender wrote: fastavro with avro/history/GatewayBatch.v2.avsc,
+    each body an EntryEvent record of ``events``."""
+    schema, header = _older_schema(2)
+    fields = _batch_fields(duplicate=duplicate)
+    value = wire.gateway_batch_v2(**fields, bodies=[entry_event_body(e) for e in evs])
+    assert value == _written_with(schema, header, {**fields, "events": [e.to_record() for e in evs],
+                                                   "signature": None})
+
+
+def test_every_strict_prefix_of_a_batch_and_trailing_bytes_are_refused() -> None:
+    """A truncated GatewayBatch, or one with bytes after its end, is MalformedRecord, never anything else."""
+    event = EntryEvent("orders", "k", Operation.CREATE, b"1", EventID("m", 1, 2), VersionTag(1, 5, 1), 1, 0, 5)
+    codec = get_codec()
+    value = wire.gateway_batch(codec.header("GatewayBatch"), **_batch_fields(), bodies=[entry_event_body(event)],
+                               duplicate_events=[0], visited_added={"orders": [1, 2]}, traceparents=["t"])
+    for cut in range(HEADER_BYTES, len(value)):
+        with pytest.raises(MalformedRecord):
+            wire.read_gateway_batch(codec, value[:cut])
+    with pytest.raises(MalformedRecord, match="trailing"):
+        wire.read_gateway_batch(codec, value + b"\x00")
+    with pytest.raises(CodecError):
+        wire.read_gateway_batch(codec, codec.encode("EntryEvent", event.to_record()))
+
+
+def test_visited_after_adds_the_sites_sorted_never_the_origin() -> None:
+    """The sender's sites join an event's visited_dsids, sorted, without repeats, and without its origin."""
+    assert wire.visited_after((4, 2), (1, 3, 4), origin=3) == (1, 2, 4)
+    assert wire.visited_after((), (1,), origin=1) == ()
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(events, st.integers(min_value=0, max_value=400))
+def test_the_event_id_is_read_without_decoding_and_a_short_body_is_refused(event: EntryEvent, cut: int) -> None:
+    """entry_event_id gives the EventID decode_entry gives; a body cut before the EventID's end is refused."""
+    body = entry_event_body(event)
+    assert wire.entry_event_id(body) == decode_entry(body)[0].event_id
+    end = decode_entry(body)[1].possible_duplicate_at + 1
+    end += len(wire.string(event.event_id.member_id)) + len(varint(event.event_id.thread_id))
+    end += len(varint(event.event_id.sequence_id))
+    if cut < end:
+        with pytest.raises(MalformedRecord):
+            wire.entry_event_id(body[:cut])
+    else:
+        assert wire.entry_event_id(body[:end]) == event.event_id
+
+
+def test_a_batch_event_is_its_body_with_the_senders_changes_merged_in() -> None:
+    """batch_event decodes one body and merges what the sender carried beside it: visited_added of its region
+    (the source dsid for a region not listed) without the origin, and possibleDuplicate from the body, the
+    batch's duplicate_events or the batch itself; an event nothing changes is the decoded one as it is."""
+    def event(region: str, key: str, visited: tuple[int, ...] = (), duplicate: bool = False) -> EntryEvent:
+        return EntryEvent(region, key, Operation.UPDATE, b"1", EventID("m", 1, 1), VersionTag(1, 5, 1), 1, 0, 5,
+                          visited_dsids=visited, possible_duplicate=duplicate)
+
+    evs = [event("orders", "a", (4,)), event("orders", "b"), event("other", "c", (3,)), event("orders", "d", (1, 2, 3))]
+    codec = get_codec()
+    value = wire.gateway_batch(codec.header("GatewayBatch"), **_batch_fields(), bodies=[entry_event_body(e) for e in evs],
+                               duplicate_events=[1], visited_added={"orders": [1, 2, 3]})
+    view = wire.read_gateway_batch(codec, value)
+    merged = view.events()
+    assert [(e.visited_dsids, e.possible_duplicate) for e in merged] == [
+        ((2, 3, 4), False), ((2, 3), True), ((3,), False), ((2, 3), False)]
+    assert merged[0] == replace(evs[0], visited_dsids=(2, 3, 4))
+    again = wire.read_gateway_batch(codec, wire.gateway_batch(codec.header("GatewayBatch"), **_batch_fields(duplicate=True),
+                                                              bodies=[entry_event_body(evs[2])]))
+    assert again.events() == [replace(evs[2], possible_duplicate=True)]
+    damaged = wire.read_gateway_batch(codec, wire.gateway_batch(codec.header("GatewayBatch"), **_batch_fields(),
+                                                                bodies=[entry_event_body(evs[0])[:-1]]))
+    with pytest.raises(MalformedRecord):
+        wire.batch_event(damaged, 0)
