@@ -13,8 +13,13 @@ client rotates through every URL it was given, so a dead instance is skipped.
 
 ``token`` is the credential sent as ``Authorization: Bearer``: the site's
 ``region_service.token`` for the region API, its ``member_token`` for
-``apply_remote`` (a gateway receiver's client).  Every request that changes
-something is sent as JSON (``{}`` at least), which the service requires.
+``apply_remote``.  Every request that changes something is sent as JSON
+(``{}`` at least), which the service requires.
+
+``BatchClient`` is the gateway receiver's: it hands a ``GatewayBatch`` record,
+as bytes, to the one instance that owns its events' buckets
+(``POST /internal/apply_batch``, member token), once per call; the receiver
+decides what to retry and where.
 
 Example::
 
@@ -32,14 +37,19 @@ from __future__ import annotations
 import itertools
 import threading
 import uuid
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import httpx
+import orjson
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from ..core.errors import SluiceError
 from ..core.events import EntryEvent, EventID
 from ..core.remotewire import encode_remote
+
+#: The content type of a GatewayBatch record posted to /internal/apply_batch.
+BATCH_CONTENT_TYPE = "application/avro"
 
 
 class RegionError(SluiceError):
@@ -247,6 +257,69 @@ class RegionClient:
         self._http.close()
 
     def __enter__(self) -> "RegionClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+@dataclass(frozen=True, slots=True)
+class BatchAnswer:
+    """A bucket owner's answer to one ``apply_batch``: counts, the events it refused (each a dict:
+    ``index`` in the record posted, ``error``, ``message``, ``retriable``, ``event_id`` or None) and the
+    last event it applied (index in the record posted, EventID), None when none."""
+
+    count: int
+    applied: int
+    duplicates: int
+    conflicts: int
+    refused: list[dict[str, Any]]
+    last_applied: tuple[int, EventID] | None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "BatchAnswer":
+        last = data.get("last_applied")
+        return cls(data["count"], data["applied"], data["duplicates"], data["conflicts"], list(data["refused"]),
+                   None if last is None else (last["index"], EventID.from_record(last["event_id"])))
+
+
+class BatchClient:
+    """Hands gateway batches to region-service instances (``POST /internal/apply_batch``), each call to
+    the instance it names, once: no retry, no rotation (the caller knows the owners).  Thread-safe."""
+
+    def __init__(self, *, token: str | None = None, timeout_s: float = 30.0) -> None:
+        headers = {"content-type": BATCH_CONTENT_TYPE}
+        if token:
+            headers["authorization"] = f"Bearer {token}"
+        self._http = httpx.Client(timeout=timeout_s, headers=headers)
+
+    def apply_batch(self, url: str, record: bytes) -> BatchAnswer:
+        """The owner's answer to ``record``.  Raises ``RegionError`` when it refuses the request as a
+        whole (a 4xx: 400 or 413 for the record, 401 or 403 for the credential), and a retriable
+        ``SluiceError`` when there is no answer (not connected, a timeout, a 5xx): the events may or may
+        not have been applied, and a retry is safe (repeats are answered as duplicates)."""
+        try:
+            resp = self._http.post(f"{url.rstrip('/')}/internal/apply_batch", content=record)
+        except httpx.TransportError as exc:
+            raise _Transient(f"{url}: {type(exc).__name__}: {exc}") from exc
+        try:
+            data = orjson.loads(resp.content)
+        except orjson.JSONDecodeError:
+            raise _Transient(f"{url}: {resp.status_code} with a body that is not JSON") from None
+        if resp.status_code != 200 or not isinstance(data, dict):
+            error = RegionError(resp.status_code, data if isinstance(data, dict) else {"message": str(data)})
+            if error.retriable or resp.status_code >= 500:
+                raise _Transient(str(error)) from error
+            raise error
+        try:
+            return BatchAnswer.from_json(data)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise _Transient(f"{url}: an answer without {exc}: {str(data)[:200]}") from None
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "BatchClient":
         return self
 
     def __exit__(self, *exc: Any) -> None:

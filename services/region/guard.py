@@ -10,6 +10,8 @@ before these checks, in this order:
    ======================================  ==========================================
    ``/healthz``, ``/readyz``               none (the probes)
    ``/internal/*`` (ops, read, keys)       member token: instances forward with it
+   ``/internal/apply_batch``               member token: gateway receivers hand
+                                           their batches to bucket owners with it
    ``POST /regions/{r}/apply_remote``      member token: gateway receivers apply
                                            other sites' events with it
    everything else (``/regions/...``,      client token
@@ -29,7 +31,10 @@ before these checks, in this order:
    ``Sec-Fetch-Site``, ``Origin`` or ``Referer`` of another origin, or a
    POST or PUT without ``content-type: application/json``) is refused
    (403), so a web page cannot make a developer's browser clear a region on
-   localhost.
+   localhost.  ``/internal/apply_batch`` takes a binary body instead
+   (``application/avro`` or ``application/octet-stream``): neither is a type
+   a page may send to another site without a preflight, which Sluice never
+   grants, so it is as safe as JSON there.
 
 3. **Size.**  A body larger than ``region_service.request_body_max_bytes`` is
    refused (413) by its ``Content-Length`` before a byte of it is read; a
@@ -59,6 +64,9 @@ App = Callable[[Scope, Receive, Send], Awaitable[None]]
 OPEN, CLIENT, MEMBER = "open", "client", "member"
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 _APPLY_REMOTE = re.compile(r"^/regions/[^/]+/apply_remote/?$")
+#: Paths whose body is binary, and the media types they take in place of JSON.
+BINARY_PATHS = frozenset({"/internal/apply_batch"})
+BINARY_MEDIA_TYPES = frozenset({"application/avro", "application/octet-stream"})
 _WANTED = frozenset({b"authorization", b"origin", b"referer", b"sec-fetch-site", b"content-type",
                      b"content-length", b"transfer-encoding", b"host"})
 
@@ -112,7 +120,8 @@ class Guard:
                           extra=[(b"www-authenticate", b"Bearer")])
             return
 
-        refused = forgery_problem(lambda name: _text(headers.get(name.encode())), scope["method"], has_body)
+        header = _header_reader(headers, scope["path"] in BINARY_PATHS)
+        refused = forgery_problem(header, scope["method"], has_body)
         if refused is not None:
             await _answer(send, 403, _refusal("Forbidden", *refused), close=has_body)
             return
@@ -145,6 +154,20 @@ def _too_large(value: str, limit: int) -> dict[str, Any]:
 
 def _text(value: bytes | None) -> str | None:
     return None if value is None else value.decode("latin-1")
+
+
+def _header_reader(headers: dict[bytes, bytes], binary: bool) -> Callable[[str], str | None]:
+    """The request's headers as ``forgery_problem`` reads them.  On a binary path a binary media type
+    stands where that check asks for JSON (module docstring); any other content type is shown as
+    it is, and refused as it would be anywhere."""
+    def header(name: str) -> str | None:
+        value = _text(headers.get(name.encode()))
+        if binary and name == "content-type" and value is not None and \
+                value.partition(";")[0].strip().lower() in BINARY_MEDIA_TYPES:
+            return "application/json"
+        return value
+
+    return header
 
 
 class _Gone:
@@ -198,4 +221,4 @@ async def _answer(send: Send, status: int, body: dict[str, Any], *, close: bool,
     await send({"type": "http.response.body", "body": data})
 
 
-__all__ = ["CLIENT", "MEMBER", "OPEN", "Guard", "credential_of"]
+__all__ = ["BINARY_MEDIA_TYPES", "BINARY_PATHS", "CLIENT", "MEMBER", "OPEN", "Guard", "credential_of"]

@@ -12,14 +12,16 @@ Credentials (``Authorization: Bearer <token>``; the checks are in guard.py):
 
 - ``/healthz`` and ``/readyz``: none.
 - ``/internal/*`` (operations, reads and bucket keys forwarded between
-  instances) and ``POST /regions/{region}/apply_remote`` (other sites' events,
-  from the gateway receiver): ``region_service.member_token`` only.
+  instances; ``apply_batch``, a gateway batch from this site's receiver) and
+  ``POST /regions/{region}/apply_remote`` (other sites' events as JSON):
+  ``region_service.member_token`` only.
 - every other path (entries, bulk operations, ``/regions``, ``/buckets``,
   ``/stats``, this document): ``region_service.token`` only.
 
 A credential that is not configured leaves its paths open (a loopback-only
 development site).  State-changing requests (POST, PUT, DELETE) must be
-``content-type: application/json`` and not come from another origin (403);
+``content-type: application/json`` (``/internal/apply_batch``: ``application/avro``)
+and not come from another origin (403);
 a body larger than ``region_service.request_body_max_bytes`` is refused
 before it is read (413).  Forwarded operations and other sites' events are
 checked as strictly as a client's write; an event refused by those checks is
@@ -46,6 +48,7 @@ from ..core.remotewire import decode_remote
 from ..core.telemetry import TRACEPARENT
 from .engine import Operation
 from .guard import Guard
+from .remote import BATCH_MEDIA_TYPES, apply_batch
 from .service import Outcome, RegionService, _NotOwnedKeys, error_outcome
 from .state import Op
 
@@ -521,6 +524,22 @@ def create_app(service: RegionService) -> Any:
             for i, outcome in zip(where, await service.execute(ops, forwarded=True)):
                 answers[i] = outcome
         return SafeJSON({"outcomes": [_with_status(o) for o in answers if o is not None]})
+
+    @app.post("/internal/apply_batch", tags=["internal"],
+              summary="Apply a gateway batch of other sites' events in the buckets this instance owns (owner only; "
+                      "member token; the gateway receiver's entry point)",
+              openapi_extra={"requestBody": {"required": True, "content": {
+                  media: {"schema": {"type": "string", "format": "binary"}} for media in BATCH_MEDIA_TYPES},
+                  "description": "A GatewayBatch record (Avro single-object encoding, any version) whose events "
+                                 "this instance's buckets hold, as the receiver got it or a record of some of its "
+                                 "events; verified by the receiver, checked event by event here."}})
+    async def internal_apply_batch(request: Request) -> Response:
+        """Each event is decoded once, the sender's changes (visited sites, possibleDuplicate) merged in,
+        checked by ``core.eventchecks.remote_problem`` and applied as ``apply_remote`` applies it; an event
+        of a bucket this instance does not own is refused as retriable (``NotOwner``), never forwarded.
+        The answer lists only the refused events (index, error, message, retriable, EventID) beside the
+        counts and the last applied event (index, EventID); see ``region/remote.py``."""
+        return SafeJSON(await apply_batch(service, await request.body()))
 
     @app.post("/internal/read", tags=["internal"], summary="Read entries for another instance (owner only; "
                                                            "member token)")

@@ -1,0 +1,244 @@
+"""A bucket owner applying a gateway batch (sluice.region.remote), the guard of its route, and the
+receiver's client of it (sluice.client.region.BatchClient), without a broker or a network.
+
+The owner is given a GatewayBatch record as bytes: it decodes each event once, merges the sender's
+changes in, checks it, hands the rest to the service's ``execute`` without letting it forward, and
+answers with counts, the refused events and the last applied one; nothing per applied event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Iterator
+
+import httpx
+import pytest
+from starlette.testclient import TestClient
+
+from sluice.client.region import BatchClient, RegionError
+from sluice.core.codec import get_codec
+from sluice.core.config import parse_config
+from sluice.core.errors import InvalidRequest, NotOwner, SluiceError
+from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
+from sluice.core.eventwire import entry_event_body, gateway_batch, gateway_batch_v2
+from sluice.region.engine import Operation as EngineOperation
+from sluice.region.guard import Guard
+from sluice.region.remote import apply_batch
+from sluice.region.service import Outcome, error_outcome
+from sluice.region.state import Op
+
+NOW_MS = int(time.time() * 1000)
+CFG = parse_config({
+    "site": "b", "dsid": 2, "kafka": {"bootstrap_servers": "127.0.0.1:9092"},
+    "regions": [{"name": "orders", "buckets": 8, "key_max_bytes": 16}],
+})
+
+
+def event(key: str, seq: int, *, visited: tuple[int, ...] = (), duplicate: bool = False, origin: int = 1,
+          region: str = "orders") -> EntryEvent:
+    return EntryEvent(region, key, Operation.UPDATE, b'{"n":1}', EventID("a-writer", 1, seq),
+                      VersionTag(origin, NOW_MS, 1, "a-0"), origin, 0, NOW_MS, visited_dsids=visited,
+                      possible_duplicate=duplicate)
+
+
+def batch(events: list[EntryEvent], *, target: int = 2, duplicates: tuple[int, ...] = (), resend: bool = False,
+          traces: tuple[str, ...] = (), bodies: list[bytes] | None = None) -> bytes:
+    return gateway_batch(get_codec().header("GatewayBatch"), sender_id="to-b", source_dsid=1, target_dsid=target,
+                         queue_partition=0, batch_id=7, first_offset=0, last_offset=len(events) - 1,
+                         possible_duplicate=resend, created_at=NOW_MS,
+                         bodies=bodies if bodies is not None else [entry_event_body(e) for e in events],
+                         duplicate_events=duplicates, visited_added={"orders": [1, 3]}, traceparents=traces)
+
+
+class Service:
+    """What apply_batch uses of a RegionService: its config and ``execute``, which answers each op with the
+    status ``answer`` gives it and records what it was handed."""
+
+    def __init__(self, answer: Any = lambda op: "ok") -> None:
+        self.cfg = CFG
+        self.answer = answer
+        self.handed: list[EngineOperation] = []
+
+    async def execute(self, ops: list[EngineOperation], forwarded: bool) -> list[Outcome]:
+        assert forwarded, "an owner applying a batch must never forward it"
+        self.handed += ops
+        outcomes = []
+        for op in ops:
+            status = self.answer(op)
+            outcomes.append(status if isinstance(status, Outcome) else Outcome(op.key, status))
+        return outcomes
+
+    def _start_spans(self, ops: list[EngineOperation]) -> list[Any]:
+        return []
+
+
+def run(service: Service, data: bytes) -> dict[str, Any]:
+    return asyncio.run(apply_batch(service, data))  # type: ignore[arg-type]
+
+
+def test_every_event_applied_is_answered_by_counts_and_the_last_one_alone() -> None:
+    """Three events applied (one a repeat, one a lost conflict): counts, no refusal, the last index and
+    EventID; each handed over as Op.REMOTE with the sender's changes merged in (visited sites without the
+    origin, possibleDuplicate from the batch's duplicate_events) and its trace context."""
+    statuses = {"k0": "ok", "k1": "duplicate", "k2": "conflict"}
+    service = Service(lambda op: statuses[op.key])
+    trace = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    answer = run(service, batch([event("k0", 1), event("k1", 2, visited=(4,)), event("k2", 3)], duplicates=(1,),
+                                traces=(trace, "", "")))
+    assert answer == {"count": 3, "applied": 1, "duplicates": 1, "conflicts": 1, "skipped": 0, "refused": [],
+                      "last_applied": {"index": 2, "event_id": {"member_id": "a-writer", "thread_id": 1,
+                                                                "sequence_id": 3}}}
+    assert [op.op for op in service.handed] == [Op.REMOTE] * 3
+    remote = [op.remote for op in service.handed]
+    assert [(e.visited_dsids, e.possible_duplicate) for e in remote] == [((3,), False), ((3, 4), True), ((3,), False)]
+    assert service.handed[0].trace == [("traceparent", trace.encode())] and service.handed[1].trace is None
+
+
+def test_refused_events_are_listed_alone_and_never_stop_the_others() -> None:
+    """A key too long for this site, a body that does not decode (its EventID still read), an event from this
+    very site and one the service refuses for good are each a refusal, in index order; a bucket owned
+    elsewhere is refused as retriable; the others apply."""
+    damaged = entry_event_body(event("k3", 4))[:-3]
+    refused_by_engine = error_outcome("k5", InvalidRequest("key", "k5", "refused by the engine"))
+
+    def answer(op: EngineOperation) -> Any:
+        return {"k5": refused_by_engine, "k6": error_outcome("k6", NotOwner("orders", 3, None))}.get(op.key, "ok")
+
+    service = Service(answer)
+    events = [event("k0", 1), event("x" * 17, 2), event("k2", 3), event("k3", 4), event("k4", 5, origin=2),
+              event("k5", 6), event("k6", 7), event("k7", 8)]
+    bodies = [entry_event_body(e) for e in events]
+    bodies[3] = damaged
+    answer_ = run(service, batch(events, bodies=bodies))
+    refused = [(r["index"], r["error"], r["retriable"], r["event_id"] and r["event_id"]["sequence_id"])
+               for r in answer_["refused"]]
+    assert refused == [(1, "EntryTooLarge", False, 2), (3, "MalformedRecord", False, 4), (4, "InvalidRequest", False, 5),
+                       (5, "InvalidRequest", False, 6), (6, "NotOwner", True, 7)]
+    assert "events[1].key" in answer_["refused"][0]["message"]
+    assert "events[3]: not an EntryEvent" in answer_["refused"][1]["message"]
+    assert (answer_["applied"], answer_["last_applied"]["index"]) == (3, 7)
+    assert [op.key for op in service.handed] == ["k0", "k2", "k5", "k6", "k7"]
+
+
+def test_a_record_that_does_not_read_or_names_another_site_is_refused_whole() -> None:
+    """Bytes that are no GatewayBatch are a 400 naming the body; a batch for another dsid is RejectedBatch;
+    nothing is handed to the service."""
+    service = Service()
+    with pytest.raises(InvalidRequest, match="not a GatewayBatch"):
+        run(service, b"\xc3\x01garbage")
+    with pytest.raises(InvalidRequest, match="for dsid 3"):
+        run(service, batch([event("k0", 1)], target=3))
+    assert service.handed == []
+
+
+def test_an_older_version_applies_as_it_was_sent() -> None:
+    """A version-2 record (events as records, the old sender's changes already in them) applies with those
+    events unchanged: merging the sender's dsid into an event of its own site changes nothing."""
+    sent = event("k0", 1, visited=(3,), duplicate=True)
+    record = gateway_batch_v2(sender_id="to-b", source_dsid=1, target_dsid=2, queue_partition=0, batch_id=7,
+                              first_offset=0, last_offset=0, possible_duplicate=False, created_at=NOW_MS,
+                              bodies=[entry_event_body(sent)])
+    service = Service()
+    assert run(service, record)["applied"] == 1
+    assert service.handed[0].remote == sent
+
+
+# --- the guard of the binary route ------------------------------------------------------------
+
+MEMBER_TOKEN = "member-token-0123456789"
+
+
+class Echo:
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        more = True
+        while more:
+            message = await receive()
+            more = message.get("more_body", False)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+@pytest.fixture
+def guarded() -> Iterator[TestClient]:
+    yield TestClient(Guard(Echo(), token="client-token-0123456789", member_token=MEMBER_TOKEN, body_max_bytes=1024),
+                     base_url="http://region:7071")
+
+
+def test_the_batch_route_takes_the_member_token_and_an_avro_body_only(guarded: TestClient) -> None:
+    """/internal/apply_batch opens with the member token and application/avro (or octet-stream); without the
+    token it is 401, a form or text body is 403 as anywhere, another origin is 403, a body past the cap is
+    413; other paths still refuse a binary body."""
+    member = {"authorization": f"Bearer {MEMBER_TOKEN}"}
+    for media in ("application/avro", "application/octet-stream", "Application/Avro; charset=binary"):
+        assert guarded.post("/internal/apply_batch", content=b"\xc3\x01", headers={**member, "content-type": media}
+                            ).status_code == 200, media
+    assert guarded.post("/internal/apply_batch", content=b"x", headers={"content-type": "application/avro"}
+                        ).status_code == 401
+    for media in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {**member, **({"content-type": media} if media else {})}
+        assert guarded.post("/internal/apply_batch", content=b"x", headers=headers).status_code == 403, media
+    assert guarded.post("/internal/apply_batch", content=b"x", headers={
+        **member, "content-type": "application/avro", "origin": "http://evil.example"}).status_code == 403
+    assert guarded.post("/internal/apply_batch", content=b"x" * 2000, headers={
+        **member, "content-type": "application/avro"}).status_code == 413
+    assert guarded.post("/internal/ops", content=b"{}", headers={**member, "content-type": "application/avro"}
+                        ).status_code == 403
+
+
+# --- the receiver's client ---------------------------------------------------------------------
+
+
+def client_answering(handler: Any) -> BatchClient:
+    client = BatchClient(token=MEMBER_TOKEN)
+    client._http = httpx.Client(transport=httpx.MockTransport(handler), headers=client._http.headers)
+    return client
+
+
+def test_the_batch_client_posts_the_record_as_it_is_and_reads_the_answer() -> None:
+    """One POST of the bytes given, application/avro with the member token; the answer's last applied event
+    comes back as (index, EventID)."""
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json={"count": 2, "applied": 2, "duplicates": 0, "conflicts": 0, "skipped": 0,
+                                         "refused": [], "last_applied": {"index": 1, "event_id": {
+                                             "member_id": "m", "thread_id": 1, "sequence_id": 9}}})
+
+    with client_answering(handler) as client:
+        answer = client.apply_batch("http://owner:7071/", b"\xc3\x01record")
+    assert answer.last_applied == (1, EventID("m", 1, 9)) and answer.applied == 2 and answer.refused == []
+    [request] = seen
+    assert (str(request.url), request.content) == ("http://owner:7071/internal/apply_batch", b"\xc3\x01record")
+    assert request.headers["content-type"] == "application/avro"
+    assert request.headers["authorization"] == f"Bearer {MEMBER_TOKEN}"
+
+
+@pytest.mark.parametrize(("status", "body", "raised", "retriable"), [
+    (400, {"error": "InvalidRequest", "message": "body: not a GatewayBatch"}, RegionError, False),
+    (413, {"error": "RequestTooLarge", "message": "too large"}, RegionError, False),
+    (401, {"error": "Unauthorized", "message": "member token"}, RegionError, False),
+    (503, {"error": "BrokerUnavailable", "message": "later", "retriable": True}, SluiceError, True),
+    (500, "not json at all", SluiceError, True),
+])
+def test_a_refused_or_unanswered_request_is_told_apart(status: int, body: Any, raised: type, retriable: bool) -> None:
+    """A 4xx refuses the request (RegionError with its status: the receiver halves it, or alerts on 401/403);
+    a 5xx, an answer that is not JSON and no connection are retriable."""
+    def handler(request: httpx.Request) -> httpx.Response:
+        if isinstance(body, str):
+            return httpx.Response(status, content=body.encode())
+        return httpx.Response(status, json=body)
+
+    with client_answering(handler) as client, pytest.raises(raised) as info:
+        client.apply_batch("http://owner:7071", b"x")
+    assert info.value.retriable is retriable
+    if isinstance(info.value, RegionError):
+        assert info.value.status == status
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused")
+
+    with client_answering(refuse) as client, pytest.raises(SluiceError) as info:
+        client.apply_batch("http://owner:7071", b"x")
+    assert info.value.retriable
