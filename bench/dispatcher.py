@@ -101,7 +101,7 @@ BUILD_STEP = 10_000
 VERSIONS_PER_KEY = 5
 #: Seconds between ``queue_status`` calls (and batch-line reads) while waiting for the drain.
 STATUS_POLL_S = 0.2
-RAW_CONSUMER_PASSES = 3
+RAW_CONSUMER_PASSES = 5
 RAW_CONSUMER_PASSES_QUICK = 5
 #: Events decoded in this process to note what decoding alone costs.
 DECODE_SAMPLE = 20_000

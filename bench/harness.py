@@ -52,7 +52,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import (
@@ -68,11 +68,16 @@ from rich.table import Table
 
 from sluice.core.processes import die_with_parent
 
+if TYPE_CHECKING:
+    from .aims import Verdict
+
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 RESULTS_PATH = BENCH_DIR / "results.json"
 PROFILES_DIR = BENCH_DIR / "profiles"
 PY_SPY = Path(sys.executable).parent / "py-spy"
+#: A 1-minute load average above this at the start makes the run warn that the machine is busy.
+BUSY_LOAD = 0.5
 #: The unit of the CPU-per-event results (printed in a table of their own).
 CPU_UNIT = "µs/event"
 #: Seconds between two readings of the measured processes' CPU (``Context.cpu_use``).
@@ -557,10 +562,10 @@ def results_table(results: list[Result], title: str) -> Table:
     return table
 
 
-def aims_table(verdicts: list[Any], title: str) -> Table:
+def aims_table(verdicts: Sequence["Verdict"], title: str) -> Table:
     """The issue's aims (``bench/aims.py``): each figure as measured in this run, its aim, met or not."""
     table = Table(title=title)
-    table.add_column("aim")
+    table.add_column("figure")
     table.add_column("this run")
     table.add_column("aim", no_wrap=True)
     table.add_column("", no_wrap=True)
@@ -604,7 +609,7 @@ def run(
     load_at_start = None
     with contextlib.suppress(OSError):
         load_at_start = [round(x, 2) for x in os.getloadavg()]
-        if load_at_start[0] > 0.5:
+        if load_at_start[0] > BUSY_LOAD:
             console.log(f"[yellow]the machine is busy (load average {load_at_start[0]:.1f} on {os.cpu_count()} "
                         "cores): figures will be low and noisy[/]")
     try:
@@ -641,7 +646,7 @@ def run(
                 console.log(f"{entry.name}: {durations[entry.name]:.1f}s")
                 progress.advance(overall)
         total_s = time.monotonic() - started
-        from .aims import evaluate
+        from .aims import evaluate  # here: aims imports this module
 
         verdicts = evaluate(results, [e.name for e in entries])
         title = f"Sluice benchmarks on {broker.engine_label}" + (" (quick)" if quick else "")
@@ -655,8 +660,11 @@ def run(
         if cpu:
             console.print(results_table(cpu, "CPU per event: µs of CPU time of each process per event"))
         if verdicts:
+            caveats = (["a quick run, small and noisy, does not decide them"] if quick else []) + (
+                [f"the machine was busy (load average {load_at_start[0]:.1f} at the start): figures low and noisy"]
+                if load_at_start and load_at_start[0] > BUSY_LOAD else [])
             console.print(aims_table(verdicts, "Aims (issue 18), judged on this run"
-                                     + (": a quick run, small and noisy, does not decide them" if quick else "")))
+                                     + (f" ({'; '.join(caveats)})" if caveats else "")))
         document = {
             "machine": machine_info(broker.engine_label, load_at_start),
             "time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
