@@ -11,7 +11,7 @@ from .harness import PROFILES_DIR, RESULTS_PATH, load_benchmarks, run, select
 EXAMPLE = """\
 examples:
   .venv/bin/python -m bench                                # everything, embedded Apache Kafka (Tansu without a JDK)
-  .venv/bin/python -m bench --quick                        # small sizes (~1.5 min); CI runs it per area, gateway left out
+  .venv/bin/python -m bench --quick                        # small sizes (~2.5 min); CI runs it per area, gateway and lake left out
   .venv/bin/python -m bench --only region.put_all.ingest   # one benchmark
   .venv/bin/python -m bench --only region --engine tansu   # every region.* benchmark, on Tansu
   .venv/bin/python -m bench --only region.put_all.ingest --profile   # where the service spends its time
