@@ -613,3 +613,62 @@ def entry_event_id(body: bytes, pos: int = 0) -> EventID:
 __all__ += ["BATCH_VERSIONS_READ", "BATCH_VERSION_BODIES", "GATEWAY_BATCH_V2_HEADER", "UNKNOWN_EVENT_ID", "BatchView",
             "batch_event", "entry_event_id", "gateway_batch", "gateway_batch_v2",
             "read_gateway_batch", "visited_after"]
+
+
+# --- partial reads (added for the queue loop) --------------------------------------------------
+
+
+def entry_operation(body: bytes, pos: int = 0) -> Operation:
+    """The operation of an EntryEvent body, from its first three fields only (region and key are
+    skipped, not decoded): what batch conflation needs, without a full decode."""
+    try:
+        pos = _skip_bytes(body, pos)
+        pos = _skip_bytes(body, pos)
+        op_index, _ = read_long(body, pos)
+    except IndexError:
+        raise MalformedRecord(f"EntryEvent body of {len(body) - pos} bytes is truncated") from None
+    if not 0 <= op_index < len(_OPERATIONS):
+        raise MalformedRecord(f"EntryEvent.operation: symbol {op_index} is not one of the {len(_OPERATIONS)}")
+    return _OPERATIONS[op_index]
+
+
+__all__ += ["entry_operation"]
+
+
+def queued_flags_body(header: bytes, data: bytes | None) -> tuple[int, bytes] | None:
+    """(flags, event body) of a queue record of the current QueuedEvent version (``header``:
+    ``codec.header("QueuedEvent")``), the fields between skipped: what the queue loop needs of
+    every record, at a third of ``read_queued``'s cost (no view, no strings made).  None when the
+    record does not start with ``header``: ``read_queued`` reads it (an older version) or says why
+    it is refused.  ``MalformedRecord`` when the fields run past the end.  It does not check what
+    it skips (the queue id's UTF-8, the partition's range), which no reader of the event uses;
+    otherwise it equals ``read_queued`` (the unit tests check it)."""
+    if data is None or data[:len(header)] != header:
+        return None
+    pos = len(header)
+    try:
+        b = data[pos]
+        if b < 0x80:
+            flags = (b >> 1) ^ -(b & 1)
+            pos += 1
+        else:
+            flags, pos = read_long(data, pos)
+            if not INT_MIN <= flags <= INT_MAX:
+                raise MalformedRecord(f"QueuedEvent.flags: {flags} does not fit an Avro int")
+        n, pos = read_long(data, pos)  # the queue id's length
+        if n < 0:
+            raise MalformedRecord(f"QueuedEvent.queue_id: a length of {n}")
+        pos += n
+        for _ in range(3):  # changelog_partition, changelog_offset, enqueued_at
+            start = pos
+            while data[pos] & 0x80:
+                pos += 1
+            pos += 1
+            if pos - start > 10:
+                raise MalformedRecord(f"a varint at byte {start} runs past 10 bytes")
+    except IndexError:
+        raise MalformedRecord(f"QueuedEvent of {len(data)} bytes is truncated") from None
+    return flags, data[pos:]
+
+
+__all__ += ["queued_flags_body"]

@@ -355,3 +355,80 @@ def test_a_batch_event_is_its_body_with_the_senders_changes_merged_in() -> None:
                                                                 bodies=[entry_event_body(evs[0])[:-1]]))
     with pytest.raises(MalformedRecord):
         wire.batch_event(damaged, 0)
+
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(events, st.integers(min_value=0, max_value=40))
+def test_the_operation_is_read_from_the_first_three_fields_alone(event: EntryEvent, cut: int) -> None:
+    """entry_operation gives the operation fastavro reads from a body, and needs nothing past it: the body
+    cut anywhere after the operation still gives it, cut before gives MalformedRecord."""
+    from sluice.core.eventwire import entry_operation, string
+
+    body = get_codec().encode("EntryEvent", event.to_record())[HEADER_BYTES:]
+    record = get_codec().decode_as("EntryEvent", MARKER + FP_ENTRY + body)
+    assert entry_operation(body) is Operation(record["operation"])
+    head = len(string(event.region)) + len(string(event.key)) + 1  # fewer than 64 symbols: a one-byte index
+    assert entry_operation(body[:head + cut]) is event.operation
+    with pytest.raises(MalformedRecord):
+        entry_operation(body[:min(cut, head - 1)])
+
+
+def test_an_operation_symbol_outside_the_enum_is_refused() -> None:
+    """A symbol index the Operation enum does not have is MalformedRecord, naming the field."""
+    from sluice.core.eventwire import entry_operation, string
+
+    with pytest.raises(MalformedRecord, match="EntryEvent.operation: symbol 13"):
+        entry_operation(string("orders") + string("k") + varint(13))
+    with pytest.raises(MalformedRecord, match="EntryEvent.operation: symbol -1"):
+        entry_operation(string("orders") + string("k") + varint(-1))
+
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(events, st.integers(min_value=0, max_value=2**31 - 1), st.text(max_size=30), INT32, INT64, INT64)
+def test_the_lean_queue_reader_gives_what_read_queued_gives(event: EntryEvent, flags: int, queue_id: str,
+                                                            partition: int, offset: int, at: int) -> None:
+    """queued_flags_body gives the flags and event body read_queued gives, for any current queue record."""
+    from sluice.core.eventwire import queued_flags_body
+
+    codec = get_codec()
+    header = codec.header("QueuedEvent")
+    data = queued_event(header, flags, queue_id, partition, offset, at, entry_event_body(event))
+    view = read_queued(codec, data)
+    assert queued_flags_body(header, data) == (view.flags, view.event_body)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(events, st.data())
+def test_the_lean_queue_reader_refuses_what_read_queued_refuses(event: EntryEvent, data: st.DataObject) -> None:
+    """A queue record cut short or altered: where queued_flags_body answers, read_queued answers the same or
+    refuses only what the lean reader skips unread (the queue id's UTF-8, a number's range); where it refuses,
+    read_queued refuses too; a record of another header is left to read_queued (None)."""
+    from sluice.core.eventwire import queued_flags_body
+
+    codec = get_codec()
+    header = codec.header("QueuedEvent")
+    record = bytearray(queued_event(header, data.draw(st.integers(0, 3)), data.draw(st.text(max_size=8)),
+                                    data.draw(INT32), data.draw(INT64), data.draw(INT64), entry_event_body(event)))
+    if data.draw(st.booleans()):
+        record = record[:data.draw(st.integers(min_value=0, max_value=len(record) - 1))]
+    else:
+        i = data.draw(st.integers(min_value=0, max_value=min(len(record) - 1, len(header) + 40)))
+        record[i] ^= data.draw(st.integers(min_value=1, max_value=255))
+    record = bytes(record)
+    try:
+        lean = queued_flags_body(header, record)
+    except MalformedRecord:
+        with pytest.raises(CodecError):
+            read_queued(codec, record)
+        return
+    if lean is None:
+        assert record[:len(header)] != header
+        return
+    try:
+        view = read_queued(codec, record)
+    except MalformedRecord as exc:
+        assert re.search(r"not UTF-8|does not fit an Avro (int|long)", str(exc)), exc
+        return
+    assert lean == (view.flags, view.event_body)
