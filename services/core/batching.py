@@ -7,7 +7,9 @@ The story of a partition's events, step by step:
    same key still waiting in that batch (Geode's batch conflation); creates,
    destroys and everything else are never conflated away, and an update never
    replaces a create.  The replaced event's offset is still covered by the
-   batch, so its removal removes both.
+   batch, so its removal removes both.  An event that cannot tell what the
+   batcher asks of it (an undecodable body) is refused by ``add`` before
+   anything changes; the caller ``skip``s its offset.
 2. ``take`` hands out the assembled batch when it is ready: ``batch_size``
    events are waiting, or ``batch_time_interval_ms`` has passed since the
    first of them, whichever comes first (or at once with ``force``, used for
@@ -19,6 +21,8 @@ The story of a partition's events, step by step:
    very same object (``redeliveries`` counts), together with every batch out
    after it, and batches are accepted strictly in order: ``accepted``
    removes the oldest and returns the offset to commit (its last + 1).
+   Events its offer found undecodable leave an out batch (``Batch.drop``);
+   its offsets stay covered.
 
 Back-pressure is the caller's: ``buffered_bytes`` tells how much is held.
 """
@@ -81,6 +85,14 @@ class Batch(Generic[T]):
     def last_offset(self) -> int:
         return self.commit_offset - 1
 
+    def drop(self, items: list[T]) -> None:
+        """Leave ``items`` out of the batch from now on (the offering worker dead-lettered them,
+        durably): its offers go on without them, and its removal still covers their offsets."""
+        gone = {id(item) for item in items}
+        kept = [e for e in self.events if id(e) not in gone]
+        self.nbytes -= sum(e.size_bytes for e in self.events if id(e) in gone)
+        self.events = kept  # one reference swap: the loop thread may be reading the old list
+
 
 @dataclass(slots=True)
 class _Assembling(Generic[T]):
@@ -91,6 +103,8 @@ class _Assembling(Generic[T]):
     #: Offset of the event first appended at each index (a conflated
     #: replacement keeps the index but has a higher offset).
     first_offsets: list[int] = field(default_factory=list)
+    #: ``size_bytes`` of the event at each index, so cutting a batch sums ints, not properties.
+    sizes: list[int] = field(default_factory=list)
     head: int = 0
     by_key: dict[str, int] = field(default_factory=dict)  # key -> index of its conflatable event
     first_offset: int = -1
@@ -124,25 +138,47 @@ class PartitionBatcher(Generic[T]):
     # --- input -------------------------------------------------------------
 
     def add(self, item: T, now_ms: int) -> None:
+        """Append ``item`` (conflating it when the policy says so).
+
+        Everything the batcher will ever ask of the item (its size; with
+        conflation its key and whether it is conflatable; with grouped
+        transactions its transaction) is read first, before anything
+        changes: an item that cannot say (an event whose body turns out
+        undecodable) raises here and is refused whole, and the caller may
+        ``skip`` its offset instead."""
+        policy = self.policy
+        size = item.size_bytes
+        if policy.conflation:
+            key = item.key
+            conflatable = item.conflatable
+        if policy.group_transactions:
+            getattr(item, "transaction", None)  # take() reads it later, from the loop
+        offset = item.offset
         a = self._assembling
-        self._cover(item.offset, now_ms)
-        a.nbytes += item.size_bytes
-        if self.policy.conflation and item.conflatable:
-            index = a.by_key.get(item.key)
-            if index is not None and index >= a.head:
-                a.nbytes -= a.events[index].size_bytes
-                a.events[index] = item
-                a.conflated += 1
-                self.events_conflated += 1
-                return
-            a.by_key[item.key] = len(a.events)
-        elif self.policy.conflation:
-            # A create or destroy ends the run of updates it could replace.
-            a.by_key.pop(item.key, None)
-        a.events.append(item)
-        a.first_offsets.append(item.offset)
+        if a.first_offset < 0:
+            a.first_offset = offset
+        if offset > a.last_offset:
+            a.last_offset = offset
         if a.first_added_ms < 0:
             a.first_added_ms = now_ms
+        a.nbytes += size
+        if policy.conflation:
+            if conflatable:
+                index = a.by_key.get(key)
+                if index is not None and index >= a.head:
+                    a.nbytes -= a.sizes[index]
+                    a.events[index] = item
+                    a.sizes[index] = size
+                    a.conflated += 1
+                    self.events_conflated += 1
+                    return
+                a.by_key[key] = len(a.events)
+            else:
+                # A create or destroy ends the run of updates it could replace.
+                a.by_key.pop(key, None)
+        a.events.append(item)
+        a.first_offsets.append(offset)
+        a.sizes.append(size)
 
     def skip(self, offset: int, now_ms: int) -> None:
         """A record that could not be read (it went to the dead-letter topic)."""
@@ -225,7 +261,7 @@ class PartitionBatcher(Generic[T]):
             # so the commit stops at the first waiting index's first offset.
             start = a.head
             events = a.events[start:stop]
-            nbytes = sum(e.size_bytes for e in events)
+            nbytes = sum(a.sizes[start:stop])
             commit = a.first_offsets[stop]
             batch = Batch(self.partition, self.next_batch_id, events, a.first_offset, commit, a.conflated, 0, nbytes)
             a.head = stop
@@ -278,6 +314,7 @@ class PartitionBatcher(Generic[T]):
         head = a.head
         a.events = a.events[head:]
         a.first_offsets = a.first_offsets[head:]
+        a.sizes = a.sizes[head:]
         a.by_key = {k: i - head for k, i in a.by_key.items() if i >= head}
         a.head = 0
 

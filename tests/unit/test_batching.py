@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sluice.core.batching import BatchPolicy, PartitionBatcher
+from sluice.core.errors import MalformedRecord
 
 
 @dataclass(frozen=True)
@@ -251,3 +252,66 @@ def test_an_incomplete_transaction_is_cut_off_or_held_until_its_last_event_or_th
         b2.add(it, now_ms=0)
     off = b2.take(0)
     assert off is not None and len(off.events) == 2, "without grouping, batch_size cuts a transaction"
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """An event whose body turns out damaged when the batcher asks for what it needs."""
+
+    offset: int
+    key_reads: bool = True
+
+    @property
+    def key(self) -> str:
+        if not self.key_reads:
+            raise MalformedRecord("EntryEvent body of 3 bytes is truncated")
+        return "a"
+
+    @property
+    def conflatable(self) -> bool:
+        raise MalformedRecord("EntryEvent.operation: symbol 63 is not one of the 13")
+
+    @property
+    def transaction(self) -> tuple[str, bool] | None:
+        raise MalformedRecord("EntryEvent body of 40 bytes is truncated")
+
+    @property
+    def size_bytes(self) -> int:
+        return 10
+
+
+@pytest.mark.parametrize("policy", [BatchPolicy(batch_size=3, batch_time_interval_ms=5, conflation=True),
+                                    BatchPolicy(batch_size=3, batch_time_interval_ms=5, group_transactions=True)])
+@pytest.mark.parametrize("key_reads", [True, False])
+def test_an_event_that_cannot_say_what_the_batcher_asks_is_refused_whole(policy: BatchPolicy,
+                                                                          key_reads: bool) -> None:
+    """With conflation (key, operation) or grouped transactions (transaction), an event whose body does not
+    decode makes ``add`` raise before anything changes; the caller skips its offset and the batch is exact."""
+    b = PartitionBatcher(0, policy)
+    b.add(Item(0, "a"), now_ms=100)
+    before = (b.waiting, b.buffered_bytes, b.due_in_ms(100), b._assembling.by_key.copy())
+    with pytest.raises(MalformedRecord):
+        b.add(Undecodable(1, key_reads), now_ms=101)  # type: ignore[type-var]
+    assert (b.waiting, b.buffered_bytes, b.due_in_ms(100), b._assembling.by_key) == before
+    b.skip(1, now_ms=101)
+    b.add(Item(2, "a"), now_ms=102)
+    batch = b.take(105)
+    assert batch is not None and batch.first_offset == 0 and batch.commit_offset == 3
+    expected = [0, 2] if not policy.conflation else [2]
+    assert [e.offset for e in batch.events] == expected
+
+
+def test_dropping_events_from_a_batch_out_keeps_its_offsets_and_its_identity() -> None:
+    """Events dead-lettered during an offer leave the batch: the same batch object goes on without them,
+    holding fewer bytes, and its acceptance still commits past them."""
+    b = PartitionBatcher(0, BatchPolicy(batch_size=4, batch_time_interval_ms=0))
+    items = [Item(i, f"k{i}") for i in range(4)]
+    for item in items:
+        b.add(item, now_ms=0)
+    batch = b.take(0)
+    assert batch is not None and batch.nbytes == 40
+    batch.drop([items[1], items[3]])
+    assert b.offered is batch and [e.offset for e in batch.events] == [0, 2] and batch.nbytes == 20
+    assert b.buffered_bytes == 20 and b.unaccepted == 2
+    assert b.rejected() is batch and [e.offset for e in batch.events] == [0, 2]
+    assert b.accepted() == 4
