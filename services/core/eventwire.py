@@ -615,6 +615,136 @@ __all__ += ["BATCH_VERSIONS_READ", "BATCH_VERSION_BODIES", "GATEWAY_BATCH_V2_HEA
             "read_gateway_batch", "visited_after"]
 
 
+# --- subscriptions: routing an event and splicing client messages (issue 18) -------------------
+#
+# The subscription service reads every changelog record to route it to the clients interested in
+# its key.  ``read_entry_head`` reads what routing needs from the body's first eight fields (region,
+# key, operation, where the value lies, and the EventID's member: a client never hears of its own
+# writes); ``check_entry_tail`` reads the rest only where it is needed (a record delivered, or
+# checked for the dead-letter topic), with the thread and sequence and the bucket a region clear's
+# routing needs.  Together they refuse exactly what ``decode_entry`` refuses.  A client's message
+# is then the body spliced into a ``ClientMessage`` (``client_event_message``), and, for a client
+# that receives invalidates rather than values, the body with its value cut out first
+# (``entry_without_value``): no event is decoded into objects or encoded again.
+
+from typing import NamedTuple  # noqa: E402 - this section's own
+
+
+class EntryHead(NamedTuple):
+    """The first fields of an EntryEvent body, and where its value and the rest lie (byte offsets)."""
+
+    region: str
+    key: str
+    operation: Operation
+    #: EventID.member_id: who wrote the event.
+    member_id: str
+    #: The value union's first byte (its branch), and where value_encoding begins after it.
+    value_at: int
+    value_end: int
+    #: Where EventID.thread_id begins: what ``check_entry_tail`` reads from.
+    tail_at: int
+
+
+def _read_text(buf: bytes, pos: int, what: str) -> tuple[str, int]:
+    """``_read_string`` with the one-byte length of a short string read inline (most are short)."""
+    n = buf[pos]
+    if n < 0x80:
+        n = (n >> 1) ^ -(n & 1)
+        pos += 1
+    else:
+        n, pos = read_long(buf, pos)
+    end = pos + n
+    if n < 0 or end > len(buf):
+        raise MalformedRecord(f"{what}: a length of {n} at byte {pos} runs past the end ({len(buf)} bytes)")
+    try:
+        return buf[pos:end].decode("utf-8"), end
+    except UnicodeDecodeError as exc:
+        raise MalformedRecord(f"{what}: the string before byte {end} is not UTF-8: {exc.reason}") from None
+
+
+def read_entry_head(body: bytes, pos: int = 0) -> EntryHead:
+    """The ``EntryHead`` of the EntryEvent body ``body[pos:]`` (offsets relative to ``body``), read as
+    strictly as ``decode_entry`` reads those fields; ``MalformedRecord`` otherwise."""
+    try:
+        region, pos = _read_text(body, pos, "EntryEvent.region")
+        key, pos = _read_text(body, pos, "EntryEvent.key")
+        op_index, pos = read_long(body, pos)
+        if not 0 <= op_index < len(_OPERATIONS):
+            raise MalformedRecord(f"EntryEvent.operation: symbol {op_index} is not one of the {len(_OPERATIONS)}")
+        value_at = pos
+        branch, pos = _union_branch(body, pos, "EntryEvent.value")
+        if branch:
+            pos = _skip_bytes(body, pos)
+        value_end = pos
+        _encoding, pos = _read_text(body, pos, "EntryEvent.value_encoding")
+        branch, pos = _union_branch(body, pos, "EntryEvent.callback_argument")
+        if branch:
+            _callback, pos = _read_text(body, pos, "EntryEvent.callback_argument")
+        if pos >= len(body):
+            raise IndexError  # possible_duplicate: any byte is a boolean, but one must be there
+        member, pos = _read_text(body, pos + 1, "EventID.member_id")
+    except IndexError:
+        raise MalformedRecord(f"EntryEvent body of {len(body)} bytes is truncated") from None
+    return EntryHead(region, key, _OPERATIONS[op_index], member, value_at, value_end, pos)
+
+
+def check_entry_tail(body: bytes, head: EntryHead) -> tuple[int, int, int]:
+    """(EventID.thread_id, EventID.sequence_id, bucket) of the body whose head is ``head``, having read
+    the rest of it to its very end as strictly as ``decode_entry`` does; ``MalformedRecord`` otherwise."""
+    pos = head.tail_at
+    try:
+        thread, pos = read_long(body, pos)
+        sequence, pos = read_long(body, pos)
+        _dsid, pos = _read_int(body, pos, "VersionTag.dsid")
+        _timestamp, pos = read_long(body, pos)
+        _entry_version, pos = read_long(body, pos)
+        _version_member, pos = _read_text(body, pos, "VersionTag.member_id")
+        _origin, pos = _read_int(body, pos, "EntryEvent.origin_dsid")
+        if body[pos] == 0:
+            pos += 1  # no visited sites: the array's closing count alone
+        else:
+            _visited, pos = _read_int_array(body, pos, "EntryEvent.visited_dsids")
+        bucket, pos = _read_int(body, pos, "EntryEvent.bucket")
+        _event_time, pos = read_long(body, pos)
+        branch, pos = _union_branch(body, pos, "EntryEvent.transaction")
+        if branch:
+            _tx_id, pos = _read_text(body, pos, "TransactionMark.id")
+            if pos >= len(body):
+                raise IndexError  # TransactionMark.last
+            pos += 1
+    except IndexError:
+        raise MalformedRecord(f"EntryEvent body of {len(body)} bytes is truncated") from None
+    if pos != len(body):
+        raise MalformedRecord(f"EntryEvent body has {len(body) - pos} trailing bytes")
+    return thread, sequence, bucket
+
+
+def entry_without_value(body: bytes, head: EntryHead) -> bytes:
+    """The body (``read_entry_head(body)`` gave ``head``) with its value null: what a client that
+    receives invalidates is sent.  Equal to ``entry_event_body`` of the event without its value."""
+    if body[head.value_at] == 0:
+        return body
+    return b"".join((body[:head.value_at], b"\x00", body[head.value_end:]))
+
+
+#: A ClientMessage's fields before its event, for an EVENT: kind EVENT (symbol 0), session "",
+#: version 0, and the event union's branch 1 (an EntryEvent follows).
+_CLIENT_EVENT_HEAD = b"\x00\x00\x00\x02"
+
+
+def client_event_message(header: bytes, event_body: bytes, *, receive_values: bool, possible_duplicate: bool,
+                         filled_at: int) -> bytes:
+    """A ClientMessage of kind EVENT around an EntryEvent body (``header``: the marker and the current
+    ClientMessage fingerprint, ``codec.header("ClientMessage")``), byte for byte what fastavro writes
+    of ``{"kind": "EVENT", "event": …, "receive_values": …, "possible_duplicate": …, "filled_at": …}``
+    with the other fields at their defaults (the unit tests check it)."""
+    return b"".join((header, _CLIENT_EVENT_HEAD, event_body, b"\x01" if receive_values else b"\x00",
+                     b"\x01" if possible_duplicate else b"\x00", varint(filled_at), b"\x00"))
+
+
+__all__ += ["EntryHead", "check_entry_tail", "client_event_message", "entry_without_value", "read_entry_head"]
+
+
 # --- partial reads (added for the queue loop) --------------------------------------------------
 
 

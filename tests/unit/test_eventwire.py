@@ -357,6 +357,83 @@ def test_a_batch_event_is_its_body_with_the_senders_changes_merged_in() -> None:
         wire.batch_event(damaged, 0)
 
 
+# --- subscriptions: routing heads and spliced client messages -------------------------------------
+
+from sluice.core.eventwire import (  # noqa: E402 - this section's own
+    EntryHead,
+    check_entry_tail,
+    client_event_message,
+    entry_without_value,
+    read_entry_head,
+)
+
+
+def _head_and_tail(body: bytes) -> tuple[EntryHead, tuple[int, int, int]]:
+    head = read_entry_head(body)
+    return head, check_entry_tail(body, head)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(events)
+def test_an_entry_head_and_tail_read_what_decode_entry_reads(event: EntryEvent) -> None:
+    """The routing fields of a body, and its tail's thread, sequence and bucket, are the event's."""
+    head, tail = _head_and_tail(entry_event_body(event))
+    assert (head.region, head.key, head.operation, head.member_id) == \
+        (event.region, event.key, event.operation, event.event_id.member_id)
+    assert tail == (event.event_id.thread_id, event.event_id.sequence_id, event.bucket)
+
+
+@settings(max_examples=500, deadline=None, database=None)
+@given(events, st.data())
+def test_a_damaged_body_is_refused_by_head_and_tail_exactly_when_decode_entry_refuses_it(
+        event: EntryEvent, data: st.DataObject) -> None:
+    """Read together, head and tail are as strict as decode_entry: one refuses what the other refuses,
+    with MalformedRecord and nothing else, and what both read agrees."""
+    body = bytearray(entry_event_body(event))
+    how = data.draw(st.sampled_from(["truncate", "extend", "flip"]))
+    if how == "truncate":
+        damaged = bytes(body[:data.draw(st.integers(min_value=0, max_value=len(body) - 1))])
+    elif how == "extend":
+        damaged = bytes(body) + data.draw(st.binary(min_size=1, max_size=4))
+    else:
+        i = data.draw(st.integers(min_value=0, max_value=len(body) - 1))
+        body[i] ^= data.draw(st.integers(min_value=1, max_value=255))
+        damaged = bytes(body)
+    try:
+        expected, _ = decode_entry(damaged)
+    except MalformedRecord:
+        expected = None
+    try:
+        head, tail = _head_and_tail(damaged)
+    except MalformedRecord:
+        assert expected is None
+        return
+    assert expected is not None
+    assert (head.region, head.key, head.operation, head.member_id) == \
+        (expected.region, expected.key, expected.operation, expected.event_id.member_id)
+    assert tail == (expected.event_id.thread_id, expected.event_id.sequence_id, expected.bucket)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(events, st.booleans(), st.booleans(), INT64)
+def test_a_spliced_client_message_is_what_fastavro_writes(event: EntryEvent, values: bool, duplicate: bool,
+                                                          filled_at: int) -> None:
+    """A ClientMessage spliced around a changelog body (its value cut out for a client of invalidates)
+    is byte for byte the one the codec encodes from the event's record."""
+    codec = get_codec()
+    body = entry_event_body(event)
+    head = read_entry_head(body)
+    sent = body if values else entry_without_value(body, head)
+    assert sent == entry_event_body(event if values else replace(event, value=None))
+    spliced = client_event_message(codec.header("ClientMessage"), sent, receive_values=values,
+                                   possible_duplicate=duplicate, filled_at=filled_at)
+    record = event.to_record()
+    if not values:
+        record["value"] = None
+    assert spliced == codec.encode("ClientMessage", {
+        "kind": "EVENT", "session": "", "version": 0, "event": record, "receive_values": values,
+        "possible_duplicate": duplicate, "filled_at": filled_at, "reason": ""})
+
 
 @settings(max_examples=300, deadline=None, database=None)
 @given(events, st.integers(min_value=0, max_value=40))
