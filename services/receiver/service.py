@@ -31,18 +31,35 @@ one batch, step by step:
    sender partition.  Every ack carries ``last_batch_id``, the highest id
    applied for the sender partition: a sender whose batch ids started over
    (its removals topic lost) opens an epoch above it (sender/service.py).
-3. Each event is checked by the rules the region applies to every remote
-   event (core/eventchecks.py ``remote_problem``: region, key, value,
-   EventID, dsids, clock skew); one that fails becomes a per-event exception
-   in the ack, dead-lettered at the sending site.  The rest go to the local
-   region service (``apply_remote``, with ``region_service.member_token``)
-   in calls of at most ``receiver.apply_events_max`` events, in order; it
-   discards repeats by EventID, resolves WAN conflicts by version tag, and
-   writes changelog and queues.  What the region service may do later (503,
-   no answer) is retried here, for as long as it takes; an event it refuses
-   becomes an exception in the ack, found by halving a refused call.  A
-   401 or 403 (a wrong member token) is an operator's error, not the
-   batch's: retried with backoff, with an alert, never dead-lettered.
+3. The receiver routes; the owner checks and applies.  The batch is read
+   down to its events' bodies (``eventwire.read_gateway_batch``; an older
+   version's events are written again as bodies), and no event is decoded
+   here: each one's bucket comes from its key alone
+   (``eventwire.entry_region_key``, murmur2 modulo the region's buckets, as
+   the region service computes it), and the bucket's owner from the signed
+   directory (``region/directory.py OwnerDirectory``, with the member token;
+   the site file's region-service address when no claim is believed).  Each
+   owner gets one request (``POST /internal/apply_batch``, member token,
+   ``application/avro``) per ``receiver.apply_events_max`` of its events: the
+   batch's record as received when the owner holds every event of it, else a
+   GatewayBatch record written around the bodies of its events.  The owner
+   decodes each event once, merges the sender's changes in (visited sites,
+   possibleDuplicate), checks it by the rules of every remote event
+   (core/eventchecks.py ``remote_problem``: region, key, value, EventID,
+   dsids, clock skew), discards repeats by EventID, resolves WAN conflicts by
+   version tag and writes changelog and queues (``region/remote.py``); it
+   answers with the refused events and the last applied one only.  An event
+   refused for good (a check, a conflict the region refuses, a body that does
+   not decode) becomes an exception in the ack, dead-lettered at the sending
+   site; a request refused whole (400, 413) is halved until the refused
+   events stand alone.  What may succeed later is retried here for as long
+   as it takes, in order, before the events after it are handed over: no
+   answer or a 503 (the same owner, or whoever the directory names then),
+   and an event of a bucket that moved (the owner refuses it, it never
+   forwards it: the directory is asked again).  A 401 or 403 (a wrong member
+   token) is an operator's error, not the batch's: retried with backoff, with
+   an alert, never dead-lettered.  An event whose region this site does not
+   have, or whose body does not give its key, is an exception here.
 4. Only when every event is durably applied (or refused) is the ack written
    to the acks topic (same key, same partition), signed, and then the
    inbound offset committed.  A crash before that means the batch is read
@@ -50,8 +67,11 @@ one batch, step by step:
 
 Region-service instances are found through the records they publish on the
 status topic (``sluice.region.directory``: believed only when signed with the
-member token and naming a host ``member_hosts`` allows), so the receiver needs
-no address list; it calls them with ``region_service.member_token``.
+member token and naming a host ``member_hosts`` allows), read by a thread of
+the receiver's own, so the receiver needs no address list; it calls them with
+``region_service.member_token``.  Every ack says which GatewayBatch versions
+this receiver reads (``batch_versions``): a sender writes version 3 (events
+as bodies) only to a receiver that said so, and version 2 before.
 """
 
 from __future__ import annotations
@@ -61,21 +81,37 @@ import queue
 import threading
 import time
 import uuid
-from collections import defaultdict
 from typing import Any, Callable
 
 from opentelemetry.trace import SpanKind
 
-from ..client.region import RegionClient, RegionError
+from ..client.region import BatchAnswer, BatchClient, RegionError
 from ..core import telemetry
 from ..core.codec import get_codec
 from ..core.config import SiteConfig
-from ..core.errors import BadSignature, CodecError, InvalidRequest, RejectedBatch, SluiceError, StaleBatch
-from ..core.eventchecks import remote_problem
-from ..core.events import EntryEvent
+from ..core.errors import (
+    BadSignature,
+    CodecError,
+    InvalidRequest,
+    MalformedRecord,
+    RejectedBatch,
+    SluiceError,
+    StaleBatch,
+    UnknownRegion,
+)
+from ..core.events import EventID
+from ..core.eventwire import (
+    BATCH_VERSIONS_READ,
+    UNKNOWN_EVENT_ID,
+    BatchView,
+    entry_event_id,
+    entry_region_key,
+    gateway_batch,
+    read_gateway_batch,
+)
 from ..core.lifecycle import ServiceState
 from ..core.signing import Headers, Signer, Verifier, site_signer, site_verifier
-from ..region.directory import live_urls, read_instances
+from ..region.directory import OwnerDirectory, live_urls, read_instances
 from ..core.kafka import (
     Consumer,
     Interrupted,
@@ -85,6 +121,7 @@ from ..core.kafka import (
     consume_available,
     make_consumer,
     make_producer,
+    partition_for_key,
     produce_durably,
     read_to_end,
     translate,
@@ -102,10 +139,38 @@ APPLY_BACKOFF_MAX_S = 5.0
 ALERT_REPEAT_S = 30.0
 #: Answers of the region service that say the receiver's credential is wrong, not the events.
 UNAUTHORIZED = (401, 403)
+#: How often the receiver's directory thread reads the claims published since its last read.
+DIRECTORY_REFRESH_S = 0.5
 
 
 class _NoRegionService(SluiceError):
     retriable = True
+
+
+class _Applied:
+    """What became of a batch's events so far, one lane's, as the owners answered."""
+
+    __slots__ = ("exceptions", "last_index", "last_event_id", "applied", "duplicates", "conflicts")
+
+    def __init__(self) -> None:
+        self.exceptions: dict[int, dict[str, Any]] = {}  # batch index -> the ack's BatchException
+        self.last_index = -1
+        self.last_event_id: EventID | None = None
+        self.applied = self.duplicates = self.conflicts = 0
+
+    def refuse(self, index: int, event_id: EventID, exception_class: str, message: str) -> None:
+        self.exceptions[index] = {"index": index, "event_id": event_id.to_record(),
+                                  "exception_class": exception_class, "message": message}
+
+    def took(self, part: list[int], answer: BatchAnswer) -> None:
+        """An owner's answer to the record of the batch's events ``part`` (record index -> batch index)."""
+        self.applied += answer.applied
+        self.duplicates += answer.duplicates
+        self.conflicts += answer.conflicts
+        if answer.last_applied is not None:
+            index, event_id = answer.last_applied
+            if part[index] > self.last_index:
+                self.last_index, self.last_event_id = part[index], event_id
 
 
 class _Stopping(Exception):
@@ -188,8 +253,10 @@ class ReceiverService:
         self._last_batch: dict[str, int] = {}
         self._consumer: Consumer | None = None
         self._producer: Any = None
-        self._client: RegionClient | None = None
-        self._client_lock = threading.Lock()
+        self._client: BatchClient | None = None
+        self._directory: OwnerDirectory | None = None
+        self._directory_thread: threading.Thread | None = None
+        self._batch_header = self._codec.header("GatewayBatch")
         self._lanes: dict[int, _Lane] = {}
         self._done: queue.Queue[TopicPartition] = queue.Queue()  # offsets to commit, from the lanes
         rs = cfg.region_service
@@ -257,7 +324,26 @@ class ReceiverService:
         self._producer = make_producer(base, **{"client.id": self.member_id}, **self.cfg.kafka.producer_settings())
         self._consumer = make_consumer(base, self.group_id, **{"client.id": self.member_id},
                                        **self.cfg.kafka.group_settings())
+        self._client = BatchClient(token=self._member_token)
+        self._directory = OwnerDirectory(self.cfg)
+        self._directory_thread = threading.Thread(target=self._read_directory, name="receiver-directory", daemon=True)
+        self._directory_thread.start()
         self.state = ServiceState.RUNNING
+
+    def _read_directory(self) -> None:
+        """Directory thread: the owners' claims as they are published (the lanes only look them up)."""
+        directory = self._directory
+        assert directory is not None
+        while not self._stopping.is_set():
+            self._refresh_directory()
+            self._stopping.wait(DIRECTORY_REFRESH_S)
+
+    def _refresh_directory(self) -> None:
+        try:
+            if self._directory is not None:
+                self._directory.refresh()
+        except (SluiceError, KafkaException, RuntimeError) as exc:  # RuntimeError: closed while stopping
+            log.debug("reading the region directory: %s", exc)
 
     def stop(self) -> None:
         if self.state in (ServiceState.NEW, ServiceState.RUNNING):
@@ -306,6 +392,10 @@ class ReceiverService:
                 self._producer.flush(10)
             if self._client is not None:
                 self._client.close()
+            if self._directory_thread is not None:
+                self._directory_thread.join(5)
+            if self._directory is not None:
+                self._directory.close()
             if self.state is not ServiceState.CRASHED:
                 self.state = ServiceState.STOPPED
 
@@ -450,7 +540,8 @@ class ReceiverService:
                 self._reject(msg, exc, stop)
                 return
         try:
-            batch = self._codec.decode_as("GatewayBatch", value)
+            # Down to the events' bodies: the events themselves are decoded by their owners only.
+            batch = read_gateway_batch(self._codec, value)
         except CodecError as exc:
             self._dead_letter(msg, f"undecodable gateway batch: {exc}", type(exc).__name__, stop)
             self._commit(msg)
@@ -460,44 +551,49 @@ class ReceiverService:
         if problem is not None:
             self._reject(msg, problem, stop, batch)
             return
-        source = batch["source_dsid"]
-        key = f"{source}/{batch['sender_id']}/{batch['queue_partition']}"
-        if batch["batch_id"] <= self._last_batch.get(key, -1):
+        key = f"{batch.source_dsid}/{batch.sender_id}/{batch.queue_partition}"
+        count = len(batch.bodies)
+        if batch.batch_id <= self._last_batch.get(key, -1):
             self._count("duplicate_batches")
-            self._ack(msg, key, batch, last_applied=len(batch["events"]) - 1, exceptions=[], duplicate=True,
+            last_id = _event_id_of(batch.bodies[-1]) if count else None
+            self._ack(msg, key, batch, last_applied=count - 1, last_event_id=last_id, exceptions=[], duplicate=True,
                       stop=stop, last_batch_id=self._last_batch[key])
             self._commit(msg)
             return
-        traces, spans = self._receive_spans(msg, batch, len(batch["events"]))
+        traces, spans = self._receive_spans(msg, batch, count)
         try:
-            exceptions, last_applied = self._apply(batch["events"], stop, traces, now_ms)
+            applied = self._apply(batch, value, stop, traces)
         finally:
             for span in spans:
                 span.end()
         # Tracked once acknowledged: a batch whose ack was not written is applied again when it comes
         # again (its events are repeats by EventID), rather than answered duplicate_batch to a sender
         # that never had an ack of it.
-        last_batch_id = max(self._last_batch.get(key, -1), batch["batch_id"])
-        self._ack(msg, key, batch, last_applied=last_applied, exceptions=exceptions, duplicate=False, stop=stop,
-                  last_batch_id=last_batch_id)
+        last_batch_id = max(self._last_batch.get(key, -1), batch.batch_id)
+        exceptions = [applied.exceptions[i] for i in sorted(applied.exceptions)]
+        self._ack(msg, key, batch, last_applied=applied.last_index, last_event_id=applied.last_event_id,
+                  exceptions=exceptions, duplicate=False, stop=stop, last_batch_id=last_batch_id)
         self._last_batch[key] = last_batch_id
         self._count("batches")
         self._commit(msg)
 
-    def _receive_spans(self, msg: Message, batch: dict[str, Any], count: int) -> tuple[list[str | None], list[Any]]:
+    def _receive_spans(self, msg: Message, batch: BatchView, count: int) -> tuple[list[str | None], list[Any]]:
         """Each event's trace context from the batch's header (None for one without),
         and, with tracing on, a ``gateway.receive`` span for each, whose context
         then goes with its event to the region service."""
         raw = telemetry.header(msg.headers(), telemetry.BATCH_TRACEPARENTS)
-        if raw is None:
+        if raw is not None:
+            lines = raw.decode("ascii", "replace").split("\n")
+        elif batch.traceparents:
+            lines = list(batch.traceparents)
+        else:
             return [None] * count, []
-        lines = raw.decode("ascii", "replace").split("\n")
         traces: list[str | None] = [(lines[i] or None) if i < len(lines) else None for i in range(count)]
         if not self._tracing:
             return traces, []  # passed on as they came
         attributes = {**self._attributes(), "messaging.operation.name": "process",
                       "messaging.destination.partition.id": str(msg.partition()),
-                      "sluice.batch.id": batch["batch_id"], "sluice.source.dsid": batch["source_dsid"]}
+                      "sluice.batch.id": batch.batch_id, "sluice.source.dsid": batch.source_dsid}
         spans = []
         for i, parent in enumerate(traces):
             if parent is not None:
@@ -507,143 +603,198 @@ class ReceiverService:
                 traces[i] = telemetry.traceparent_of(span)
         return traces, spans
 
-    def _batch_problem(self, batch: dict[str, Any], signer: int | None, now_ms: int) -> InvalidRequest | None:
+    def _batch_problem(self, batch: BatchView, signer: int | None, now_ms: int) -> InvalidRequest | None:
         """Why the batch must not be applied here, or None."""
-        source = batch["source_dsid"]
+        source = batch.source_dsid
         if signer is not None and source != signer:
-            return BadSignature("source_dsid", source, f"batch {batch['batch_id']} was signed by dsid {signer}: a "
+            return BadSignature("source_dsid", source, f"batch {batch.batch_id} was signed by dsid {signer}: a "
                                 "site signs only batches it sends")
         if source not in self.accepted:
-            return RejectedBatch("source_dsid", source, f"batch {batch['batch_id']} from dsid {source} rejected: "
+            return RejectedBatch("source_dsid", source, f"batch {batch.batch_id} from dsid {source} rejected: "
                                  f"accepted dsids are {sorted(self.accepted)}")
-        if batch["target_dsid"] != self.cfg.dsid:
-            return RejectedBatch("target_dsid", batch["target_dsid"], f"batch {batch['batch_id']} for dsid "
-                                 f"{batch['target_dsid']} reached dsid {self.cfg.dsid}")
-        created = batch["created_at"]
+        if batch.target_dsid != self.cfg.dsid:
+            return RejectedBatch("target_dsid", batch.target_dsid, f"batch {batch.batch_id} for dsid "
+                                 f"{batch.target_dsid} reached dsid {self.cfg.dsid}")
+        created = batch.created_at
         if created < now_ms - self._batch_max_age_ms:
-            return StaleBatch("created_at", created, f"batch {batch['batch_id']} from dsid {source} was sent "
+            return StaleBatch("created_at", created, f"batch {batch.batch_id} from dsid {source} was sent "
                               f"{now_ms - created} ms ago, longer than receiver.batch_max_age_ms="
                               f"{self._batch_max_age_ms}: a replay")
         if created > now_ms + self._clock_skew_ms:
-            return StaleBatch("created_at", created, f"batch {batch['batch_id']} from dsid {source} is stamped "
+            return StaleBatch("created_at", created, f"batch {batch.batch_id} from dsid {source} is stamped "
                               f"{created - now_ms} ms in the future, beyond region_service.max_clock_skew_ms="
                               f"{self._clock_skew_ms}")
         return None
 
     def _reject(self, msg: Message, problem: InvalidRequest, stop: threading.Event,
-                batch: dict[str, Any] | None = None) -> None:
+                batch: BatchView | None = None) -> None:
         """Counted, logged, dead-lettered, never applied nor acknowledged."""
         self._count("rejected_batches")
         if isinstance(problem, BadSignature):
             self._count("bad_signatures")
         elif isinstance(problem, StaleBatch):
             self._count("stale_batches")
-        sender = f" (sender {batch['sender_id']})" if batch is not None else ""
+        sender = f" (sender {batch.sender_id})" if batch is not None else ""
         log.warning("batch at %s[%d]@%d rejected%s: %s", msg.topic(), msg.partition(), msg.offset(), sender, problem)
         self._dead_letter(msg, str(problem), type(problem).__name__, stop)
         self._commit(msg)
 
-    def _screen(self, records: list[dict[str, Any]], now_ms: int) -> tuple[list[tuple[int, EntryEvent]],
-                                                                            list[dict[str, Any]]]:
-        """The events to apply, as (index, event), and the exceptions of those refused here by the rules
-        the region service applies to every remote event (it checks them again)."""
-        accepted: list[tuple[int, EntryEvent]] = []
-        exceptions: list[dict[str, Any]] = []
-        for i, record in enumerate(records):
-            event = EntryEvent.from_record(record)
-            problem = remote_problem(self.cfg, event, now_ms, f"events[{i}]")
-            if problem is None:
-                accepted.append((i, event))
-            else:
-                exceptions.append({"index": i, "event_id": record["event_id"],
-                                   "exception_class": type(problem).__name__, "message": str(problem)})
-        return accepted, exceptions
+    # --- routing a batch to its owners -------------------------------------------------------
 
-    def _apply(self, records: list[dict[str, Any]], stop: threading.Event, traces: list[str | None],
-               now_ms: int) -> tuple[list[dict[str, Any]], int]:
-        """Apply what can be applied; (per-event exceptions, index of the last applied event).
-        ``traces``: each event's trace context, passed on to the region service."""
-        accepted, exceptions = self._screen(records, now_ms)
-        by_region: dict[str, list[tuple[int, EntryEvent]]] = defaultdict(list)
-        for i, event in accepted:
-            by_region[event.region].append((i, event))
-        applied: set[int] = set()
-        for region, items in by_region.items():
-            # Calls of at most apply_events_max events, in order: a batch larger than that (a sender's
-            # batch_size, a grouped transaction) is never refused for its size.
-            for start in range(0, len(items), self._apply_events_max):
-                for i, outcome in self._apply_chunk(region, items[start:start + self._apply_events_max], stop,
-                                                    traces):
-                    status = outcome["status"]
-                    if status == "error":
-                        err = outcome.get("error", {})
-                        exceptions.append({"index": i, "event_id": records[i]["event_id"],
-                                           "exception_class": err.get("error", "Error"),
-                                           "message": err.get("message", "")})
-                        continue
-                    applied.add(i)
-                    self._count("events_applied" if status == "ok" else "events_duplicate"
-                                if status == "duplicate" else "conflicts")
-        self._count("exceptions", len(exceptions))
-        for e in exceptions:
+    def _apply(self, batch: BatchView, value: bytes, stop: threading.Event, traces: list[str | None]) -> _Applied:
+        """Every event applied or refused for good: each routed to its bucket's owner, each owner's in
+        requests of at most apply_events_max events, each request settled (retried until nothing in it
+        may still succeed later) before the owner's next one, so a bucket's events apply in order."""
+        applied = _Applied()
+        buckets: list[tuple[str, int] | None] = []
+        for i, body in enumerate(batch.bodies):
+            buckets.append(self._bucket_of(i, body, applied))
+        todo = [i for i, b in enumerate(buckets) if b is not None]
+        for url, indexes in self._owners(batch, todo, buckets, stop).items():
+            for start in range(0, len(indexes), self._apply_events_max):
+                self._settle(batch, value, url, indexes[start:start + self._apply_events_max], buckets, traces,
+                             applied, stop)
+        self._count("events_applied", applied.applied)
+        self._count("events_duplicate", applied.duplicates)
+        self._count("conflicts", applied.conflicts)
+        self._count("exceptions", len(applied.exceptions))
+        for e in sorted(applied.exceptions.values(), key=lambda e: e["index"]):
             log.warning("event %d refused: %s: %s", e["index"], e["exception_class"], e["message"])
-        return sorted(exceptions, key=lambda e: e["index"]), max(applied, default=-1)
+        return applied
 
-    def _apply_chunk(self, region: str, items: list[tuple[int, EntryEvent]], stop: threading.Event,
-                     traces: list[str | None]) -> list[tuple[int, dict[str, Any]]]:
-        """(index, outcome) of each event of one call.  A call the region service refuses as a whole
-        (an event it will never take: 400, 413, or a refused outcome, which RegionClient raises) is
-        halved, in order, until the refused events stand alone; each is then an error outcome."""
-        contexts = [traces[i] for i, _ in items]
+    def _bucket_of(self, index: int, body: bytes, applied: _Applied) -> tuple[str, int] | None:
+        """(region, bucket) of an event from its first two fields; None, with its exception noted, when
+        its body does not give them or its region is not one of this site's."""
         try:
-            answer = self._apply_region(region, [e for _, e in items], stop, contexts if any(contexts) else None)
-        except RegionError as exc:
-            if len(items) == 1:
-                return [(items[0][0], {"status": "error", "error": {
-                    "error": exc.error, "message": str(exc.body.get("message", exc))}})]
-            half = len(items) // 2
-            return (self._apply_chunk(region, items[:half], stop, traces)
-                    + self._apply_chunk(region, items[half:], stop, traces))
-        outcomes = answer["outcomes"]
-        # The region service answers every event of a request: one missing would be neither applied nor
-        # reported, and the sender would remove it with the batch.
-        assert len(outcomes) == len(items), f"{len(outcomes)} outcomes for {len(items)} events"
-        return [(i, outcome) for (i, _), outcome in zip(items, outcomes)]
+            region, key = entry_region_key(body)
+        except MalformedRecord as exc:
+            applied.refuse(index, _event_id_of(body), "MalformedRecord",
+                           f"events[{index}]: not an EntryEvent: {exc.reason}")
+            return None
+        config = self.regions.get(region)
+        if config is None:
+            problem = UnknownRegion(region)
+            applied.refuse(index, _event_id_of(body), type(problem).__name__, f"events[{index}].region: {problem}")
+            return None
+        return region, partition_for_key(key.encode("utf-8"), config.buckets)
 
-    def _apply_region(self, region: str, events: list[EntryEvent], stop: threading.Event,
-                      traces: list[str | None] | None = None) -> dict[str, Any]:
-        """The region service's answer, asked again until it gives one.  Raises ``RegionError`` when it
-        refuses the events (not retriable, not 401/403), for ``_apply_chunk`` to split.
+    def _owners(self, batch: BatchView, indexes: list[int], buckets: list[tuple[str, int] | None],
+                stop: threading.Event) -> dict[str, list[int]]:
+        """The URL of each event's owner, in order: the directory's, else the site file's region-service
+        address; waited for (with backoff, the directory read again) while a bucket has neither."""
+        backoff_s = APPLY_BACKOFF_FIRST_S
+        directory = self._directory
+        assert directory is not None
+        fallback = self._configured_region_url()
+        while True:
+            by_owner: dict[str, list[int]] = {}
+            missing: tuple[str, int] | None = None
+            for i in indexes:
+                where = buckets[i]
+                assert where is not None
+                url = directory.owner(*where) or (fallback[0] if fallback else None)
+                if url is None:
+                    missing = where
+                    break
+                by_owner.setdefault(url, []).append(i)
+            if missing is None:
+                return by_owner
+            log.warning("batch %d from dsid %d: no region-service instance owns %s[%d] yet; trying again in %.1f s",
+                        batch.batch_id, batch.source_dsid, missing[0], missing[1], backoff_s)
+            if stop.wait(backoff_s):
+                raise _Stopping
+            self._refresh_directory()
+            backoff_s = min(backoff_s * 2, APPLY_BACKOFF_MAX_S)
 
-        ``RegionClient`` retries transient failures for its own ``retry_for_s``
-        and then raises a retriable ``SluiceError``: while this site's broker
-        is unreachable for longer than that (the region service answers 503
-        "not acknowledged by Kafka in time" to every write), it is retried
-        here, for as long as it takes.  A 401 or 403 says the member token is
-        wrong: the operator's to mend, so it is retried too, with an alert,
-        and no batch is dead-lettered over it.
-        """
+    def _settle(self, batch: BatchView, value: bytes, url: str, part: list[int],
+                buckets: list[tuple[str, int] | None], traces: list[str | None], applied: _Applied,
+                stop: threading.Event) -> None:
+        """Hand ``part`` to its owner(s) until every event of it is applied or refused for good.
+
+        A request without an answer, refused for the credential (401, 403: alerted) or answered with
+        events that may succeed later (a bucket that moved, one still loading, a write Kafka did not
+        acknowledge in time) is retried with backoff, those events routed again by the directory as it
+        is then: applied ones come back as repeats, so a retry is always safe."""
         backoff_s = APPLY_BACKOFF_FIRST_S
         attempt = 0
+        targets = {url: part}
         while True:
             if stop.is_set():
                 raise _Stopping
             attempt += 1
-            try:
-                return self._region_client().apply_remote(region, events, outcomes="all", traces=traces)
-            except RegionError as exc:
-                if exc.status in UNAUTHORIZED:
-                    self._alert_unauthorized(exc)
-                elif not exc.retriable:
-                    raise
-                failure: SluiceError = exc
-            except SluiceError as exc:  # no answer: the region service or this site's broker away
-                failure = exc
-            self._forget_region_client(f"applying {len(events)} events to {region}, attempt {attempt}: {failure}; "
-                                       f"trying again in {backoff_s:.1f} s")
+            again: list[int] = []
+            failure: SluiceError | None = None
+            for owner, indexes in targets.items():
+                retry, problem = self._post(batch, value, owner, indexes, traces, applied)
+                again += retry
+                failure = failure or problem
+            if not again:
+                return
+            why = failure if failure is not None else f"{len(again)} events refused for now (their bucket moving)"
+            log.warning("batch %d from dsid %d: applying %d events to %s, attempt %d: %s; trying again in %.1f s",
+                        batch.batch_id, batch.source_dsid, len(again), ", ".join(targets), attempt, why, backoff_s)
             if stop.wait(backoff_s):
                 raise _Stopping
             backoff_s = min(backoff_s * 2, APPLY_BACKOFF_MAX_S)
+            self._refresh_directory()
+            targets = self._owners(batch, sorted(again), buckets, stop)
+
+    def _post(self, batch: BatchView, value: bytes, url: str, part: list[int], traces: list[str | None],
+              applied: _Applied) -> tuple[list[int], SluiceError | None]:
+        """One request of the events ``part`` to ``url``: (the events to try again, why when the request
+        got no usable answer).  A request refused whole (400, 413: an event the region will never take,
+        or a record past its body cap) is halved until the refused events stand alone."""
+        try:
+            answer = self._client_of().apply_batch(url, self._record(batch, value, part, traces))
+        except RegionError as exc:
+            if exc.status in UNAUTHORIZED:
+                self._alert_unauthorized(exc)
+                return part, exc
+            if len(part) == 1:
+                message = str(exc.body.get("message", exc))
+                applied.refuse(part[0], _event_id_of(batch.bodies[part[0]]), exc.error, message)
+                return [], None
+            half = len(part) // 2
+            first, first_failure = self._post(batch, value, url, part[:half], traces, applied)
+            second, second_failure = self._post(batch, value, url, part[half:], traces, applied)
+            return first + second, first_failure or second_failure
+        except SluiceError as exc:  # no answer: the owner or this site's broker away, or a 5xx
+            return part, exc
+        # Every event of the request is answered: applied (in the counts), or refused (listed).
+        refused = {r["index"] for r in answer.refused}
+        assert answer.count == len(part) and refused <= set(range(len(part))), \
+            f"an answer for {answer.count} events (refused {sorted(refused)[:5]}) to a request of {len(part)}"
+        applied.took(part, answer)
+        retry: list[int] = []
+        for r in answer.refused:
+            index = part[r["index"]]
+            if r["retriable"]:
+                retry.append(index)
+            else:
+                event_id = EventID.from_record(r["event_id"]) if r["event_id"] else _event_id_of(batch.bodies[index])
+                applied.refuse(index, event_id, r["error"], r["message"])
+        return retry, None
+
+    def _record(self, batch: BatchView, value: bytes, part: list[int], traces: list[str | None]) -> bytes:
+        """The GatewayBatch record of the events ``part``: the one received when it is all of them, as they
+        came; else one written around their bodies (the batch's fields, the sender's changes of those
+        events, their trace contexts as handed on)."""
+        handed = [traces[i] or "" for i in part] if any(traces) else []
+        if batch.current and len(part) == len(batch.bodies) and tuple(handed) == batch.traceparents:
+            return value
+        positions = {i: j for j, i in enumerate(part)}
+        return gateway_batch(self._batch_header, sender_id=batch.sender_id, source_dsid=batch.source_dsid,
+                             target_dsid=batch.target_dsid, queue_partition=batch.queue_partition,
+                             batch_id=batch.batch_id, first_offset=batch.first_offset, last_offset=batch.last_offset,
+                             possible_duplicate=batch.possible_duplicate, created_at=batch.created_at,
+                             bodies=[batch.bodies[i] for i in part],
+                             duplicate_events=sorted(positions[i] for i in batch.duplicate_events if i in positions),
+                             visited_added=batch.visited_added, traceparents=handed)
+
+    def _client_of(self) -> BatchClient:
+        client = self._client
+        assert client is not None, "start() first"
+        return client
 
     def _alert_unauthorized(self, exc: RegionError) -> None:
         """The region service refused the receiver's credential: an alert (logged when it starts, then
@@ -659,55 +810,38 @@ class ReceiverService:
                   extra={"alert": "region_unauthorized", "status": exc.status, "member": self.member_id})
 
     def _configured_region_url(self) -> list[str]:
-        """When the group lists no members (a broker that describes groups
-        without them, such as Tansu 0.6), the site file's region-service
-        address: ``advertised_url`` (e.g. a Kubernetes Service in front of
-        every instance), else ``host:port`` when the port is fixed."""
+        """When the directory names no owner of a bucket (no claim believed: this receiver's member token
+        is not the instances'), the site file's region-service address: ``advertised_url`` (e.g. a
+        Kubernetes Service in front of every instance), else ``host:port`` when the port is fixed.  An
+        instance there that does not own the bucket refuses its events for now."""
         rs = self.cfg.region_service
         if rs.advertised_url:
             return [rs.advertised_url]
         return [f"http://{rs.host}:{rs.port}"] if rs.port else []
 
-    def _forget_region_client(self, why: str) -> None:
-        """After a failure the region-service instances are looked up again (one may have moved)."""
-        log.warning("%s", why)
-        with self._client_lock:
-            # Not closed: another lane may be using it; it goes with its last user.
-            self._client = None
-
-    def _region_client(self) -> RegionClient:
-        with self._client_lock:
-            if self._client is None:
-                urls = region_service_urls(self.cfg) or self._configured_region_url()
-                if not urls:
-                    raise _NoRegionService("no region-service instance is running at this site")
-                # Short: _apply_region retries for as long as it takes, and checks between
-                # attempts whether the lane must stop (a rebalance waits for that).
-                self._client = RegionClient(urls, token=self._member_token, retry_for_s=3)
-            return self._client
-
     # --- acks, dead letters, commits ---------------------------------------------------------
 
-    def _ack(self, msg: Message, key: str, batch: dict[str, Any], *, last_applied: int,
+    def _ack(self, msg: Message, key: str, batch: BatchView, *, last_applied: int, last_event_id: EventID | None,
              exceptions: list[dict[str, Any]], duplicate: bool, stop: threading.Event, last_batch_id: int) -> None:
         """The signed ack of a batch.  ``last_batch_id``: the highest batch id applied for its sender
-        partition, what a sender whose batch ids started over needs to open an epoch above."""
-        events = batch["events"]
+        partition, what a sender whose batch ids started over needs to open an epoch above.  It says
+        which GatewayBatch versions this receiver reads (``batch_versions``)."""
         record = {
-            "sender_id": batch["sender_id"],
-            "source_dsid": batch["source_dsid"],
+            "sender_id": batch.sender_id,
+            "source_dsid": batch.source_dsid,
             "receiver_dsid": self.cfg.dsid,
-            "queue_partition": batch["queue_partition"],
-            "batch_id": batch["batch_id"],
+            "queue_partition": batch.queue_partition,
+            "batch_id": batch.batch_id,
             "last_applied_index": last_applied,
-            "last_applied_event_id": events[last_applied]["event_id"] if 0 <= last_applied < len(events) else None,
+            "last_applied_event_id": None if last_applied < 0 or last_event_id is None else last_event_id.to_record(),
             "duplicate_batch": duplicate,
             "exceptions": exceptions,
             "acked_at": int(time.time() * 1000),
             "last_batch_id": last_batch_id,
+            "batch_versions": list(BATCH_VERSIONS_READ),
         }
         value = self._codec.encode("GatewayAck", record)
-        self._write(f"ack of batch {batch['batch_id']} ({key})", self.acks, value, key.encode(), stop,
+        self._write(f"ack of batch {batch.batch_id} ({key})", self.acks, value, key.encode(), stop,
                     partition=msg.partition(), headers=self._signer.headers(value) if self._signer else None)
 
     def _dead_letter(self, msg: Message, reason: str, error_class: str, stop: threading.Event) -> None:
@@ -750,6 +884,14 @@ class ReceiverService:
             consumer.commit(offsets=list(newest.values()), asynchronous=asynchronous)
         except KafkaException as exc:
             log.warning("committing %s: %s", sorted(newest), exc)
+
+
+def _event_id_of(body: bytes) -> EventID:
+    """An event's EventID for its ack, read without decoding it (``UNKNOWN_EVENT_ID`` from a damaged body)."""
+    try:
+        return entry_event_id(body)
+    except MalformedRecord:
+        return UNKNOWN_EVENT_ID
 
 
 __all__ = ["ReceiverService", "RegionError", "RejectedBatch", "StaleBatch", "region_service_urls"]

@@ -113,8 +113,8 @@ def test_refused_events_are_listed_alone_and_never_stop_the_others() -> None:
     answer_ = run(service, batch(events, bodies=bodies))
     refused = [(r["index"], r["error"], r["retriable"], r["event_id"] and r["event_id"]["sequence_id"])
                for r in answer_["refused"]]
-    assert refused == [(1, "EntryTooLarge", False, 2), (3, "MalformedRecord", False, 4), (4, "InvalidRequest", False, 5),
-                       (5, "InvalidRequest", False, 6), (6, "NotOwner", True, 7)]
+    assert refused == [(1, "EntryTooLarge", False, 2), (3, "MalformedRecord", False, 4),
+                       (4, "InvalidRequest", False, 5), (5, "InvalidRequest", False, 6), (6, "NotOwner", True, 7)]
     assert "events[1].key" in answer_["refused"][0]["message"]
     assert "events[3]: not an EntryEvent" in answer_["refused"][1]["message"]
     assert (answer_["applied"], answer_["last_applied"]["index"]) == (3, 7)
