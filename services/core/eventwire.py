@@ -802,3 +802,20 @@ def queued_flags_body(header: bytes, data: bytes | None) -> tuple[int, bytes] | 
 
 
 __all__ += ["queued_flags_body"]
+
+
+def removal_record(header: bytes, queue_id: str, queue_partition: int, batch_id: int, last_removed_offset: int,
+                   last_event_id: EventID | None, removed_count: int, removed_at: int) -> bytes:
+    """A ``RemovalRecord`` (``header``: ``codec.header("RemovalRecord")``), written once per
+    delivered batch by the queue loop, byte for byte what fastavro writes of the same record
+    (the unit tests check it) without its validation pass or its dictionaries."""
+    if last_event_id is None:
+        eid = b"\x00"
+    else:
+        eid = b"".join((b"\x02", _cached_string(last_event_id.member_id), varint(last_event_id.thread_id),
+                        varint(last_event_id.sequence_id)))
+    return b"".join((header, _cached_string(queue_id), varint32(queue_partition), varint(batch_id),
+                     varint(last_removed_offset), eid, varint(removed_count), varint(removed_at)))
+
+
+__all__ += ["removal_record"]

@@ -509,3 +509,21 @@ def test_the_lean_queue_reader_refuses_what_read_queued_refuses(event: EntryEven
         assert re.search(r"not UTF-8|does not fit an Avro (int|long)", str(exc)), exc
         return
     assert lean == (view.flags, view.event_body)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(st.text(max_size=30), INT32, INT64, INT64, st.none() | st.builds(EventID, st.text(max_size=20), INT64, INT64),
+       INT64, INT64)
+def test_a_removal_record_is_what_fastavro_writes(queue_id: str, partition: int, batch_id: int, last: int,
+                                                   event_id: EventID | None, count: int, at: int) -> None:
+    """removal_record writes, for any fields, the bytes fastavro writes of the same RemovalRecord, and they
+    read back as that record."""
+    from sluice.core.eventwire import removal_record
+
+    codec = get_codec()
+    record = {"queue_id": queue_id, "queue_partition": partition, "batch_id": batch_id, "last_removed_offset": last,
+              "last_event_id": None if event_id is None else event_id.to_record(), "removed_count": count,
+              "removed_at": at}
+    written = removal_record(codec.header("RemovalRecord"), queue_id, partition, batch_id, last, event_id, count, at)
+    assert written == codec.encode("RemovalRecord", record)
+    assert codec.decode_as("RemovalRecord", written) == record
