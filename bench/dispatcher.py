@@ -84,7 +84,7 @@ from sluice.core.topics import apply_topics
 from sluice.core import processes
 
 from .harness import REPO, Context, CpuSource, CpuUse, Result, benchmark, cpu_seconds, die_with_parent
-from .region import RawProducer, end_offsets, make_value, percentile
+from .region import RawProducer, count_records, end_offsets, make_value, percentile
 
 REGION = "orders"
 BUCKETS = 8
@@ -655,7 +655,7 @@ def run_dispatcher(ctx: Context, config_path: Path, cfg: SiteConfig, workload: W
 
 
 def check_dead_letters(ctx: Context, cfg: SiteConfig, queue_id: str) -> None:
-    if ctx.engine == "kafka" and (n := end_offsets(ctx.bootstrap, cfg.topics.dead_letter(queue_id), 1)):
+    if ctx.engine == "kafka" and (n := sum(count_records(ctx.bootstrap, cfg.topics.dead_letter(queue_id), 1).values())):
         raise RuntimeError(f"queue {queue_id}: {n} records were dead-lettered")
 
 

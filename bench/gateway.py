@@ -103,8 +103,8 @@ from .harness import REPO, Context, Result, benchmark
 from .region import (
     BATCH_ENTRIES,
     RawProducer,
+    count_records,
     create_topic,
-    end_offsets,
     make_key,
     make_value,
     percentile,
@@ -707,7 +707,7 @@ def fill_queue(ctx: Context, sites: Sites, events: int) -> dict[str, Any]:
     finally:
         region_a.stop()
     if ctx.engine == "kafka":
-        queued = end_offsets(sites.bootstrap_a, sites.queue_topic, BUCKETS)
+        queued = sum(count_records(sites.bootstrap_a, sites.queue_topic, BUCKETS).values())
         if queued != events:
             raise RuntimeError(f"{sites.queue_topic} holds {queued} records, expected {events}")
     return dict(zip(keys, values))

@@ -53,6 +53,7 @@ from sluice.core.kafka import (
     make_admin,
     make_consumer,
     partition_for_key,
+    read_to_end,
     wait_futures,
 )
 
@@ -149,10 +150,31 @@ def create_topic(bootstrap: str, name: str, partitions: int) -> None:
 
 
 def end_offsets(bootstrap: str, topic: str, partitions: int) -> int:
-    """Sum of the high watermarks of a topic (exact on Apache Kafka; see KAFKA-NOTES quirk 3 for Tansu)."""
+    """Sum of the high watermarks of a topic (exact on Apache Kafka; see KAFKA-NOTES quirk 3 for Tansu).
+
+    The records a non-transactional producer wrote; a transactional one's
+    commit markers take offsets too: count those topics with ``count_records``.
+    """
     consumer = make_consumer({"bootstrap.servers": bootstrap}, None)
     try:
         return sum(consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(partitions))
+    finally:
+        consumer.close()
+
+
+def count_records(bootstrap: str, topic: str, partitions: int, deadline_s: float = 60.0) -> dict[int, int]:
+    """Records per partition of ``topic``, counted by reading each from its beginning to its end.
+
+    Offsets do not count records once a service writes in Kafka
+    transactions: each commit (or abort) leaves a marker that takes an
+    offset in every partition the transaction wrote, and aborted records
+    are never read.  ``read_to_end`` (the services' own reader) reads a
+    partition with a read_committed consumer up to its last stable offset,
+    markers included; ``deadline_s`` bounds each partition's read.
+    """
+    consumer = make_consumer({"bootstrap.servers": bootstrap}, None)
+    try:
+        return {p: sum(1 for _ in read_to_end(consumer, topic, p, deadline_s)) for p in range(partitions)}
     finally:
         consumer.close()
 
@@ -299,7 +321,8 @@ def verify_region(ctx: Context, url: str, expected: dict[str, Any], cfg: SiteCon
     changelog = cfg.topics.region_changelog(REGION)
     queue = cfg.attached_queues(REGION)[0]
     if ctx.engine == "kafka":
-        counts = {t: end_offsets(ctx.bootstrap, t, n) for t, n in ((changelog, BUCKETS), (queue.topic, queue.partitions))}
+        counts = {t: sum(count_records(ctx.bootstrap, t, n).values())
+                  for t, n in ((changelog, BUCKETS), (queue.topic, queue.partitions))}
         for topic, count in counts.items():
             if count != len(expected):
                 raise RuntimeError(f"{topic} holds {count} records, expected {len(expected)}")

@@ -71,7 +71,7 @@ from sluice.core.processes import RegionProcess, SubscriptionsProcess, die_with_
 from .dispatcher import raw_consumer_settings
 from .gateway import paced_writes, watcher_settings
 from .harness import REPO, Context, Result, benchmark
-from .region import VALUE_BYTES, percentile
+from .region import VALUE_BYTES, count_records, percentile
 from .site import write_site
 
 REGION = "orders"
@@ -461,14 +461,16 @@ class ChangelogWatcher:
         self._consumer.close()
 
 
-def raw_read(bootstrap: str, topic: str, ends: dict[int, int]) -> float:
-    """One raw consumer reads ``topic`` from its beginning to ``ends``; seconds from ``assign`` to the last record.
+def raw_read(bootstrap: str, topic: str, counts: dict[int, int]) -> float:
+    """One raw consumer reads ``topic`` from its beginning until it has ``counts`` records of each partition;
+    seconds from ``assign`` to the last record.
 
-    The topic's metadata is fetched before the clock starts (a cold consumer
-    waits ~0.5 s on librdkafka's offset-query retry timer first, see
-    bench/dispatcher.py).
+    Records are counted, not offsets: a transactional writer's commit
+    markers take offsets too.  The topic's metadata is fetched before the
+    clock starts (a cold consumer waits ~0.5 s on librdkafka's offset-query
+    retry timer first, see bench/dispatcher.py).
     """
-    remaining = {p: n for p, n in ends.items() if n > 0}
+    remaining = {p: n for p, n in counts.items() if n > 0}
     expected = sum(remaining.values())
     consumer = Consumer(raw_consumer_settings(bootstrap))
     try:
@@ -476,7 +478,7 @@ def raw_read(bootstrap: str, topic: str, ends: dict[int, int]) -> float:
         read = 0
         deadline = time.monotonic() + DELIVERY_TIMEOUT_S
         t0 = time.perf_counter()
-        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in ends])
+        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in counts])
         while remaining:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"raw consumer: {read} of {expected} records of {topic} read")
@@ -486,8 +488,14 @@ def raw_read(bootstrap: str, topic: str, ends: dict[int, int]) -> float:
                     raise RuntimeError(f"raw consumer: {msg.error()}")
                 p = msg.partition()
                 read += 1
-                if msg.offset() + 1 >= remaining.get(p, 0):
-                    remaining.pop(p, None)
+                left = remaining.get(p)
+                if left is None:
+                    raise RuntimeError(f"raw consumer: {topic}[{p}] holds more records than the {counts.get(p, 0)} "
+                                       "counted")
+                if left == 1:
+                    del remaining[p]
+                else:
+                    remaining[p] = left - 1
         elapsed = time.perf_counter() - t0
         if read != expected:
             raise RuntimeError(f"raw consumer: read {read} records of {topic}, expected {expected}")
@@ -759,14 +767,14 @@ def fanout(ctx: Context) -> list[Result]:
                  f"{LATENCY_RATE * per_key:,} deliveries/s, so the latency is the age of a growing backlog")
 
     # The throughput baseline, alone on the broker: the whole changelog, read from its beginning.
-    ends = raw_ends(ctx, changelog, written)
+    counts = raw_counts(ctx, changelog, written)
     ctx.step(f"raw consumer: {written:,} changelog records from the beginning, a warm-up pass and "
              f"{RAW_PASSES} timed passes")
-    raw_read(ctx.bootstrap, changelog, ends)
+    raw_read(ctx.bootstrap, changelog, counts)
     rates = []
     with ctx.counting("raw consumer passes", RAW_PASSES) as advance, ctx.cpu_use("raw consumer", {}):
         for _ in range(RAW_PASSES):
-            rates.append(written / raw_read(ctx.bootstrap, changelog, ends))
+            rates.append(written / raw_read(ctx.bootstrap, changelog, counts))
             advance(1)
     raw_rate = statistics.median(rates)
     ctx.step(f"raw consumer: {raw_rate:,.0f} records/s (median; passes: {', '.join(f'{r:,.0f}' for r in rates)})")
@@ -782,32 +790,34 @@ def fanout(ctx: Context) -> list[Result]:
     ]
 
 
-def raw_ends(ctx: Context, topic: str, written: int) -> dict[int, int]:
-    """Each changelog partition's end; on Apache Kafka they must add up to the updates written.
+def raw_counts(ctx: Context, topic: str, written: int) -> dict[int, int]:
+    """Each changelog partition's records; they must add up to the updates written.
 
-    On Tansu the high watermarks run low under batched load (KAFKA-NOTES
-    quirk 3): there the ends are counted by reading the topic once.
+    Counted by reading the topic (``bench.region.count_records``: offsets
+    also hold transaction markers).  On Tansu, whose high watermarks run low
+    under batched load (KAFKA-NOTES quirk 3), the topic is read until
+    nothing more comes for 2 s.
     """
-    consumer = Consumer(raw_consumer_settings(ctx.bootstrap))
-    try:
-        if ctx.engine == "kafka":
-            ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(BUCKETS)}
-        else:
-            ends = {p: 0 for p in range(BUCKETS)}
+    if ctx.engine == "kafka":
+        counts = count_records(ctx.bootstrap, topic, BUCKETS)
+    else:
+        counts = dict.fromkeys(range(BUCKETS), 0)
+        consumer = Consumer(raw_consumer_settings(ctx.bootstrap))
+        try:
             consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(BUCKETS)])
             idle_until = time.monotonic() + 5
             while time.monotonic() < idle_until:
                 msgs = consumer.consume(1000, 0.5)
                 for msg in msgs:
                     if msg.error() is None:
-                        ends[msg.partition()] = max(ends[msg.partition()], msg.offset() + 1)
+                        counts[msg.partition()] += 1
                 if msgs:
                     idle_until = time.monotonic() + 2
-    finally:
-        consumer.close()
-    if sum(ends.values()) != written:
-        raise RuntimeError(f"{topic} holds {sum(ends.values())} records, expected one per update ({written})")
-    return ends
+        finally:
+            consumer.close()
+    if sum(counts.values()) != written:
+        raise RuntimeError(f"{topic} holds {sum(counts.values())} records, expected one per update ({written})")
+    return counts
 
 
 # --- python -m bench.subscriptions clients ----------------------------------------------------------
