@@ -27,6 +27,13 @@ must reject the same events again, idempotently).  Without
 ``dead_letter_topic`` (a listener called directly, or an older host) a
 listener must refuse the batch instead, so that nothing is dropped unseen.
 
+Events as bytes (issue 18).  The dispatcher hands a listener events made
+from their queue records' bytes (``AsyncEvent.of_body``): each is decoded
+the first time a field that needs it is touched.  Should that body be
+damaged, the touch raises ``MalformedRecord``; the listener need not catch
+it: the dispatcher dead-letters such an event with its reason and offers the
+rest of the batch again, at once, without it.
+
 A listener is named in the site file by ``listener.type``: ``sql`` and
 ``kafka`` are the ones shipped with Sluice; ``python`` loads
 ``listener.class_path`` ("package.module:Class"), or an entry point of the
@@ -41,8 +48,9 @@ from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
 
 from . import jsonvalue
-from .errors import ConfigError
+from .errors import ConfigError, MalformedRecord
 from .events import UPDATES, EntryEvent, EventID, Operation, VersionTag
+from .eventwire import decode_entry, entry_event_body, entry_event_id, entry_operation, entry_region_key
 
 LISTENER_ENTRY_POINT_GROUP = "sluice.listeners"
 
@@ -52,29 +60,146 @@ BUILTIN_LISTENERS = {
 }
 
 
-@dataclass(frozen=True, slots=True)
 class AsyncEvent:
-    """One event of a batch, as Geode's AsyncEvent shows it."""
+    """One event of a batch, as Geode's AsyncEvent shows it.
 
-    event: EntryEvent
-    queue_id: str
-    partition: int
-    offset: int
-    #: Set when the event may have been offered before: re-enqueued by a new
-    #: region owner, or offered again after a dispatcher failover or restart.
-    possible_duplicate: bool
+    Events travel as bytes (issue 18): the queue loop builds each one from
+    its queue record's EntryEvent body (``of_body``) without decoding it.
+    The body is decoded on first touch of a field that needs it (``event``,
+    ``operation``, ``value``, ``event_id``, ...), once, and kept; ``region``
+    and ``key`` read only the body's first two fields, ``conflatable`` its
+    first three, and ``size_bytes`` is the body's length, so a listener that
+    looks at nothing (or a stage that only forwards ``body``) never pays for
+    a decode.  A body that does not decode raises ``MalformedRecord`` on
+    every touch that needs it, and the event remembers it
+    (``decode_error``): the dispatcher dead-letters such an event with its
+    reason and offers the rest of the batch without it.
+
+    An event is a value: its fields are read-only.  The decoded event is a
+    cache of what the body says, so two threads touching it at once at worst
+    both decode it, and get equal results.
+    """
+
+    __slots__ = ("_queue_id", "_partition", "_offset", "_duplicate", "_event", "_body", "_head", "_error", "_size")
+
+    def __init__(self, event: EntryEvent, queue_id: str, partition: int, offset: int,
+                 possible_duplicate: bool) -> None:
+        """An event already decoded (listeners' tests, filters at enqueue)."""
+        self._queue_id = queue_id
+        self._partition = partition
+        self._offset = offset
+        self._duplicate = possible_duplicate
+        self._event: EntryEvent | None = event
+        self._body: bytes | None = None
+        self._head: tuple[str, str] | None = None
+        self._error: MalformedRecord | None = None
+        self._size = len(event.key) + (len(event.value) if event.value is not None else 0) + 64
+
+    @classmethod
+    def of_body(cls, body: bytes, queue_id: str, partition: int, offset: int,
+                possible_duplicate: bool) -> AsyncEvent:
+        """An event from its EntryEvent's Avro body as queued (``eventwire.read_queued``'s
+        ``event_body``), decoded on first touch."""
+        self = cls.__new__(cls)
+        self._queue_id = queue_id
+        self._partition = partition
+        self._offset = offset
+        self._duplicate = possible_duplicate
+        self._event = None
+        self._body = body
+        self._head = None
+        self._error = None
+        self._size = len(body) + 64
+        return self
+
+    # --- where it was queued ------------------------------------------------------------
+
+    @property
+    def queue_id(self) -> str:
+        return self._queue_id
+
+    @property
+    def partition(self) -> int:
+        return self._partition
+
+    @property
+    def offset(self) -> int:
+        return self._offset
+
+    @property
+    def possible_duplicate(self) -> bool:
+        """Set when the event may have been offered before: re-enqueued by a new
+        region owner, or offered again after a dispatcher failover or restart."""
+        return self._duplicate
+
+    # --- the bytes and the decoded event ---------------------------------------------
+
+    @property
+    def body(self) -> bytes:
+        """The EntryEvent's Avro body (no single-object header): as queued, or encoded once from the event."""
+        body = self._body
+        if body is None:
+            body = self._body = entry_event_body(self._event)  # type: ignore[arg-type]
+        return body
+
+    @property
+    def event(self) -> EntryEvent:
+        """The ``EntryEvent``, decoded on first touch; ``MalformedRecord`` when the body is damaged."""
+        event = self._event
+        if event is None:
+            event = self._decode()
+        return event
+
+    @property
+    def decode_error(self) -> MalformedRecord | None:
+        """Why the body did not decode, once a touch found out (None: not found undecodable)."""
+        return self._error
+
+    def _decode(self) -> EntryEvent:
+        if self._error is not None:
+            raise self._error.with_traceback(None)
+        try:
+            event, _ = decode_entry(self._body)  # type: ignore[arg-type]
+        except MalformedRecord as exc:
+            raise self._refuse(exc) from None
+        self._event = event
+        return event
+
+    def _refuse(self, exc: MalformedRecord) -> MalformedRecord:
+        error = MalformedRecord(f"the event at {self._queue_id}[{self._partition}]@{self._offset} does not "
+                                f"decode: {exc.reason}")
+        if self._error is None:
+            self._error = error  # the first reason found is the one kept
+        return error
+
+    def _region_key(self) -> tuple[str, str]:
+        head = self._head
+        if head is None:
+            event = self._event
+            if event is not None:
+                head = (event.region, event.key)
+            else:
+                # Read even when a full decode failed: the first fields may well be whole.
+                try:
+                    head = entry_region_key(self._body)  # type: ignore[arg-type]
+                except MalformedRecord as exc:
+                    raise self._refuse(exc) from None
+            self._head = head
+        return head
+
+    # --- Geode's AsyncEvent ------------------------------------------------------------
+
+    @property
+    def region(self) -> str:
+        return self._region_key()[0]
+
+    @property
+    def key(self) -> str:
+        return self._region_key()[1]
 
     @property
     def operation(self) -> Operation:
         return self.event.operation
-
-    @property
-    def region(self) -> str:
-        return self.event.region
-
-    @property
-    def key(self) -> str:
-        return self.event.key
 
     @property
     def raw_value(self) -> bytes | None:
@@ -83,7 +208,8 @@ class AsyncEvent:
     @property
     def value(self) -> Any:
         """The deserialized value (None for destroy and invalidate)."""
-        return jsonvalue.decode(self.event.value, self.event.value_encoding)
+        event = self.event
+        return jsonvalue.decode(event.value, event.value_encoding)
 
     @property
     def callback_argument(self) -> str | None:
@@ -108,16 +234,57 @@ class AsyncEvent:
 
     @property
     def conflatable(self) -> bool:
-        """Updates may replace an earlier update of the key (batch conflation)."""
-        return self.event.operation in UPDATES
+        """Updates may replace an earlier update of the key (batch conflation).  Read from the
+        body's first three fields when not decoded yet: conflation does not decode the event."""
+        event = self._event
+        if event is not None:
+            return event.operation in UPDATES
+        try:
+            return entry_operation(self._body) in UPDATES  # type: ignore[arg-type]
+        except MalformedRecord as exc:
+            raise self._refuse(exc) from None
 
     @property
     def size_bytes(self) -> int:
-        return len(self.event.key) + (len(self.event.value) if self.event.value is not None else 0) + 64
+        """What holding the event costs, roughly: its body's length (its key's and value's for an
+        event built decoded), plus 64.  Fixed when the event is made."""
+        return self._size
+
+    # --- a value --------------------------------------------------------------------------
+
+    def _identity(self) -> tuple[Any, ...]:
+        return (self.queue_id, self.partition, self.offset, self.possible_duplicate, self.body)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return self._identity() == other._identity()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((self.queue_id, self.partition, self.offset))
 
     def __repr__(self) -> str:
-        return (f"AsyncEvent({self.operation.value} {self.region}/{self.key} {self.event_id} "
-                f"@{self.queue_id}[{self.partition}]:{self.offset}{' possibleDuplicate' if self.possible_duplicate else ''})")
+        where = (f"@{self.queue_id}[{self.partition}]:{self.offset}"
+                 f"{' possibleDuplicate' if self.possible_duplicate else ''}")
+        try:
+            event = self.event
+        except MalformedRecord as exc:
+            return f"{type(self).__name__}(undecodable {where}: {exc.reason})"
+        return f"{type(self).__name__}({event.operation.value} {event.region}/{event.key} {event.event_id} {where})"
+
+
+def event_id_of(event: AsyncEvent) -> EventID:
+    """An event's EventID without decoding it: the decoded event's when there is one, else read
+    from its body (``eventwire.entry_event_id``); ``MalformedRecord`` when the body does not reach it."""
+    decoded = event._event
+    if decoded is not None:
+        return decoded.event_id
+    return entry_event_id(event._body)  # type: ignore[arg-type]
+
+
+def undecodable(events: list[AsyncEvent]) -> list[AsyncEvent]:
+    """The events of ``events`` a touch found undecodable (``decode_error`` set), in order."""
+    return [e for e in events if e._error is not None]
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,13 +6,18 @@ as secondaries and take over when a primary crashes or leaves.
 
 The story of a partition on its primary, step by step:
 
-1. Records are read from the queue topic and decoded into ``AsyncEvent``s.
-   A record that cannot be decoded goes to the queue's dead-letter topic with
-   the reason (flushed before anything after it can be committed) and
-   delivery goes on.  Events below the partition's end offset at the moment
-   of assignment may have been delivered by the previous primary: they carry
-   ``possible_duplicate``.  ``accepts`` may leave an event out (a sender does
-   not send an event back to a site it came from).
+1. Records are read from the queue topic into ``AsyncEvent``s of their
+   queued event bodies, undecoded (issue 18): only the QueuedEvent's leading
+   ``flags`` are read (core/eventwire.py), and the event is decoded when
+   something first touches a field that needs it.  A record that is not a
+   QueuedEvent goes to the queue's dead-letter topic with the reason (flushed
+   before anything after it can be committed) and delivery goes on.  An event
+   is ``possible_duplicate`` when its flags say so (a new region owner queued
+   it again) or when it lies below the partition's end offset at the moment
+   of assignment (the previous primary may have delivered it).  ``accepts``
+   may leave an event out (a sender does not send an event back to a site it
+   came from); it is asked only about records the region did not mark
+   ``routed``.
 2. ``PartitionBatcher`` (core/batching.py) assembles batches by size or time
    and conflates updates when the queue says so.
 3. ``deliver_group`` is called with the batches that are out (up to
@@ -25,9 +30,13 @@ The story of a partition on its primary, step by step:
    stopped or the partition revoked; nothing after them goes first.  Events
    a listener can never take go to the dead-letter topic during the offer
    (``dead_letter_event``), durably, before the batch counts as delivered.
+   So do events whose bodies turn out undecodable when first touched (by
+   conflation at step 2, a listener, a sender's filters): the batch goes on
+   without them (``dead_letter_undecodable``).
 4. Delivered, oldest first: each batch's removal record (queue head) is
    written to the queue's compacted removals topic, and once it is durable
-   the group offset is committed.  A crash anywhere before that only means
+   the group offset is committed (the partitions whose heads moved in one
+   turn of the loop, in one commit).  A crash anywhere before that only means
    the batch is delivered again, flagged possibleDuplicate.
 
 ``sluice admin`` steers the queue through the site's control topic (latest
@@ -53,17 +62,25 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential
+from tenacity import RetryCallState, Retrying, retry_if_exception_type
 from tenacity.stop import stop_base
 
 from . import telemetry
-from .asyncevent import AsyncEvent
+from .asyncevent import AsyncEvent, event_id_of, undecodable
 from .batching import Batch, BatchPolicy, PartitionBatcher
 from .codec import get_codec
 from .config import SiteConfig
-from .errors import CodecError
+from .errors import CodecError, MalformedRecord
+from .events import EntryEvent, EventID
+from .eventwire import (
+    FLAG_POSSIBLE_DUPLICATE,
+    FLAG_ROUTED,
+    decode_entry,
+    queued_flags_body,
+    read_queued,
+    removal_record,
+)
 from .lifecycle import ServiceState
-from .events import EntryEvent
 from .kafka import (
     OFFSET_BEGINNING,
     Consumer,
@@ -89,11 +106,29 @@ class DesiredState(str, enum.Enum):
     STOPPED = "STOPPED"
 
 
-@dataclass(frozen=True, slots=True)
 class TracedEvent(AsyncEvent):
     """An ``AsyncEvent`` read while tracing: with the W3C ``traceparent`` its queue record carried."""
 
-    traceparent: bytes | None = None
+    __slots__ = ("_traceparent",)
+
+    def __init__(self, event: EntryEvent, queue_id: str, partition: int, offset: int, possible_duplicate: bool,
+                 traceparent: bytes | None = None) -> None:
+        super().__init__(event, queue_id, partition, offset, possible_duplicate)
+        self._traceparent = traceparent
+
+    @classmethod
+    def of_body(cls, body: bytes, queue_id: str, partition: int, offset: int, possible_duplicate: bool,
+                traceparent: bytes | None = None) -> TracedEvent:
+        self = super().of_body(body, queue_id, partition, offset, possible_duplicate)
+        self._traceparent = traceparent
+        return self  # type: ignore[return-value]
+
+    @property
+    def traceparent(self) -> bytes | None:
+        return self._traceparent
+
+    def _identity(self) -> tuple[Any, ...]:
+        return (*super()._identity(), self._traceparent)
 
 
 def event_traceparent(event: AsyncEvent) -> bytes | None:
@@ -161,6 +196,7 @@ class QueuePrimary:
         self.desired = start_state
 
         self._codec = get_codec()
+        self._removal_header = self._codec.header("RemovalRecord")
         self._partitions: dict[int, QueuePartition] = {}
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._stopping = threading.Event()
@@ -171,6 +207,10 @@ class QueuePrimary:
         self._producer: Any = None
         self._control: Consumer | None = None
         self._paused_for_memory = False
+        #: Removal records produced whose delivery the loop has not taken yet.
+        self._removals_unacked = 0
+        #: partition -> offset to commit, once its removal is durable; committed once per turn.
+        self._commits_due: dict[int, int] = {}
         self.stats = {"batches": 0, "events": 0, "redeliveries": 0, "dead_lettered": 0, "conflated": 0,
                       "filtered": 0, "takeovers": 0, "alerts": 0}
         #: The group has given this member its assignment (possibly none) and it was not lost since.
@@ -180,6 +220,9 @@ class QueuePrimary:
         self._batch_duration = telemetry.histogram(telemetry.BATCH_DURATION)
         #: Spans are exported: events keep their records' trace context (``TracedEvent``).
         self._tracing = telemetry.tracing()
+        self._attributes: dict[str, Any] | None = None
+        #: ``accepts`` is overridden: records without the ``routed`` flag are decoded for it.
+        self._filtering = type(self).accepts is not QueuePrimary.accepts
         self._instrument()
 
     # --- what a kind of queue adds ----------------------------------------------------
@@ -208,7 +251,14 @@ class QueuePrimary:
         return int(self.queue.dispatcher_threads)
 
     def accepts(self, event: EntryEvent) -> bool:
-        """False leaves the event out of the batches (it is still removed with them)."""
+        """False leaves the event out of the batches (it is still removed with them): a gateway
+        sender's loop check (origin and visited sites).
+
+        Consulted only for records without the ``routed`` flag (QueuedEvent ``flags``): those
+        queued before the region service did that check itself at enqueue.  A routed record's
+        event is never decoded for it.  A kind of queue that leaves this as it is has no check,
+        and its events are never decoded for one.  An event whose body does not decode here is
+        dead-lettered with its reason."""
         return True
 
     def assignment_starting(self) -> None:
@@ -306,12 +356,13 @@ class QueuePrimary:
                     msgs = consume_available(consumer, 500, timeout)
                 except KafkaException as exc:
                     raise translate(exc, f"consuming {self.topic}") from exc
-                now_ms = int(time.time() * 1000)
-                for msg in msgs:
-                    self._read(msg, now_ms)
+                if msgs:
+                    self._read(msgs, int(time.time() * 1000))
                 self._poll_control()
                 self._drain_inbox()
                 self._dispatch_ready()
+                if self._removals_unacked:
+                    self._producer.poll(0)  # the removals' deliveries, into the inbox
                 self._apply_memory_bound()
                 if time.monotonic() >= next_status:
                     self._publish_status()
@@ -393,35 +444,61 @@ class QueuePrimary:
 
     # --- reading --------------------------------------------------------------------
 
-    def _read(self, msg: Message, now_ms: int) -> None:
-        if msg.error() is not None:
-            if msg.error().code() != KafkaError._PARTITION_EOF:
-                log.warning("queue %s: %s", self.topic, msg.error())
-            return
-        part = self._partitions.get(msg.partition())
-        if part is None:
-            return  # revoked meanwhile
-        if part.head < 0:
-            part.head = msg.offset()
-        try:
-            record = self._codec.decode_as("QueuedEvent", msg.value())
-            event = EntryEvent.from_record(record["event"])
-        except (CodecError, KeyError, ValueError) as exc:
-            self._dead_letter(msg, exc)
-            part.dead_lettered += 1
-            part.batcher.skip(msg.offset(), now_ms)
-            return
-        if not self.accepts(event):
-            self.stats["filtered"] += 1
-            part.batcher.skip(msg.offset(), now_ms)
-            return
-        duplicate = event.possible_duplicate or msg.offset() < part.duplicate_below
-        if self._tracing:
-            traced = TracedEvent(event, self.queue_id, msg.partition(), msg.offset(), duplicate,
-                                 telemetry.header(msg.headers(), telemetry.TRACEPARENT))
-            part.batcher.add(traced, now_ms)
-        else:
-            part.batcher.add(AsyncEvent(event, self.queue_id, msg.partition(), msg.offset(), duplicate), now_ms)
+    def _read(self, msgs: list[Message], now_ms: int) -> None:
+        """The records of one poll, into their partitions' batchers, as ``AsyncEvent``s of the
+        queued event bodies.  Nothing is decoded here but a QueuedEvent's flags: a record of the
+        current version is read by ``eventwire.queued_flags_body`` (equal to ``read_queued``, at
+        a third of its cost), any other by ``read_queued`` (older versions; what is not a
+        QueuedEvent goes to the dead-letter topic with its reason).  Nothing is called per record
+        but that, the event's making and the batcher."""
+        partitions = self._partitions
+        codec = self._codec
+        header = codec.header("QueuedEvent")
+        queue_id = self.queue_id
+        filtering = self._filtering
+        tracing = self._tracing
+        for msg in msgs:
+            if msg.error() is not None:
+                if msg.error().code() != KafkaError._PARTITION_EOF:
+                    log.warning("queue %s: %s", self.topic, msg.error())
+                continue
+            partition = msg.partition()
+            part = partitions.get(partition)
+            if part is None:
+                continue  # revoked meanwhile
+            offset = msg.offset()
+            if part.head < 0:
+                part.head = offset
+            try:
+                read = queued_flags_body(header, msg.value())
+                if read is None:
+                    read = _read_older(codec, msg.value())
+            except (CodecError, KeyError, ValueError) as exc:
+                # Not a QueuedEvent (or an older one whose event cannot be an EntryEvent).
+                self._skip_unreadable(part, msg, exc, now_ms)
+                continue
+            flags, body = read
+            duplicate = bool(flags & FLAG_POSSIBLE_DUPLICATE) or offset < part.duplicate_below
+            if tracing:
+                event: AsyncEvent = TracedEvent.of_body(body, queue_id, partition, offset, duplicate,
+                                                        telemetry.header(msg.headers(), telemetry.TRACEPARENT))
+            else:
+                event = AsyncEvent.of_body(body, queue_id, partition, offset, duplicate)
+            try:
+                if filtering and not flags & FLAG_ROUTED and not self.accepts(event.event):
+                    self.stats["filtered"] += 1
+                    part.batcher.skip(offset, now_ms)
+                    continue
+                # Refuses an event it cannot read (conflation reads its key and operation) whole.
+                part.batcher.add(event, now_ms)
+            except MalformedRecord as exc:
+                # Its QueuedEvent fields read, its event body does not: the first touch found it.
+                self._skip_unreadable(part, msg, exc, now_ms)
+
+    def _skip_unreadable(self, part: QueuePartition, msg: Message, exc: Exception, now_ms: int) -> None:
+        self._dead_letter(msg, exc)
+        part.dead_lettered += 1
+        part.batcher.skip(msg.offset(), now_ms)
 
     def _dead_letter(self, msg: Message, exc: BaseException) -> None:
         record = {
@@ -448,26 +525,63 @@ class QueuePrimary:
         """Worker thread: write an event the listener can never take to the
         dead-letter topic and return once the broker has it (issue 17), so the
         batch is removed only after its dead letters are durable.  Stopping
-        raises ``Interrupted``: the batch stays, and is offered again."""
+        raises ``Interrupted``: the batch stays, and is offered again.
+
+        An event whose body does not decode is kept as that body (``value``,
+        ``event`` null) under its key when the key reads, else no key."""
+        try:
+            entry: EntryEvent | None = event.event
+        except MalformedRecord:
+            entry = None
+        if entry is not None:
+            key: bytes | None = entry.key.encode()
+            value, record_event = entry.value, entry.to_record()
+        else:
+            try:
+                key = event.key.encode()
+            except MalformedRecord:
+                key = None
+            value, record_event = event.body, None
         record = {
             "source_topic": self.topic,
             "source_partition": event.partition,
             "source_offset": event.offset,
-            "key": event.key.encode(),
-            "value": event.raw_value,
+            "key": key,
+            "value": value,
             "reason": reason,
             "error_class": error_class,
-            "event": event.event.to_record(),
+            "event": record_event,
             "service": service,
             "failed_at": int(time.time() * 1000),
         }
-        produce_durably(self._producer, self.dlq_topic, self._codec.encode("DeadLetter", record), event.key.encode(),
+        produce_durably(self._producer, self.dlq_topic, self._codec.encode("DeadLetter", record), key,
                         what=f"dead letter of {self.topic}[{event.partition}]@{event.offset}",
                         stopping=self._stopping)
         # Counted by the loop thread, which owns the partition's counters.
         self._inbox.put(("dead_lettered", event.partition))
-        log.warning("queue %s[%d]@%d (%s) dead-lettered by the listener: %s: %s", self.topic, event.partition,
-                    event.offset, event.event_id, error_class, reason)
+        log.warning("queue %s[%d]@%d (%s) dead-lettered: %s: %s", self.topic, event.partition, event.offset,
+                    entry.event_id if entry is not None else "undecodable", error_class, reason)
+
+    def dead_letter_undecodable(self, batch: Batch[AsyncEvent], service: str,
+                                already: list[AsyncEvent] | tuple[AsyncEvent, ...] = ()) -> bool:
+        """Worker thread, after an offer: the events of ``batch`` a touch found undecodable
+        (their bodies damaged; ``AsyncEvent.decode_error``) go to the dead-letter topic with
+        their reasons, durably, and leave the batch, which goes on without them.  Those
+        ``already`` dead-lettered (the listener's ``Accepted``) are not written twice, and stay:
+        the batch is accepted with them.  True when there were any: a refused offer may then
+        go again at once without them."""
+        bad = undecodable(batch.events)
+        if already:
+            written = {id(e) for e in already}
+            bad = [e for e in bad if id(e) not in written]
+        if not bad:
+            return False
+        for event in bad:
+            error = event.decode_error
+            assert error is not None
+            self.dead_letter_event(event, error.reason, type(error).__name__, service)
+        batch.drop(bad)
+        return True
 
     def _count_dead_letter(self, partition: int) -> None:
         self.stats["dead_lettered"] += 1
@@ -490,7 +604,7 @@ class QueuePrimary:
         wait = 0.05
         if due_ms and self.desired is DesiredState.RUNNING:
             wait = min(wait, min(due_ms) / 1000)
-        if any(p.in_flight for p in self._partitions.values()):
+        if self._removals_unacked or any(p.in_flight for p in self._partitions.values()):
             wait = min(wait, 0.005)
         return wait
 
@@ -520,37 +634,81 @@ class QueuePrimary:
             self._pool.submit(self._offer, part, group)
 
     def _offer(self, part: QueuePartition, group: list[Batch[AsyncEvent]]) -> None:
-        """Worker thread: the same batches until some are accepted, or until dispatch must stop."""
-        attempts = 0
+        """Worker thread: the same batches until some are accepted, or until dispatch must stop.
+        The first offer is made directly; only one that fails builds the retry machinery
+        (tenacity costs ~12 µs a batch even when nothing is retried)."""
+        attempts = 1
         accepted = 0
         first = group[0]
         began = time.monotonic()
         try:
-            for attempt in Retrying(
-                retry=retry_if_exception_type(Exception),
-                wait=wait_exponential(multiplier=0.05, max=self.backoff_max_s),
-                stop=_StopWhen(lambda: self._must_stop_offering(part)),
-                # A stop, pause or revoke cuts the backoff short.
-                sleep=lambda seconds: self._stopping.wait(seconds) and None,
-                before_sleep=lambda state: log.warning(
-                    "queue %s[%d]: batch %d offered again (attempt %d): %s", self.queue_id, part.tp.partition,
-                    first.batch_id, state.attempt_number + 1,
-                    state.outcome.exception() if state.outcome is not None else "?"),
-                reraise=False,
-                retry_error_callback=lambda state: None,
-            ):
-                with attempt:
-                    attempts += 1
-                    accepted = self.deliver_group(part, group)
-                    if accepted <= 0:
-                        raise Refused(f"batch {first.batch_id} not delivered")
+            try:
+                accepted = self._deliver_decodable(part, group)
+                failure: BaseException | None = None if accepted > 0 else Refused(
+                    f"batch {first.batch_id} not delivered")
+            except Exception as exc:
+                failure = exc
+            if failure is not None and not self._must_stop_offering(part):
+                log.warning("queue %s[%d]: batch %d offered again (attempt 2): %s", self.queue_id,
+                            part.tp.partition, first.batch_id, failure)
+                if not self._stopping.wait(self._backoff_s(1)):
+                    accepted, attempts = self._offer_again(part, group)
         except Exception as exc:  # top of a worker: never lose the batch, report it
             log.exception("offering batch %d of partition %d failed: %s", first.batch_id, part.tp.partition, exc)
         finally:
             if accepted > 0:
-                self._batch_duration.record(time.monotonic() - began, self.attributes())
+                self._batch_duration.record(time.monotonic() - began, self._queue_attributes())
             self._inbox.put(("done", _OfferDone(part.tp.partition, group, max(0, accepted), attempts,
                                                 int(time.time() * 1000))))
+
+    def _backoff_s(self, attempts: int) -> float:
+        """The wait after ``attempts`` failed offers: 50 ms, doubling, at most ``backoff_max_s``."""
+        return min(self.backoff_max_s, 0.05 * 2 ** (attempts - 1))
+
+    def _offer_again(self, part: QueuePartition, group: list[Batch[AsyncEvent]]) -> tuple[int, int]:
+        """Worker thread, after a failed first offer: offer the same batches again with backoff
+        until some are accepted or dispatch must stop; (accepted, attempts in all)."""
+        attempts = 1
+        accepted = 0
+        first = group[0]
+        for attempt in Retrying(
+            retry=retry_if_exception_type(Exception),
+            # Attempt n here is the offer's attempt n + 1.
+            wait=lambda state: self._backoff_s(state.attempt_number + 1),
+            stop=_StopWhen(lambda: self._must_stop_offering(part)),
+            # A stop, pause or revoke cuts the backoff short.
+            sleep=lambda seconds: self._stopping.wait(seconds) and None,
+            before_sleep=lambda state: log.warning(
+                "queue %s[%d]: batch %d offered again (attempt %d): %s", self.queue_id, part.tp.partition,
+                first.batch_id, state.attempt_number + 2,
+                state.outcome.exception() if state.outcome is not None else "?"),
+            reraise=False,
+            retry_error_callback=lambda state: None,
+        ):
+            with attempt:
+                attempts += 1
+                accepted = self._deliver_decodable(part, group)
+                if accepted <= 0:
+                    raise Refused(f"batch {first.batch_id} not delivered")
+        return accepted, attempts
+
+    def _queue_attributes(self) -> dict[str, Any]:
+        """``attributes()`` of the whole queue, built once (recorded with every batch's durations)."""
+        if self._attributes is None:
+            self._attributes = self.attributes()
+        return self._attributes
+
+    def _deliver_decodable(self, part: QueuePartition, group: list[Batch[AsyncEvent]]) -> int:
+        """``deliver_group``; when it raised over events a touch found undecodable (a kind of
+        queue that does not catch that itself), they are dead-lettered and the batches go
+        again at once without them.  Each round leaves out at least one event, or ends."""
+        while True:
+            try:
+                return self.deliver_group(part, group)
+            except Exception:
+                service = f"{self.kind} {self.member_id}"
+                if not [b for b in group if self.dead_letter_undecodable(b, service)]:
+                    raise
 
     def _must_stop_offering(self, part: QueuePartition) -> bool:
         return self._stopping.is_set() or part.revoked or self.desired is not DesiredState.RUNNING
@@ -558,17 +716,21 @@ class QueuePrimary:
     # --- results ----------------------------------------------------------------------
 
     def _drain_inbox(self) -> None:
+        """Take the workers' results and the removals' deliveries; then commit, in one request,
+        every partition whose queue head moved (one commit per turn, not per batch)."""
         while True:
             try:
                 kind, item = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                break
             if kind == "done":
                 self._offer_done(item)
             elif kind == "removed":
                 self._removed(*item)
             elif kind == "dead_lettered":
                 self._count_dead_letter(item)
+        if self._commits_due:
+            self._commit_removed()
 
     def _offer_done(self, done: _OfferDone) -> None:
         part = self._partitions.get(done.partition)
@@ -593,26 +755,21 @@ class QueuePrimary:
         # offered again when dispatch may go on.
 
     def _write_removal(self, part: QueuePartition, batch: Batch[AsyncEvent], commit: int) -> None:
-        last = batch.events[-1].event_id.to_record() if batch.events else None
-        record = {
-            "queue_id": self.queue_id,
-            "queue_partition": part.tp.partition,
-            "batch_id": batch.batch_id,
-            "last_removed_offset": commit - 1,
-            "last_event_id": last,
-            "removed_count": len(batch.events),
-            "removed_at": int(time.time() * 1000),
-        }
         partition = part.tp.partition
+        # Written by hand (eventwire.removal_record, equal to fastavro's encoding): once, without
+        # fastavro's validation pass, which cost ~100 µs a batch (PERF-NOTES), or its dictionaries.
+        value = removal_record(self._removal_header, self.queue_id, partition, batch.batch_id, commit - 1,
+                               _last_event_id(batch.events), len(batch.events), int(time.time() * 1000))
 
         def removed(err: KafkaError | None, _msg: Message) -> None:
             self._inbox.put(("removed", (partition, commit, err)))
 
-        self._producer.produce(self.removals_topic, self._codec.encode("RemovalRecord", record),
-                               str(partition).encode(), on_delivery=removed)
-        self._producer.poll(0)
+        # Its delivery is served by the loop's one producer poll per turn.
+        self._producer.produce(self.removals_topic, value, str(partition).encode(), on_delivery=removed)
+        self._removals_unacked += 1
 
     def _removed(self, partition: int, commit: int, err: KafkaError | None) -> None:
+        self._removals_unacked -= 1
         if err is not None:
             # The batch was accepted; without its removal it is offered again
             # after a restart (possibleDuplicate).  Commit nothing now.
@@ -623,11 +780,20 @@ class QueuePrimary:
             return
         part.last_removed_offset = commit - 1
         part.head = commit
+        self._commits_due[partition] = commit
+
+    def _commit_removed(self) -> None:
+        """Commit the group offsets of the partitions whose removals are durable (asynchronously)."""
+        offsets = [TopicPartition(self.topic, p, commit) for p, commit in self._commits_due.items()
+                   if p in self._partitions]
+        self._commits_due = {}
+        if not offsets:
+            return
         assert self._consumer is not None
         try:
-            self._consumer.commit(offsets=[TopicPartition(self.topic, partition, commit)], asynchronous=True)
+            self._consumer.commit(offsets=offsets, asynchronous=True)
         except KafkaException as exc:
-            log.warning("committing partition %d at %d: %s", partition, commit, exc)
+            log.warning("committing %s: %s", ", ".join(f"[{tp.partition}]@{tp.offset}" for tp in offsets), exc)
 
     # --- group callbacks -----------------------------------------------------------------
 
@@ -774,8 +940,8 @@ class QueuePrimary:
         """(queue size, oldest waiting event's age in s) of a partition: the size is the
         end offset the consumer last fetched minus the queue head, which counts
         what is still in Kafka and not read yet."""
-        oldest = part.batcher.oldest()
-        age_s = max(0, now_ms - oldest.event.event_time) / 1000 if oldest is not None else 0.0
+        oldest = _event_time(part.batcher.oldest())
+        age_s = max(0, now_ms - oldest) / 1000 if oldest is not None else 0.0
         waiting = part.batcher.unaccepted
         consumer = self._consumer
         if consumer is None or part.head < 0:
@@ -793,8 +959,8 @@ class QueuePrimary:
         """Geode's alert-threshold: log while the oldest waiting event is older
         than the threshold (when it starts, then every ``alert_repeat_s``), and
         once when it is over."""
-        oldest = part.batcher.oldest() if threshold > 0 else None
-        age = now_ms - oldest.event.event_time if oldest is not None else 0
+        oldest = _event_time(part.batcher.oldest()) if threshold > 0 else None
+        age = now_ms - oldest if oldest is not None else 0
         if oldest is not None and age > threshold:
             now = time.monotonic()
             if part.alerting_since == 0.0 or now - part.alerting_since >= self.alert_repeat_s:
@@ -813,6 +979,39 @@ class QueuePrimary:
                         extra={"alert": "alert_threshold", "alert_over": True, "queue_kind": self.kind,
                                "queue_id": self.queue_id, "partition": part.tp.partition,
                                "alert_threshold_ms": threshold})
+
+
+def _read_older(codec: Any, data: bytes | None) -> tuple[int, bytes]:
+    """(flags, event body) of a record ``queued_flags_body`` left (not of the current QueuedEvent
+    version), through ``read_queued``; ``CodecError`` for one that is no QueuedEvent at all.  A
+    QueuedEvent before flags (v2) said possibleDuplicate in its event alone, so that is read here
+    too: its event is decoded, which only a queue written before an upgrade costs."""
+    view = read_queued(codec, data)
+    flags = view.flags
+    if not flags & FLAG_POSSIBLE_DUPLICATE and decode_entry(view.event_body)[0].possible_duplicate:
+        flags |= FLAG_POSSIBLE_DUPLICATE
+    return flags, view.event_body
+
+
+def _last_event_id(events: list[AsyncEvent]) -> EventID | None:
+    """The EventID of the newest event of a batch whose EventID reads (the removal record names it),
+    read without decoding the event."""
+    for event in reversed(events):
+        try:
+            return event_id_of(event)
+        except MalformedRecord:
+            continue  # damaged, and its listener never looked at it
+    return None
+
+
+def _event_time(event: AsyncEvent | None) -> int | None:
+    """An event's time, None for no event or one whose body does not decode."""
+    if event is None:
+        return None
+    try:
+        return event.event.event_time
+    except MalformedRecord:
+        return None
 
 
 class _StopWhen(stop_base):

@@ -75,22 +75,42 @@ class DispatcherService(QueuePrimary):
         listener = self._listener()
         spans = self._listener_spans(part, batch) if self._tracing else []
         began = time.monotonic()
+        service = f"dispatcher {self.member_id} listener {type(listener).__name__}"
         dead_letters: tuple[DeadLetter, ...] = ()
         try:
-            result = listener.process_events(batch.events)
-            if isinstance(result, Accepted):
-                dead_letters = result.dead_letters
-                self._write_dead_letters(listener, batch, dead_letters)
-                accepted = True
-            else:
-                accepted = bool(result)
+            while True:
+                if not batch.events:
+                    accepted = True  # every event of it was undecodable, and is dead-lettered
+                    break
+                try:
+                    result = listener.process_events(batch.events)
+                except Exception:
+                    # The listener touched an event whose body does not decode (the first touch
+                    # of it): that event is dead-lettered and the rest offered again at once.
+                    if self.dead_letter_undecodable(batch, service):
+                        continue
+                    raise
+                if isinstance(result, Accepted):
+                    dead_letters = result.dead_letters
+                    self._write_dead_letters(listener, batch, dead_letters)
+                    self.dead_letter_undecodable(batch, service, already=[d.event for d in dead_letters])
+                    accepted = True
+                elif result:
+                    # Taken; one it found undecodable and passed over is still not lost unseen.
+                    self.dead_letter_undecodable(batch, service)
+                    accepted = True
+                elif self.dead_letter_undecodable(batch, service):
+                    continue  # refused over an undecodable event: the rest, again, at once
+                else:
+                    accepted = False
+                break
         except Exception as exc:
             for span in spans:
                 span.record_exception(exc)
                 span.set_status(StatusCode.ERROR, str(exc))
             raise
         finally:
-            self._listener_duration.record(time.monotonic() - began, self.attributes())
+            self._listener_duration.record(time.monotonic() - began, self._queue_attributes())
             for span in spans:
                 span.end()
         for span in spans:

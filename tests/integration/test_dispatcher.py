@@ -190,3 +190,67 @@ def test_a_record_that_cannot_be_decoded_is_dead_lettered_and_dispatch_goes_on(
     finally:
         dispatcher.stop()
         region.stop()
+
+
+@pytest.mark.parametrize("listener", ["recording", "sql"])
+def test_an_event_body_that_does_not_decode_is_dead_lettered_at_first_touch_and_the_rest_delivered_once(
+    listener: str, site_a, unique_prefix, tmp_path: Path
+) -> None:
+    """A queue record whose QueuedEvent header and fields are valid but whose event body is damaged, between
+    good ones: the listener's first touch of it finds it; it lands in the dead-letter topic with its reason,
+    and every good event is delivered exactly once, in order (the SQL listener's table holds them all)."""
+    import sqlite3
+
+    from confluent_kafka import Producer
+
+    from regionkit import read_topic
+    from sluice.core.codec import get_codec
+    from sluice.core.events import EntryEvent, Operation, VersionTag
+    from sluice.core.eventwire import entry_event_body, queued_event
+
+    log = tmp_path / "offers.jsonl"
+    if listener == "sql":
+        queue = {"id": "q", "parallel": False, "dispatcher_threads": 1, "batch_size": 10,
+                 "listener": {"type": "python", "class_path": "recording_listener:RecordingSqlListener",
+                              "settings": {"path": str(log), "url": f"sqlite:///{tmp_path}/q.db", "table": "orders"}}}
+    else:
+        queue = _queue("q", log, parallel=False, dispatcher_threads=1, batch_size=10)
+    cfg = write_aeq_site(tmp_path / "site.yaml", site="a", bootstrap=site_a.bootstrap,
+                         prefix=site_a.topic_prefix(unique_prefix), queue=queue)
+    codec = get_codec()
+    now_ms = int(time.time() * 1000)
+    member = f"w-{uuid.uuid4().hex[:6]}"
+    bodies = [entry_event_body(EntryEvent("orders", f"k{i}", Operation.CREATE, b'{"n": %d}' % i,
+                                          EventID(member, 1, i), VersionTag(1, now_ms, 1, member), 1, 0, now_ms))
+              for i in range(25)]
+    damaged_at = 12
+    bodies[damaged_at] = bodies[damaged_at][:-3]  # its last fields cut off: region and key still read
+    producer = Producer({"bootstrap.servers": site_a.bootstrap})
+    for i, body in enumerate(bodies):
+        producer.produce(cfg.topics.queue("q"), queued_event(codec.header("QueuedEvent"), 0, "q", 0, i, now_ms, body),
+                         f"k{i}".encode(), partition=0)
+    assert producer.flush(30) == 0
+    dispatcher = DispatcherProcess(tmp_path / "site.yaml", "q", tmp_path / "dispatcher.log")
+    try:
+        good = {(member, 1, i) for i in range(25) if i != damaged_at}
+        offers = _wait_delivered(log, good)
+        delivered = [e for o in offers if o["accepted"] for e in o["events"]]
+        assert [e[1] for e in delivered] == [i for i in range(25) if i != damaged_at], "each once, in order"
+        dead = read_topic(site_a.bootstrap, cfg.topics.dead_letter("q"), 1)
+        assert len(dead) == 1
+        letter = codec.decode_as("DeadLetter", dead[0][2])
+        assert (letter["source_offset"], letter["key"], letter["value"], letter["event"]) == \
+            (damaged_at, f"k{damaged_at}".encode(), bodies[damaged_at], None)
+        assert letter["error_class"] == "MalformedRecord"
+        assert f"the event at q[0]@{damaged_at} does not decode" in letter["reason"] and "truncated" in letter["reason"]
+        if listener == "sql":
+            with sqlite3.connect(tmp_path / "q.db") as conn:
+                keys = {k for (k,) in conn.execute("SELECT key FROM orders_live")}
+            assert keys == {f"k{i}" for i in range(25) if i != damaged_at}
+        deadline = time.monotonic() + 30
+        while sum(r.size for r in queue_status(cfg, "q")) > 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert sum(r.size for r in queue_status(cfg, "q")) == 0, "the queue drained past the dead letter"
+        assert dispatcher.proc.poll() is None
+    finally:
+        dispatcher.stop()

@@ -1,0 +1,101 @@
+"""Queue records of the previous QueuedEvent version and the current one, read by today's dispatcher
+(issue 18: a queue written before an upgrade is still delivered after it)."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+import uuid
+from pathlib import Path
+
+import fastavro
+import pytest
+from confluent_kafka import Producer
+from fastavro.schema import fingerprint, to_parsing_canonical_form
+
+from sluice.admin.cli import queue_status
+from sluice.core.codec import MARKER, get_codec, schema_dir
+from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
+from sluice.core.eventwire import FLAG_POSSIBLE_DUPLICATE, entry_event_body, queued_event
+
+from recording_listener import read_offers
+from regionkit import DispatcherProcess, write_aeq_site
+
+pytestmark = pytest.mark.timeout(300)
+
+PARTITIONS = 2
+PER_VERSION = 30
+
+
+def _v2_record(event: EntryEvent, partition: int, offset: int) -> bytes:
+    """A QueuedEvent as written before ``flags`` existed: fastavro with avro/history/QueuedEvent.v2.avsc."""
+    schema = fastavro.parse_schema(json.loads((schema_dir() / "history" / "QueuedEvent.v2.avsc").read_text()),
+                                   named_schemas={})
+    buf = io.BytesIO()
+    buf.write(MARKER + bytes.fromhex(fingerprint(to_parsing_canonical_form(schema), "CRC-64-AVRO")))
+    fastavro.schemaless_writer(buf, schema, {"queue_id": "q", "changelog_partition": partition,
+                                             "changelog_offset": offset, "enqueued_at": event.event_time,
+                                             "event": event.to_record()})
+    return buf.getvalue()
+
+
+def _v3_record(event: EntryEvent, partition: int, offset: int) -> bytes:
+    """A QueuedEvent as the region service writes it today: ``flags`` first, the event's body after."""
+    flags = FLAG_POSSIBLE_DUPLICATE if event.possible_duplicate else 0
+    return queued_event(get_codec().header("QueuedEvent"), flags, "q", partition, offset, event.event_time,
+                        entry_event_body(event))
+
+
+def test_a_queue_of_previous_version_records_then_current_ones_is_delivered_once_in_order(
+    site_a, unique_prefix, tmp_path: Path
+) -> None:
+    """Each partition holds QueuedEvent v2 records (no flags), then v3 ones; a dispatcher started on it
+    delivers every event once, in offset order, with possibleDuplicate as each record says it (v2: its
+    event's own flag; v3: the flags field), and the queue drains."""
+    log = tmp_path / "offers.jsonl"
+    queue = {"id": "q", "parallel": False, "dispatcher_threads": PARTITIONS, "batch_size": 7,
+             "listener": {"type": "python", "class_path": "recording_listener:RecordingListener",
+                          "settings": {"path": str(log)}}}
+    cfg = write_aeq_site(tmp_path / "site.yaml", site="a", bootstrap=site_a.bootstrap,
+                         prefix=site_a.topic_prefix(unique_prefix), queue=queue)
+    member = f"w-{uuid.uuid4().hex[:6]}"
+    now_ms = int(time.time() * 1000)
+    expected: dict[int, list[tuple[str, int, bool]]] = {p: [] for p in range(PARTITIONS)}
+    producer = Producer({"bootstrap.servers": site_a.bootstrap})
+    seq = 0
+    for version, write in (("v2", _v2_record), ("v3", _v3_record)):
+        for p in range(PARTITIONS):
+            for i in range(PER_VERSION):
+                duplicate = i % 4 == 1
+                event = EntryEvent("orders", f"{version}-p{p}-k{i}", Operation.UPDATE, b'{"i": %d}' % i,
+                                   EventID(member, p, seq), VersionTag(1, now_ms, i + 1, member), 1, p, now_ms,
+                                   possible_duplicate=duplicate)
+                producer.produce(cfg.topics.queue("q"), write(event, p, len(expected[p])), event.key.encode(),
+                                 partition=p)
+                expected[p].append((event.key, seq, duplicate))
+                seq += 1
+    assert producer.flush(30) == 0
+
+    dispatcher = DispatcherProcess(tmp_path / "site.yaml", "q", tmp_path / "dispatcher.log")
+    try:
+        total = sum(len(v) for v in expected.values())
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            delivered = [e for o in read_offers(str(log)) if o["accepted"] for e in o["events"]]
+            if len(delivered) >= total:
+                break
+            time.sleep(0.2)
+        delivered = [e for o in read_offers(str(log)) if o["accepted"] for e in o["events"]]
+        for p in range(PARTITIONS):
+            got = [(e[2], e[6], e[7]) for e in delivered if e[0] == p]
+            assert [e[1] for e in delivered if e[0] == p] == list(range(len(expected[p]))), f"partition {p} offsets"
+            assert got == expected[p], f"partition {p}: events or their possibleDuplicate differ"
+        deadline = time.monotonic() + 30
+        while sum(r.size for r in queue_status(cfg, "q")) > 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert sum(r.size for r in queue_status(cfg, "q")) == 0
+        print(f"\n{total} events over {PARTITIONS} partitions ({PER_VERSION} v2 then {PER_VERSION} v3 records each), "
+              "each delivered once, in order")
+    finally:
+        dispatcher.stop()

@@ -1,0 +1,344 @@
+"""The queue loop's read path without a broker: records become events of their queued bytes (nothing
+decoded but the flags), possibleDuplicate and the ``routed`` flag are taken from the record, the
+``accepts`` hook sees only unrouted records, and unreadable records or event bodies are dead-lettered
+with their reasons while everything else goes on."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import fastavro
+import pytest
+import yaml
+from fastavro.schema import fingerprint, to_parsing_canonical_form
+
+from sluice.core import asyncevent
+from sluice.core.asyncevent import AsyncEvent
+from sluice.core.batching import Batch, PartitionBatcher
+from sluice.core.codec import MARKER, get_codec, schema_dir
+from sluice.core.config import load_config
+from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
+from sluice.core.eventwire import FLAG_POSSIBLE_DUPLICATE, FLAG_ROUTED, entry_event_body, queued_event
+from sluice.core.kafka import TopicPartition
+from sluice.core.queueloop import QueuePartition, QueuePrimary
+
+QUEUE = "q"
+
+
+class FakeMessage:
+    """What the loop reads of a confluent-kafka Message."""
+
+    def __init__(self, value: bytes | None, partition: int, offset: int, key: bytes | None = b"k") -> None:
+        self._value, self._partition, self._offset, self._key = value, partition, offset, key
+
+    def error(self) -> None:
+        return None
+
+    def value(self) -> bytes | None:
+        return self._value
+
+    def partition(self) -> int:
+        return self._partition
+
+    def offset(self) -> int:
+        return self._offset
+
+    def key(self) -> bytes | None:
+        return self._key
+
+    def topic(self) -> str:
+        return "a.queue.q"
+
+    def headers(self) -> None:
+        return None
+
+
+class FakeProducer:
+    """Acknowledges every record at once."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[str, bytes, bytes | None]] = []
+
+    def produce(self, topic: str, value: bytes, key: bytes | None = None, on_delivery: Any = None,
+                **_: Any) -> None:
+        self.records.append((topic, value, key))
+        if on_delivery is not None:
+            on_delivery(None, None)
+
+    def flush(self, _timeout: float = 0) -> int:
+        return 0
+
+    def poll(self, _timeout: float = 0) -> int:
+        return 0
+
+
+class FakeConsumer:
+    """Records the offsets committed."""
+
+    def __init__(self) -> None:
+        self.commits: list[list[tuple[int, int]]] = []
+
+    def commit(self, offsets: list[TopicPartition], asynchronous: bool = True) -> None:
+        self.commits.append([(tp.partition, tp.offset) for tp in offsets])
+
+
+class Loop(QueuePrimary):
+    kind = "async-event-queue"
+
+
+class Sender(Loop):
+    """A kind of queue with a loop check: keeps events whose key does not start with "x"."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked: list[str] = []
+
+    def accepts(self, event: EntryEvent) -> bool:
+        self.asked.append(event.key)
+        return not event.key.startswith("x")
+
+
+def make_loop(tmp_path: Path, cls: type[QueuePrimary] = Loop, **queue: Any) -> QueuePrimary:
+    path = tmp_path / "site.yaml"
+    path.write_text(yaml.safe_dump({
+        "site": "a", "dsid": 1, "kafka": {"bootstrap_servers": "127.0.0.1:9", "topic_prefix": "a."},
+        "regions": [{"name": "orders", "buckets": 2, "async_event_queues": [QUEUE]}],
+        "async_event_queues": [{"id": QUEUE, "parallel": True, "batch_size": 100,
+                                "listener": {"type": "python", "class_path": "x:Y"}, **queue}],
+    }))
+    cfg = load_config(path)
+    loop = cls(cfg, QUEUE, cfg.queue(QUEUE))
+    loop._producer = FakeProducer()
+    loop._consumer = FakeConsumer()  # type: ignore[assignment]
+    for p in range(2):
+        loop._partitions[p] = QueuePartition(tp=TopicPartition(loop.topic, p),
+                                             batcher=PartitionBatcher(p, loop.policy), duplicate_below=0)
+    return loop
+
+
+def entry(key: str, seq: int, op: Operation = Operation.UPDATE) -> EntryEvent:
+    return EntryEvent(region="orders", key=key, operation=op, value=b'{"n": %d}' % seq,
+                      event_id=EventID("m", 1, seq), version=VersionTag(1, 1_700_000_000_000, seq, "m"),
+                      origin_dsid=1, bucket=0, event_time=1_700_000_000_000)
+
+
+def record(event: EntryEvent | bytes, flags: int = 0) -> bytes:
+    body = event if isinstance(event, bytes) else entry_event_body(event)
+    return queued_event(get_codec().header("QueuedEvent"), flags, QUEUE, 0, 5, 1_700_000_000_000, body)
+
+
+def waiting(loop: QueuePrimary, partition: int = 0) -> Batch[AsyncEvent]:
+    batch = loop._partitions[partition].batcher.take(0, force=True)
+    assert batch is not None
+    return batch
+
+
+def dead_letters(loop: QueuePrimary) -> list[dict[str, Any]]:
+    return [get_codec().decode_as("DeadLetter", value) for topic, value, _ in loop._producer.records
+            if topic == loop.dlq_topic]
+
+
+@pytest.fixture()
+def decodes(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    seen: list[bytes] = []
+    real = asyncevent.decode_entry
+    monkeypatch.setattr(asyncevent, "decode_entry", lambda body, pos=0: seen.append(body) or real(body, pos))
+    return seen
+
+
+def test_records_become_events_of_their_bytes_with_possible_duplicate_from_the_flag_or_the_offset(
+        tmp_path: Path, decodes: list[bytes]) -> None:
+    """Each record is an event of its queued body, not decoded; possibleDuplicate is the flag's bit, or
+    set for offsets a previous primary may have offered (below ``duplicate_below``)."""
+    loop = make_loop(tmp_path)
+    loop._partitions[0].duplicate_below = 2
+    values = [record(entry(f"k{i}", i), FLAG_POSSIBLE_DUPLICATE if i == 3 else 0) for i in range(5)]
+    loop._read([FakeMessage(v, 0, i) for i, v in enumerate(values)], now_ms=0)
+    batch = waiting(loop)
+    assert [(e.offset, e.possible_duplicate) for e in batch.events] == \
+        [(0, True), (1, True), (2, False), (3, True), (4, False)]
+    assert [e.body for e in batch.events] == [entry_event_body(entry(f"k{i}", i)) for i in range(5)]
+    assert decodes == [], "nothing was decoded on the read path"
+    assert batch.events[4].event == entry("k4", 4)
+
+
+def test_the_loop_check_sees_only_records_the_region_did_not_route(tmp_path: Path,
+                                                                   decodes: list[bytes]) -> None:
+    """``accepts`` is asked about records without the routed flag only (decoding those); a routed record
+    is never decoded for it; a refused event is left out and its offset still covered."""
+    loop = make_loop(tmp_path, Sender)
+    events = [entry("a", 0), entry("x-looped", 1), entry("x-routed", 2), entry("b", 3)]
+    flags = [0, 0, FLAG_ROUTED, FLAG_ROUTED]
+    loop._read([FakeMessage(record(e, f), 0, i) for i, (e, f) in enumerate(zip(events, flags))], now_ms=0)
+    assert loop.asked == ["a", "x-looped"]  # type: ignore[attr-defined]
+    assert len(decodes) == 2
+    batch = waiting(loop)
+    assert [e.key for e in batch.events] == ["a", "x-routed", "b"] and batch.commit_offset == 4
+    assert loop.stats["filtered"] == 1
+
+
+def test_a_queue_without_a_loop_check_never_decodes_for_one(tmp_path: Path, decodes: list[bytes]) -> None:
+    """An async event queue (``accepts`` left as it is) reads unrouted records without decoding them."""
+    loop = make_loop(tmp_path)
+    loop._read([FakeMessage(record(entry("a", 0)), 1, 0)], now_ms=0)
+    assert decodes == [] and len(waiting(loop, 1).events) == 1
+
+
+def test_records_that_are_not_queued_events_are_dead_lettered_and_the_rest_read_on(tmp_path: Path) -> None:
+    """A record of no known schema, a truncated QueuedEvent and an empty value each go to the dead-letter
+    topic with their record bytes and reason; the events around them are read and their offsets covered."""
+    loop = make_loop(tmp_path)
+    good = record(entry("a", 0))
+    bad = [b"\x00not avro at all", good[:14], None]
+    msgs = [FakeMessage(good, 0, 0), *(FakeMessage(v, 0, i + 1) for i, v in enumerate(bad)),
+            FakeMessage(record(entry("b", 4)), 0, 4)]
+    loop._read(msgs, now_ms=0)
+    letters = dead_letters(loop)
+    assert [(d["source_offset"], d["value"]) for d in letters] == [(1, bad[0]), (2, bad[1]), (3, None)]
+    assert "marker" in letters[0]["reason"] and "truncated" in letters[1]["reason"]
+    assert all(d["error_class"] == "MalformedRecord" for d in letters) and letters[2]["reason"]
+    batch = waiting(loop)
+    assert [e.key for e in batch.events] == ["a", "b"] and batch.commit_offset == 5
+    assert loop._partitions[0].dead_lettered == 3
+
+
+def test_with_conflation_an_undecodable_event_body_is_dead_lettered_when_read(tmp_path: Path) -> None:
+    """Batch conflation reads each event's key and operation: a record whose QueuedEvent fields are valid
+    but whose event's operation does not read is dead-lettered at once with its reason, the update before
+    and after it conflated as usual."""
+    loop = make_loop(tmp_path, batch_conflation=True)
+    damaged = bytearray(entry_event_body(entry("a", 1)))
+    damaged[len("orders") + 1 + len("a") + 1] = 0x7E
+    values = [record(entry("a", 0)), record(bytes(damaged)), record(entry("a", 2))]
+    loop._read([FakeMessage(v, 0, i) for i, v in enumerate(values)], now_ms=0)
+    [letter] = dead_letters(loop)
+    assert letter["source_offset"] == 1 and letter["value"] == values[1]
+    assert "EntryEvent.operation: symbol 63" in letter["reason"]
+    batch = waiting(loop)
+    assert [e.offset for e in batch.events] == [2] and batch.conflated == 1 and batch.commit_offset == 3
+
+
+def test_records_of_the_previous_queued_event_version_read_with_their_events_possible_duplicate(
+        tmp_path: Path) -> None:
+    """A QueuedEvent written with avro/history/QueuedEvent.v2.avsc (no flags) reads through schema
+    resolution: the same event, possibleDuplicate as its event says (how v2 said it), never routed."""
+    loop = make_loop(tmp_path, Sender)
+    old = fastavro.parse_schema(json.loads((schema_dir() / "history" / "QueuedEvent.v2.avsc").read_text()),
+                                named_schemas={})
+    header = MARKER + bytes.fromhex(fingerprint(to_parsing_canonical_form(old), "CRC-64-AVRO"))
+    events = [entry("a", 0), entry("b", 1).as_possible_duplicate()]
+    msgs = []
+    for i, event in enumerate(events):
+        buf = io.BytesIO()
+        buf.write(header)
+        fastavro.schemaless_writer(buf, old, {"queue_id": QUEUE, "changelog_partition": 0, "changelog_offset": i,
+                                              "enqueued_at": 1, "event": event.to_record()})
+        msgs.append(FakeMessage(buf.getvalue(), 0, i))
+    loop._read([*msgs, FakeMessage(record(entry("c", 2), FLAG_ROUTED), 0, 2)], now_ms=0)
+    batch = waiting(loop)
+    assert [e.event for e in batch.events] == [*events, entry("c", 2)]
+    assert [e.possible_duplicate for e in batch.events] == [False, True, False]
+    assert loop.asked == ["a", "b"]  # type: ignore[attr-defined]
+
+
+def test_events_found_undecodable_during_an_offer_are_dead_lettered_once_and_leave_the_batch(
+        tmp_path: Path) -> None:
+    """After an offer, the events a touch found undecodable go to the dead-letter topic (their body, the
+    key when it reads, the reason) and leave the batch; one the listener dead-lettered itself is not
+    written twice (it stays, like any of its dead letters); a batch with none is left as it is."""
+    loop = make_loop(tmp_path)
+    damaged = entry_event_body(entry("b", 1))[:-2]
+    loop._read([FakeMessage(record(entry("a", 0)), 0, 0), FakeMessage(record(damaged), 0, 1),
+                FakeMessage(record(damaged), 0, 2), FakeMessage(record(entry("c", 3)), 0, 3)], now_ms=0)
+    batch = waiting(loop)
+    assert not loop.dead_letter_undecodable(batch, "test")
+    for e in batch.events:
+        try:
+            e.value
+        except Exception:
+            pass
+    assert loop.dead_letter_undecodable(batch, "test", already=[batch.events[2]])
+    [letter] = dead_letters(loop)
+    assert (letter["source_offset"], letter["key"], letter["value"], letter["event"]) == (1, b"b", damaged, None)
+    assert "does not decode" in letter["reason"] and letter["service"] == "test"
+    assert [e.offset for e in batch.events] == [0, 2, 3] and batch.commit_offset == 4
+    loop._drain_inbox()
+    assert loop.stats["dead_lettered"] == 1
+
+
+def test_the_removal_record_names_the_newest_event_id_it_can_read(tmp_path: Path, decodes: list[bytes]) -> None:
+    """The removal record of an accepted batch is written once, as fastavro would, naming the EventID of the
+    newest event whose EventID reads, without decoding any event (one cut off before its EventID, never
+    looked at by its listener, is passed over); its delivery commits the partition once."""
+    loop = make_loop(tmp_path)
+    loop._read([FakeMessage(record(entry("a", 0)), 0, 0), FakeMessage(record(entry("b", 1)), 0, 1),
+                FakeMessage(record(entry_event_body(entry("c", 2))[:12]), 0, 2)], now_ms=0)
+    part = loop._partitions[0]
+    batch = waiting(loop)
+    loop._write_removal(part, batch, part.batcher.accepted())
+    [(topic, value, key)] = loop._producer.records
+    removal = get_codec().decode_as("RemovalRecord", value)
+    assert (topic, key) == (loop.removals_topic, b"0")
+    assert removal["last_removed_offset"] == 2 and removal["removed_count"] == 3
+    assert removal["last_event_id"] == EventID("m", 1, 1).to_record()
+    assert decodes == []
+    loop._drain_inbox()
+    assert part.last_removed_offset == 2 and loop._consumer.commits == [[(0, 3)]]  # type: ignore[union-attr]
+
+
+class Scripted(Loop):
+    """deliver_group answers from a script: an exception to raise, or how many batches were delivered;
+    with ``touch``, it first reads every event's value, as a listener would."""
+
+    script: list[Any] = []
+    touch = False
+
+    def deliver_group(self, part: QueuePartition, batches: list[Batch[AsyncEvent]]) -> int:
+        self.offers = getattr(self, "offers", []) + [[e.offset for b in batches for e in b.events]]
+        if self.touch:
+            for b in batches:
+                for e in b.events:
+                    e.value
+        answer = self.script.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return int(answer)
+
+
+def test_a_refused_or_failing_offer_goes_again_until_accepted_and_counts_its_attempts(tmp_path: Path) -> None:
+    """The first offer is made directly; one that raises, then one refused, are made again with backoff,
+    the very same events each time, until accepted; the loop hears of it once, with 3 attempts."""
+    loop = make_loop(tmp_path, Scripted)
+    loop.backoff_max_s = 0.001
+    loop.script = [RuntimeError("database away"), 0, 1]  # type: ignore[attr-defined]
+    loop._read([FakeMessage(record(entry(f"k{i}", i)), 0, i) for i in range(3)], now_ms=0)
+    part = loop._partitions[0]
+    batch = waiting(loop)
+    loop._offer(part, [batch])
+    kind, done = loop._inbox.get_nowait()
+    assert kind == "done" and (done.accepted, done.attempts) == (1, 3)
+    assert loop.offers == [[0, 1, 2]] * 3  # type: ignore[attr-defined]
+
+
+def test_an_offer_that_fails_over_an_undecodable_event_goes_on_at_once_without_it(tmp_path: Path) -> None:
+    """A kind of queue whose delivery touches an undecodable event and raises: the event is dead-lettered
+    with its reason and the batch offered again at once without it, within the first attempt."""
+    loop = make_loop(tmp_path, Scripted)
+    loop.touch = True  # type: ignore[attr-defined]
+    loop.script = [1]  # type: ignore[attr-defined]
+    loop._read([FakeMessage(record(entry("a", 0)), 0, 0),
+                FakeMessage(record(entry_event_body(entry("b", 1))[:-2]), 0, 1),
+                FakeMessage(record(entry("c", 2)), 0, 2)], now_ms=0)
+    part = loop._partitions[0]
+    batch = waiting(loop)
+    loop._offer(part, [batch])
+    items = [loop._inbox.get_nowait() for _ in range(loop._inbox.qsize())]
+    assert [kind for kind, _ in items] == ["dead_lettered", "done"]
+    done = items[1][1]
+    assert (done.accepted, done.attempts) == (1, 1)
+    assert loop.offers == [[0, 1, 2], [0, 2]]  # type: ignore[attr-defined]
+    [letter] = dead_letters(loop)
+    assert letter["source_offset"] == 1 and "does not decode" in letter["reason"]
