@@ -10,10 +10,22 @@ is a round trip to the remote site, through Kafka only:
 2. ``deliver_group`` writes up to ``max_batches_in_flight`` batches of a
    queue partition, each as one ``GatewayBatch`` (what the before_transmit
    filters let through), into the remote site's inbound topic, each durable
-   before the next is written, keyed ``<dsid>/<sender>/<queue partition>``; every
-   event now carries this site and every site this region's senders send to
-   in ``visited_dsids``, so the receiving site forwards it nowhere those
-   already get it from here.
+   before the next is written, keyed ``<dsid>/<sender>/<queue partition>``.
+   The events go as the EntryEvent bodies they were queued as, not decoded
+   (GatewayBatch version 3, ``eventwire.gateway_batch``), with what this
+   sender changes beside them: which are possibleDuplicate, and per region
+   the sites to add to their ``visited_dsids`` (this site and every site the
+   region's senders send to), so that the receiving site forwards them
+   nowhere those already get them from here.  A receiver says in its acks
+   which versions it reads (``batch_versions``): until the receiver of a
+   queue partition's inbound partition has said it reads version 3, and
+   again after an ack timeout (a receiver rolled back to a release that does
+   not read it dead-letters such a batch and never acknowledges it), the
+   partition's batches are written as version 2, the events as records with
+   those changes spliced in (``eventwire.gateway_batch_v2``).  Only then,
+   or for the before_transmit filters when configured, are the events
+   decoded (on first touch); one that turns out not to decode is
+   dead-lettered with its reason and left out of the batch.
    A signing site (``gateway_private_key``) signs each batch's record bytes
    as written (Ed25519, record headers; core/signing.py), at every send,
    with ``created_at`` stamped anew each time: the receiver refuses a batch
@@ -30,7 +42,8 @@ is a round trip to the remote site, through Kafka only:
    the loop's status pass logs an alert while its oldest event is older than
    ``alert_threshold_ms``.
 4. An ack with exceptions still removes the batch: each failed event goes to
-   the queue's dead-letter topic with its exception, durably, first.
+   the queue's dead-letter topic with its exception, durably, first (decoded
+   for it; one that does not decode goes as its body).
 
 Batch ids must grow across primaries, because the receiver acknowledges a
 batch id it has seen without applying it again.  A new primary of a queue
@@ -64,8 +77,16 @@ from ..core import telemetry
 from ..core.asyncevent import AsyncEvent
 from ..core.batching import Batch
 from ..core.config import SiteConfig
-from ..core.errors import BadSignature, CodecError, ConfigError, SluiceError
+from ..core.errors import BadSignature, CodecError, ConfigError, MalformedRecord, SluiceError
 from ..core.events import EntryEvent, goes_to_gateway
+from ..core.eventwire import (
+    BATCH_VERSION_BODIES,
+    decode_entry,
+    gateway_batch,
+    gateway_batch_v2,
+    splice_entry,
+    visited_after,
+)
 from ..core.kafka import (
     OFFSET_END,
     KafkaException,
@@ -92,6 +113,17 @@ EPOCH_SHIFT = 32
 EPOCH_MAX = (1 << (63 - EPOCH_SHIFT)) - 1
 #: An alert that goes on is logged again this often.
 ALERT_REPEAT_S = 30.0
+#: The GatewayBatch version every receiver reads: events as records.
+BATCH_VERSION_RECORDS = 2
+
+
+def _decodes(event: AsyncEvent) -> bool:
+    """Whether an event's body decodes (decoding it, once: it is kept, and so is why it does not)."""
+    try:
+        event.event  # noqa: B018 - decoded on first touch
+    except MalformedRecord:
+        return False
+    return True
 
 
 def epoch_marker_key(partition: int) -> bytes:
@@ -135,11 +167,15 @@ class GatewaySenderService(QueuePrimary):
         self.remote_acks = remote_names.gateway_acks()
         self.ack_timeout_s = sender.socket_read_timeout_ms / 1000 if sender.socket_read_timeout_ms else \
             self.default_ack_timeout_s
-        # Every site this site's senders of a region send to: none of them gets
+        # What every event of a region gets in visited_dsids, its origin aside (GatewayBatch.visited_added):
+        # this site and every site this site's senders of the region send to, so that none of them gets
         # the event from the receiving site again.
-        self._targets_by_region = {
-            r.name: {cfg.sender(s).remote_dsid for s in r.gateway_senders} for r in cfg.regions
-        }
+        self._visited_added = {r.name: sorted({cfg.dsid} | {cfg.sender(s).remote_dsid for s in r.gateway_senders})
+                               for r in cfg.regions}
+        self._batch_header = self._codec.header("GatewayBatch")
+        # Per queue partition: the GatewayBatch version its inbound partition's receiver reads, as its
+        # latest ack said (version 2 until one says more); guarded by _acked.
+        self._batch_versions: dict[int, int] = {}
         self._remote_producer: Any = None
         self._ack_reader: Any = None
         self._ack_thread: threading.Thread | None = None
@@ -173,6 +209,8 @@ class GatewaySenderService(QueuePrimary):
         self._signer: Signer | None = site_signer(cfg)
         self._ack_verifier: Verifier | None = site_verifier(cfg, [self.remote_dsid])
         self._ack_key_prefix = f"{cfg.dsid}/{sender_id}/".encode()
+        #: Who wrote a dead letter, as its record says.
+        self._service = f"sender {self.member_id}"
         telemetry.observe(telemetry.ALERTS, self._read_gateway_alerts)
 
     def _read_gateway_alerts(self) -> telemetry.Reading:
@@ -267,7 +305,12 @@ class GatewaySenderService(QueuePrimary):
             self._unverified_ack(msg, BadSignature("receiver_dsid", ack["receiver_dsid"], f"an ack in dsid "
                                                    f"{self.remote_dsid}'s acks topic names another site"))
             return
+        version = BATCH_VERSION_BODIES if BATCH_VERSION_BODIES in ack["batch_versions"] else BATCH_VERSION_RECORDS
         with self._acked:
+            if self._batch_versions.get(ack["queue_partition"], BATCH_VERSION_RECORDS) != version:
+                log.info("sender %s[%d]: dsid %d's receiver reads GatewayBatch version %d; batches go as version %d",
+                         self.queue_id, ack["queue_partition"], self.remote_dsid, version, version)
+                self._batch_versions[ack["queue_partition"]] = version
             entry = self._in_flight.get((ack["queue_partition"], ack["batch_id"]))
             # A batch read twice by the receiver (a crash before its commit) is acknowledged twice: the
             # ack that applied it, then duplicate_batch.  The first one tells what happened.
@@ -488,31 +531,34 @@ class GatewaySenderService(QueuePrimary):
             resend = batch.redeliveries > 0 or (partition, batch.batch_id) in self._sent
             # Before the write: one that times out may still land, and the next is then a resend.
             self._sent.add((partition, batch.batch_id))
+            version = self._batch_versions.get(partition, BATCH_VERSION_RECORDS)
         wire_id = self._wire_id(partition, batch.batch_id)
         key = f"{self.cfg.dsid}/{self.queue_id}/{partition}"
+        if self._filters.at_transmit or version < BATCH_VERSION_BODIES:
+            # The filters touch the events, and version 2 carries them as records: each is decoded, and
+            # one that does not decode is dead-lettered and leaves the batch for good.
+            for e in batch.events:
+                _decodes(e)
+            self.dead_letter_undecodable(batch, self._service)
+        events: list[AsyncEvent] = batch.events
         if self._filters.at_transmit:
-            events = [e for e in batch.events if self._filters.transmits(e)]
+            events = [e for e in events if self._filters.transmits(e)]
             self.stats["filtered_at_transmit"] += len(batch.events) - len(events)
-        else:
-            events = batch.events
-        record = {
-            "sender_id": self.queue_id,
-            "source_dsid": self.cfg.dsid,
-            "target_dsid": self.remote_dsid,
-            "queue_partition": partition,
-            "batch_id": wire_id,
-            "first_offset": batch.first_offset,
-            "last_offset": batch.last_offset,
-            "possible_duplicate": resend,
+        fields = {
+            "sender_id": self.queue_id, "source_dsid": self.cfg.dsid, "target_dsid": self.remote_dsid,
+            "queue_partition": partition, "batch_id": wire_id, "first_offset": batch.first_offset,
+            "last_offset": batch.last_offset, "possible_duplicate": resend,
             # Stamped at every send: the receiver refuses a batch older than receiver.batch_max_age_ms.
             "created_at": int(time.time() * 1000),
-            "events": [self._outgoing(e, resend) for e in events],
-            "signature": None,  # no longer written: the signature is in the record headers
         }
+        if version >= BATCH_VERSION_BODIES:
+            value = gateway_batch(self._batch_header, **fields, bodies=[e.body for e in events],
+                                  duplicate_events=[i for i, e in enumerate(events) if e.possible_duplicate],
+                                  visited_added=self._visited_added)
+        else:
+            value = gateway_batch_v2(**fields, bodies=[self._outgoing(e, resend) for e in events])
         inbound_partition = self._inbound_partition(partition)
         spans, headers = self._send_spans(part, batch, events) if self._tracing else ([], None)
-        # Built from typed events: encoded without the validation pass.
-        value = self._codec.encode("GatewayBatch", record, validate=False)
         if self._signer is not None:
             # Over the bytes exactly as written, once per send.
             headers = (headers or []) + self._signer.headers(value)
@@ -556,8 +602,12 @@ class GatewaySenderService(QueuePrimary):
             if parent is None:
                 lines.append("")
                 continue
+            try:
+                key = e.key
+            except MalformedRecord:
+                key = ""  # its receiver finds out, and its ack says so
             span = telemetry.start_span("gateway.send", parent=parent, kind=SpanKind.PRODUCER,
-                                        attributes={**attributes, "sluice.key": e.key})
+                                        attributes={**attributes, "sluice.key": key})
             spans.append(span)
             lines.append(telemetry.traceparent_of(span) or "")
         if not spans:
@@ -573,6 +623,9 @@ class GatewaySenderService(QueuePrimary):
                 if time.monotonic() > end:
                     log.warning("sender %s[%d]: no ack for batch %d in %.1fs; it will be sent again",
                                 self.queue_id, partition, entry.wire_id, self.ack_timeout_s)
+                    # A receiver that does not read the version sent dead-letters it and never answers: the
+                    # partition goes back to the version every receiver reads until an ack says more.
+                    self._batch_versions.pop(partition, None)
                     return False
                 if self._stopping.is_set() or part.revoked or self.desired is not DesiredState.RUNNING:
                     why = "stopping" if self._stopping.is_set() else "partition revoked" if part.revoked \
@@ -588,21 +641,28 @@ class GatewaySenderService(QueuePrimary):
         ack, sent = entry.ack, entry.sent
         assert ack is not None and sent is not None
         self.stats["acks"] += 1
-        if ack["exceptions"]:
-            self._dead_letter_exceptions(sent, ack)
+        for exc in ack["exceptions"]:
+            # Each refused event, with its exception, durably in the dead-letter topic before the batch is removed.
+            if 0 <= exc["index"] < len(sent):
+                self.dead_letter_event(sent[exc["index"]], f"dsid {self.remote_dsid} refused it: "
+                                       f"{exc['exception_class']}: {exc['message']}", exc["exception_class"],
+                                       self._service)
+                self.stats["event_exceptions"] += 1
         with self._acked:
             self._in_flight.pop((partition, entry.wire_id), None)
             self._sent.discard((partition, batch.batch_id))
         if self._filters.after_ack:
-            self._filters.acknowledged(sent)
+            # They touch the events: one the remote site could not read either is left out.
+            self._filters.acknowledged([e for e in sent if _decodes(e)])
 
-    def _outgoing(self, e: AsyncEvent, resend: bool) -> dict[str, Any]:
-        record = e.event.to_record()
-        visited = set(e.event.visited_dsids) | {self.cfg.dsid} | self._targets_by_region.get(e.region, set())
-        visited.discard(e.event.origin_dsid)
-        record["visited_dsids"] = sorted(visited)
-        record["possible_duplicate"] = e.possible_duplicate or resend
-        return record
+    def _outgoing(self, e: AsyncEvent, resend: bool) -> bytes:
+        """An event (one that decodes) as a version-2 batch carries it: its body with this sender's
+        changes spliced in (visited sites, possibleDuplicate)."""
+        body = e.body
+        event, layout = decode_entry(body)
+        added = self._visited_added.get(event.region, (self.cfg.dsid,))
+        return splice_entry(body, layout, possible_duplicate=e.possible_duplicate or resend,
+                            visited_dsids=visited_after(event.visited_dsids, added, event.origin_dsid))
 
     def alert_threshold_ms(self) -> int:
         return self.sender.alert_threshold_ms
@@ -612,32 +672,8 @@ class GatewaySenderService(QueuePrimary):
     def batch_counts(self) -> tuple[int, int, int]:
         return self.stats["batches_sent"], self.stats["acks"], self.stats["resends"]
 
-    def dead_lettered_count(self) -> int:
-        return self.stats["dead_lettered"] + self.stats["event_exceptions"]
-
     def attributes(self, partition: int | None = None) -> dict[str, Any]:
         return {**super().attributes(partition), "sluice.remote.dsid": self.remote_dsid}
-
-    def _dead_letter_exceptions(self, sent: list[AsyncEvent], ack: dict[str, Any]) -> None:
-        """Failed events, with their exceptions, go to the dead-letter topic before the batch is removed."""
-        for exc in ack["exceptions"]:
-            index = exc["index"]
-            if not 0 <= index < len(sent):
-                continue
-            e = sent[index]
-            record = {
-                "source_topic": self.topic, "source_partition": e.partition, "source_offset": e.offset,
-                "key": e.key.encode(), "value": e.event.value,
-                "reason": f"dsid {self.remote_dsid} refused it: {exc['exception_class']}: {exc['message']}",
-                "error_class": exc["exception_class"], "event": e.event.to_record(),
-                "service": f"sender {self.member_id}", "failed_at": int(time.time() * 1000),
-            }
-            produce_durably(self._producer, self.dlq_topic, self._codec.encode("DeadLetter", record),
-                            e.key.encode(), what=f"dead letter of refused event {e.event_id}",
-                            stopping=self._stopping)
-            self.stats["event_exceptions"] += 1
-            log.warning("sender %s: event %s refused by dsid %d: %s: %s", self.queue_id, e.event_id,
-                        self.remote_dsid, exc["exception_class"], exc["message"])
 
     def release(self) -> None:
         if self._ack_thread is not None:

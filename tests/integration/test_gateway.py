@@ -17,6 +17,7 @@ from sluice.client import RegionClient
 from sluice.core.codec import get_codec
 from sluice.core.config import load_config
 from sluice.core.events import EventID
+from sluice.core.eventwire import read_gateway_batch
 from sluice.core.processes import ReceiverProcess, SenderProcess
 from sluice.core.topics import apply_topics
 
@@ -293,11 +294,11 @@ def test_three_sites_apply_every_event_once_and_nothing_circulates(topology, sit
             ids = [(r["event_id"]["member_id"], r["event_id"]["thread_id"], r["event_id"]["sequence_id"])
                    for r in records]
             assert len(ids) == len(written) == len(set(ids)), f"site {site}: {len(ids)} applications"
-            batches = [codec.decode_as("GatewayBatch", v) for _, _, v in
+            batches = [read_gateway_batch(codec, v) for _, _, v in
                        read_topic(site_a.bootstrap, cfgs[site].topics.gateway_inbound(), 2)]
             for batch in batches:
-                for event in batch["events"]:
-                    assert event["origin_dsid"] != DSIDS[site], f"an event of {site} came back to it"
+                for event in batch.events():
+                    assert event.origin_dsid != DSIDS[site], f"an event of {site} came back to it"
         print(f"\n{topology}: {len(written)} writes, each applied exactly once at each of 3 sites")
     finally:
         for proc in reversed(procs):

@@ -16,6 +16,7 @@ from sluice.admin.cli import queue_status, set_state
 from sluice.client import RegionClient
 from sluice.core import sitekeys
 from sluice.core.config import load_config
+from sluice.core.eventwire import read_gateway_batch
 from sluice.core.processes import ReceiverProcess, RegionProcess, SenderProcess
 from sluice.core.topics import apply_topics
 
@@ -186,14 +187,14 @@ def test_group_transaction_events_keeps_a_put_all_of_one_bucket_in_one_batch(sit
         _wait("B has every key", lambda: len(_values(b, everything)) == len(everything))
 
         codec = get_codec()
-        batches = [codec.decode_as("GatewayBatch", v) for _, _, v in
+        batches = [read_gateway_batch(codec, v) for _, _, v in
                    read_topic(site_a.bootstrap, cfg_b.topics.gateway_inbound(), 2)]
-        keys_per_batch = [[e["key"] for e in batch["events"]] for batch in batches if batch["queue_partition"] == 3]
+        keys_per_batch = [[e.key for e in batch.events()] for batch in batches if batch.queue_partition == 3]
         holding = [ks for ks in keys_per_batch if set(ks) & set(same_bucket)]
         assert len(holding) == 1 and set(same_bucket) <= set(holding[0]), \
             f"the put_all was split over {len(holding)} batches: {[len(ks) for ks in holding]}"
-        marks = [e["transaction"] for batch in batches for e in batch["events"] if e["key"] in same_bucket]
-        assert len({m["id"] for m in marks}) == 1 and [m["last"] for m in marks].count(True) == 1
+        marks = [e.transaction for batch in batches for e in batch.events() if e.key in same_bucket]
+        assert len({m[0] for m in marks}) == 1 and [m[1] for m in marks].count(True) == 1
         others = [ks for ks in keys_per_batch if ks is not holding[0]]
         assert all(len(ks) <= 5 for ks in others), f"batches beyond batch_size: {others}"
         print(f"\nput_all of {len(same_bucket)} keys in one batch; {len(others)} other batches of ≤ 5")

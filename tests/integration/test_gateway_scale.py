@@ -35,6 +35,7 @@ from sluice.client import RegionClient
 from sluice.core.codec import get_codec
 from sluice.core.config import SiteConfig, load_config
 from sluice.core.events import EventID
+from sluice.core.eventwire import read_gateway_batch
 from sluice.core.processes import ReceiverProcess, SenderProcess
 from sluice.core.topics import apply_topics
 
@@ -340,17 +341,17 @@ def test_a_to_b_100k_mixed_operations_parallel_and_serial(site_a, unique_prefix,
 
         # Where the time went: the gateway batches B received, and B's acks.
         codec = get_codec()
-        batches = [codec.decode_as("GatewayBatch", v) for _, _, v in
+        batches = [read_gateway_batch(codec, v) for _, _, v in
                    read_topic(bootstrap, cfg_b.topics.gateway_inbound(), 4)]
         acks = [codec.decode_as("GatewayAck", v) for _, _, v in read_topic(bootstrap, cfg_b.topics.gateway_acks(), 4)]
         by_sender: dict[str, list[int]] = defaultdict(list)
         for batch in batches:
-            by_sender[batch["sender_id"]].append(len(batch["events"]))
+            by_sender[batch.sender_id].append(len(batch.bodies))
         acked_at = {(a["sender_id"], a["queue_partition"], a["batch_id"]): a["acked_at"] for a in acks}
         # created_at is set as the batch is sent: this is the round trip through the remote site.
-        round_trips_ms = [acked_at[k] - b["created_at"] for b in batches
-                          if (k := (b["sender_id"], b["queue_partition"], b["batch_id"])) in acked_at]
-        resent = sum(1 for b in batches if b["possible_duplicate"])
+        round_trips_ms = [acked_at[k] - b.created_at for b in batches
+                          if (k := (b.sender_id, b.queue_partition, b.batch_id)) in acked_at]
+        resent = sum(1 for b in batches if b.possible_duplicate)
         duplicate_acks = sum(1 for a in acks if a["duplicate_batch"])
         stats_b = region_b.stats()
         print(f"\n{OPERATIONS} operations on A ({dict(operations)}) by {WRITERS} writers in {written_s:.1f} s "
@@ -532,18 +533,18 @@ def test_mesh_listeners_see_one_create_per_key_and_each_inbound_event_once_from_
                     f"{site}: {key} seen as {events[0]}, created as {created[key]}"
 
             # The inbound topic: each remote event once, in a batch from its origin; never a local one.
-            batches = [codec.decode_as("GatewayBatch", v) for _, _, v in
+            batches = [read_gateway_batch(codec, v) for _, _, v in
                        read_topic(bootstrap, cfgs[site].topics.gateway_inbound(), MESH_INBOUND_PARTITIONS)]
-            per_source = Counter(b["source_dsid"] for b in batches)
+            per_source = Counter(b.source_dsid for b in batches)
             received: Counter[EventID] = Counter()
             inbound_repeats = 0
             for batch in batches:
-                for event in batch["events"]:
-                    eid = EventID.from_record(event["event_id"])
-                    assert event["origin_dsid"] == batch["source_dsid"] != DSIDS[site], \
-                        f"{site}: event {eid} of dsid {event['origin_dsid']} came from dsid {batch['source_dsid']}"
+                for event in batch.events():
+                    eid = event.event_id
+                    assert event.origin_dsid == batch.source_dsid != DSIDS[site], \
+                        f"{site}: event {eid} of dsid {event.origin_dsid} came from dsid {batch.source_dsid}"
                     if received[eid]:
-                        assert batch["possible_duplicate"], f"{site}: {eid} received twice, not possibleDuplicate"
+                        assert batch.possible_duplicate, f"{site}: {eid} received twice, not possibleDuplicate"
                         inbound_repeats += 1
                     received[eid] += 1
             remote = {c.event_id for c in created.values() if c.site != site}
