@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import re2
 
@@ -86,20 +86,38 @@ class Delivery(str, enum.Enum):
     INVALIDATES = "invalidates"
 
 
-def match_any(patterns: list[str]) -> Callable[[str], bool]:
-    """Whether a key matches any of ``patterns`` (each taken by ``compile_regex``) as a whole: one
-    RE2 set, so a key costs one pass however many patterns there are (the Python wrapper's
-    per-call cost, about a microsecond, dominates a single pattern's match)."""
-    options = _re2_options(len(patterns))
-    one_pass = re2.Set.FullMatchSet(options)
+def _one_pass(patterns: list[str]) -> Any | None:
+    """``patterns`` (each taken by ``compile_regex``) as one RE2 set matching whole keys, or None when
+    together they need more memory than the set may have (they are then matched one by one)."""
+    one_pass = re2.Set.FullMatchSet(_re2_options(len(patterns)))
     try:
         for pattern in patterns:
             one_pass.Add(pattern)
         one_pass.Compile()
-    except re2.error:  # together they need more memory than the set has: match them one by one
+    except re2.error:
+        return None
+    return one_pass
+
+
+def match_any(patterns: list[str]) -> Callable[[str], bool]:
+    """Whether a key matches any of ``patterns`` (each taken by ``compile_regex``) as a whole: one
+    RE2 set, so a key costs one pass however many patterns there are (the Python wrapper's
+    per-call cost, about a microsecond, dominates a single pattern's match)."""
+    one_pass = _one_pass(patterns)
+    if one_pass is None:
         compiled = [compile_regex(pattern) for pattern in patterns]
         return lambda key: any(c.fullmatch(key) is not None for c in compiled)
     return lambda key: one_pass.Match(key) is not None
+
+
+def match_which(patterns: list[str]) -> Callable[[str], Iterable[int]]:
+    """Which of ``patterns`` (their indices, in no order) a key matches as a whole, in one pass: what
+    the subscription service's interest index asks of the regexes of all its clients at once."""
+    one_pass = _one_pass(patterns)
+    if one_pass is None:
+        compiled = [compile_regex(pattern) for pattern in patterns]
+        return lambda key: [i for i, c in enumerate(compiled) if c.fullmatch(key) is not None]
+    return lambda key: one_pass.Match(key) or ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +214,12 @@ class RegionInterest:
     def empty(self) -> bool:
         return not self._kinds
 
+    def parts(self) -> list[tuple[bool, frozenset[str], bool, frozenset[str]]]:
+        """(receive_values, keys, all_keys, regexes) of each kind of registration held: what an
+        index of many clients' interest (the subscription service's) is built from."""
+        return [(values, frozenset(kind.keys), kind.all_keys, frozenset(kind.regexes))
+                for (values, _durable), kind in self._kinds.items()]
+
 
 __all__ = ["ALL_KEYS", "REGEX_CHARS_MAX", "Delivery", "Registration", "RegionInterest", "ResultPolicy",
-           "compile_regex", "match_any"]
+           "compile_regex", "match_any", "match_which"]

@@ -35,7 +35,9 @@ A primary's loop, one thread:
    longer than its ``durable-client-timeout`` (queue deleted, alert);
 3. fill: each changelog record goes to every client of its partitions
    whose interest matches (a durable client away keeps only its durable
-   interest);
+   interest), found by the record's head (region, key, operation, writer)
+   in an index of the clients' interest (``index.py``), the message being
+   the record's bytes spliced into a ClientMessage (issue 18);
 4. every ``message-sync-interval``: wait until the queues hold what was
    filled, then write the checkpoints, and delete from each queue what its
    client acknowledged.
@@ -75,12 +77,19 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..client.interest import Delivery, RegionInterest
+from ..client.interest import RegionInterest
 from ..core import telemetry
-from ..core.codec import get_codec
+from ..core.codec import HEADER_BYTES, get_codec
 from ..core.config import SiteConfig
-from ..core.errors import CodecError, InvalidRequest, SluiceError, TopicMissing
+from ..core.errors import CodecError, InvalidRequest, MalformedRecord, SluiceError, TopicMissing
 from ..core.events import REGION_OPERATIONS, EntryEvent, Operation
+from ..core.eventwire import (
+    check_entry_tail,
+    client_event_message,
+    entry_event_body,
+    entry_without_value,
+    read_entry_head,
+)
 from ..core.kafka import (
     Consumer,
     KafkaError,
@@ -93,6 +102,7 @@ from ..core.kafka import (
     translate,
 )
 from ..core.lifecycle import ServiceState
+from .index import InterestIndex
 from .registry import (
     RESTORED,
     bearer,
@@ -148,7 +158,8 @@ class _Client:
     marked: str | None = None  # session whose marker is written
     away_since_ms: int | None = None  # durable client disconnected (or silent) since
     filled: int = 0
-    last_clear: tuple[Any, int] | None = None  # (EventID, bucket) of the last region clear sent
+    #: (member, thread, sequence, bucket) of the last region clear or destroy part sent.
+    last_clear: tuple[str, int, int, int] | None = None
 
     partition: int = -1  # its registry partition
 
@@ -178,6 +189,8 @@ class SubscriptionService:
         self.crash: BaseException | None = None
         self._stopping = threading.Event()
         self._codec = get_codec()
+        self._entry_header = self._codec.header("EntryEvent")
+        self._message_header = self._codec.header("ClientMessage")
         # Tables (every instance reads them whole).
         self.registry: dict[str, dict[str, Any]] = {}
         self.acks: dict[str, dict[str, Any]] = {}
@@ -188,6 +201,9 @@ class SubscriptionService:
         # What this instance is primary for.
         self.owned: set[int] = set()
         self._clients: dict[str, _Client] = {}
+        #: The interest in force of ``_clients``, by region and key (``index.py``): kept equal to each
+        #: client's ``interest`` by ``_add_client``, ``_set_interest`` and ``_drop_client``.
+        self._index = InterestIndex()
         self._positions: dict[int, dict[tuple[str, int], int]] = {}  # next changelog offset, per owned partition
         self._duplicates_below: dict[int, dict[tuple[str, int], int]] = {}  # refilled after a takeover
         self._starts: dict[int, dict[str, dict[tuple[str, int], int]]] = {}  # queue starts, per owned partition
@@ -347,7 +363,7 @@ class SubscriptionService:
         for client_id, record in self.registry.items():
             r = registry_partition(client_id, self.partitions)
             if r in gained:
-                self._clients[client_id] = _Client(record, interest_of(record), partition=r)
+                self._add_client(_Client(record, partition=r))
                 if r in self.starts and self.starts[r] is None:
                     # Answered by a release that did not record queue starts: the queue takes what
                     # is filled from the checkpoint on.
@@ -374,8 +390,8 @@ class SubscriptionService:
             self._positions.pop(r, None)
             self._duplicates_below.pop(r, None)
             self._starts.pop(r, None)
-        self._clients = {c: v for c, v in self._clients.items()
-                         if registry_partition(c, self.partitions) in self.owned}
+        for client_id in [c for c in self._clients if registry_partition(c, self.partitions) not in self.owned]:
+            self._drop_client(client_id)
         self._reposition = True
         log.info("subscriptions %s: no longer primary for registry partitions %s", self.member_id, sorted(lost))
 
@@ -519,14 +535,14 @@ class SubscriptionService:
             return
         if record is None:
             self.registry.pop(name, None)
-            self._clients.pop(name, None)
+            self._drop_client(name)
             return
         self.registry[name] = record
         if partition in self.owned:
             self._dirty = True
             client = self._clients.get(name)
             if client is None:
-                self._clients[name] = _Client(record, interest_of(record), partition=partition)
+                self._add_client(_Client(record, partition=partition))
             else:
                 client.record = record
 
@@ -659,7 +675,7 @@ class SubscriptionService:
                     self._away(client, heard)
                 elif client.away_since_ms is not None:
                     client.away_since_ms = None
-                    client.interest = interest_of(record)
+                    self._set_interest(client, interest_of(record))
             if client.away_since_ms is not None:
                 away_s = (now_ms - client.away_since_ms) / 1000
                 if away_s > record["durable_timeout_s"]:
@@ -678,7 +694,7 @@ class SubscriptionService:
                 if record["queue_topic"] not in self._starts[client.partition] and not self._start_queue(client):
                     continue  # answered once the queue's start is checkpointed
                 if client.away_since_ms is None:
-                    client.interest = interest_of(record)
+                    self._set_interest(client, interest_of(record))
                 self._send(client, {"kind": "REGISTERED", "session": record["session"],
                                     "version": record["version"]})
                 client.answered = (record["session"], record["version"])
@@ -687,6 +703,20 @@ class SubscriptionService:
                 self._send(client, {"kind": "MARKER", "session": record["session"]})
                 client.marked = record["session"]
                 self.stats["markers"] += 1
+
+    def _add_client(self, client: _Client) -> None:
+        """A client of an owned partition, with the interest its record holds (answered or not: the
+        queue's start keeps anything from it until it is answered)."""
+        self._clients[client.id] = client
+        self._set_interest(client, interest_of(client.record))
+
+    def _set_interest(self, client: _Client, interest: dict[str, RegionInterest]) -> None:
+        client.interest = interest
+        self._index.put(client.id, interest)
+
+    def _drop_client(self, client_id: str) -> None:
+        self._clients.pop(client_id, None)
+        self._index.remove(client_id)
 
     def _start_queue(self, client: _Client) -> bool:
         """Before a queue's first registration is answered: its events start where the fill is now
@@ -701,7 +731,7 @@ class SubscriptionService:
     def _away(self, client: _Client, since_ms: int) -> None:
         if client.away_since_ms is None:
             client.away_since_ms = since_ms
-            client.interest = interest_of(client.record, durable_only=True)
+            self._set_interest(client, interest_of(client.record, durable_only=True))
             log.info("durable client %s is away since %s; its queue keeps filling for its durable interest "
                      "for up to %d s", client.id, time.strftime("%H:%M:%S", time.localtime(since_ms / 1000)),
                      client.record["durable_timeout_s"])
@@ -715,7 +745,7 @@ class SubscriptionService:
         self._produce_to(self.registry_topic, None, key, r, bearer(self.token))
         self._produce_to(self.acks_topic, None, key, r, bearer(self.token))
         self._producer.flush(10)
-        self._clients.pop(client.id, None)
+        self._drop_client(client.id)
         self.registry.pop(client.id, None)
         self.acks.pop(client.id, None)
         topic = client.record["queue_topic"]
@@ -744,6 +774,11 @@ class SubscriptionService:
     # --- filling -------------------------------------------------------------------------------
 
     def _fill(self) -> None:
+        """Route what the changelogs hold next to the queues of the clients it reaches (``_route``).
+
+        A record is taken by each owned registry partition whose position it is at or past (after a
+        takeover or a refill they differ until the lowest catches up), and every taker's position
+        moves past it, whoever it reached."""
         assert self._changelog is not None
         if not self.owned:
             self._stopping.wait(0.05)
@@ -752,65 +787,111 @@ class SubscriptionService:
             msgs = consume_available(self._changelog, 2000, 0.05)
         except KafkaException as exc:
             raise translate(exc, "reading the region changelogs") from exc
+        owned = self.owned
+        positions = self._positions
+        # One fill time for the messages of one read: a few milliseconds apart at most.
+        filled_at = int(time.time() * 1000)
+        delivered = 0
         for msg in msgs:
             if msg.error() is not None:
                 continue
             tp, offset = (msg.topic(), msg.partition()), msg.offset()
-            takers = [r for r in self.owned if self._positions[r].get(tp, 0) <= offset]
+            takers = [r for r in owned if positions[r].get(tp, 0) <= offset]
             if not takers:
                 continue
-            if msg.value() is not None:
-                try:
-                    event = EntryEvent.from_record(self._codec.decode_as("EntryEvent", msg.value()))
-                except CodecError as exc:
-                    event = None
-                    # Every instance with clients reads every changelog; the primary of one registry
-                    # partition, chosen by the changelog partition, dead-letters the record, once.
-                    if msg.partition() % self.partitions in takers:
-                        self.stats["undecodable"] += 1
-                        log.error("subscriptions %s: %s[%d]@%d cannot be read and is dead-lettered: %s",
-                                  self.member_id, msg.topic(), msg.partition(), offset, exc)
-                        self._dead_letter(msg, f"changelog record cannot be read: {exc}", type(exc).__name__)
-                if event is not None and event.operation in FORWARDED:
-                    self._route(event, takers, tp, offset)
+            value = msg.value()
+            if value is not None:
+                delivered += self._route(msg, value, takers, tp, offset, filled_at)
             for r in takers:
-                self._positions[r][tp] = offset + 1
+                positions[r][tp] = offset + 1
+        self.stats["filled"] += delivered
 
-    def _route(self, event: EntryEvent, takers: list[int], tp: tuple[str, int], offset: int) -> None:
-        encoded: dict[tuple[bool, bool], bytes] = {}  # one encoding per (values, possibleDuplicate)
-        for client in self._clients.values():
+    def _route(self, msg: Any, value: bytes, takers: list[int], tp: tuple[str, int], offset: int,
+               filled_at: int) -> int:
+        """One changelog record to the queues of the clients it reaches; how many it reached.
+
+        Only the record's head is read to route it (``read_entry_head``: region, key, operation,
+        writer); its tail is read too before it is delivered anywhere, or by the one instance that
+        dead-letters the changelog partition's undecodable records (``changelog partition mod
+        registry partitions``, when it fills that registry partition), so that an unreadable record
+        is dead-lettered once and no client is sent one.  A client's message is the record's body
+        spliced into a ClientMessage (``client_event_message``), its value cut out for a client of
+        invalidates: one message per (values, possibleDuplicate) of the event, whatever the clients."""
+        dead_letters = msg.partition() % self.partitions in takers
+        tail: tuple[int, int, int] | None = None
+        try:
+            body = self._entry_body(value)
+            head = read_entry_head(body)
+            if dead_letters:
+                tail = check_entry_tail(body, head)
+        except CodecError as exc:
+            if dead_letters:
+                self.stats["undecodable"] += 1
+                log.error("subscriptions %s: %s[%d]@%d cannot be read and is dead-lettered: %s",
+                          self.member_id, msg.topic(), msg.partition(), offset, exc)
+                self._dead_letter(msg, f"changelog record cannot be read: {exc}", type(exc).__name__)
+            return 0
+        operation = head.operation
+        if operation not in FORWARDED:
+            return 0
+        region_operation = operation in REGION_OPERATIONS
+        if region_operation:
+            # Every client with interest in the region hears of a clear: once per bucket (the bucket's
+            # entries arrive together, one REGION_CLEAR event each).
+            reached: Any = dict.fromkeys(self._index.clients_in(head.region), True)
+        else:
+            reached = self._index.clients_of(head.region, head.key)
+        if not reached:
+            return 0
+        if tail is None:
+            try:
+                tail = check_entry_tail(body, head)
+            except MalformedRecord:
+                return 0  # dead-lettered by the instance that fills its dead-letter partition
+        clear = (head.member_id, *tail) if region_operation else None
+        every_taker = len(takers) == len(self.owned)
+        clients, starts, duplicates_below = self._clients, self._starts, self._duplicates_below
+        produce = self._producer.produce
+        messages: dict[tuple[bool, bool], bytes] = {}
+        delivered = 0
+        for client_id, values in reached.items():
+            client = clients[client_id]
             r = client.partition
-            if r not in takers:
+            if not every_taker and r not in takers:
                 continue
-            start = self._starts[r].get(client.record["queue_topic"])
+            record = client.record
+            topic = record["queue_topic"]
+            start = starts[r].get(topic)
             if start is None or offset < start.get(tp, 0):
                 continue  # older than the queue's first registration: the client's initial load has it
-            if event.event_id.member_id == client.record["member_id"]:
+            if head.member_id == record["member_id"]:
                 continue  # a client's own update is never sent back to it
-            interest = client.interest.get(event.region)
-            if event.operation in REGION_OPERATIONS:
-                # Every client with interest in the region hears of a clear: once per bucket (the
-                # bucket's entries arrive together, one REGION_CLEAR event each).
-                if interest is None or interest.empty() or client.last_clear == (event.event_id, event.bucket):
+            if clear is not None:
+                if client.last_clear == clear:
                     continue
-                client.last_clear = (event.event_id, event.bucket)
-                delivery: Delivery | None = Delivery.VALUES
-            else:
-                delivery = interest.delivery(event.key) if interest is not None else None
-            if delivery is None:
-                continue
-            values = delivery is Delivery.VALUES
-            duplicate = offset < self._duplicates_below.get(r, {}).get(tp, 0)
-            value = encoded.get((values, duplicate))
-            if value is None:
-                record = event.to_record()
-                if not values:
-                    record["value"] = None
-                value = encoded[(values, duplicate)] = self._encode(
-                    {"kind": "EVENT", "event": record, "receive_values": values, "possible_duplicate": duplicate})
-            self._produce(client, value)
+                client.last_clear = clear
+            below = duplicates_below.get(r)
+            duplicate = below is not None and offset < below.get(tp, 0)
+            message = messages.get((values, duplicate))
+            if message is None:
+                message = messages[(values, duplicate)] = client_event_message(
+                    self._message_header, body if values else entry_without_value(body, head),
+                    receive_values=values, possible_duplicate=duplicate, filled_at=filled_at)
+            try:
+                produce(topic, message, partition=0, on_delivery=self._delivered)
+            except BufferError:
+                self._produce_to(topic, message, None, 0)  # waits the full producer queue out
             client.filled += 1
-            self.stats["filled"] += 1
+            delivered += 1
+        return delivered
+
+    def _entry_body(self, value: bytes) -> bytes:
+        """The current EntryEvent body of a changelog record: its bytes after the header, or, for a
+        record of an older EntryEvent version, the event read through schema resolution and written
+        again.  ``CodecError`` when it is no EntryEvent."""
+        if value[:HEADER_BYTES] == self._entry_header:
+            return value[HEADER_BYTES:]
+        return entry_event_body(EntryEvent.from_record(self._codec.decode_as("EntryEvent", value)))
 
     def _encode(self, message: dict[str, Any]) -> bytes:
         message.setdefault("session", "")
