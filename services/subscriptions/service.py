@@ -132,6 +132,13 @@ RULES_INTERVAL_S = 0.5
 FETCH_WAIT_MS = 20
 #: How soon a write to a queue topic that no longer exists fails.
 QUEUE_GONE_MS = 5000
+#: How long the producer of the client queues waits to fill a batch (``linger.ms``).  At 0 every
+#: delivery was a request of its own, ~35 µs of the broker's CPU each over 100 client queues (issue
+#: 18); a few ms gather the deliveries of many events into one request per broker.
+QUEUE_LINGER_MS = 5
+#: What a write to a deleted queue fails with: the topic is gone, or (librdkafka 2.x, once it has
+#: seen the deletion) its partition.
+QUEUE_MISSING = frozenset({KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC, KafkaError._UNKNOWN_PARTITION})
 #: The longest a registration's answer waits for the fill to reach the changelogs' ends.
 CATCH_UP_S = 10.0
 #: How many refusals the service remembers having answered (so each is answered once).
@@ -258,9 +265,12 @@ class SubscriptionService:
         base = self.cfg.kafka.client_settings()
         client_id = {"client.id": self.member_id}
         # A queue deleted under the service (its client timed out, or an operator removed it) fails its
-        # writes within seconds rather than holding every other queue's checkpoint back.
-        self._producer = make_producer(base, **client_id, **self.cfg.kafka.producer_settings(),
-                                       **{"topic.metadata.propagation.max.ms": QUEUE_GONE_MS})
+        # writes within seconds rather than holding every other queue's checkpoint back.  Deliveries
+        # are batched (QUEUE_LINGER_MS) and their outcome is the batch's: ``_written`` waits for all of
+        # them, and only a failed one reaches Python (``_delivered``), not one callback per delivery.
+        self._producer = make_producer({**base, "on_delivery": self._delivered}, **client_id, **{
+            **self.cfg.kafka.producer_settings(), "topic.metadata.propagation.max.ms": QUEUE_GONE_MS,
+            "linger.ms": QUEUE_LINGER_MS, "delivery.report.only.error": True})
         self._admin = make_admin(base)
         self._group = make_consumer(base, self.group_id, **client_id, **self.cfg.kafka.group_settings())
         self._tables = make_consumer(base, None, **client_id, **{"fetch.wait.max.ms": FETCH_WAIT_MS})
@@ -878,9 +888,10 @@ class SubscriptionService:
                     self._message_header, body if values else entry_without_value(body, head),
                     receive_values=values, possible_duplicate=duplicate, filled_at=filled_at)
             try:
-                produce(topic, message, partition=0, on_delivery=self._delivered)
-            except BufferError:
-                self._produce_to(topic, message, None, 0)  # waits the full producer queue out
+                produce(topic, message, partition=0)
+            except (BufferError, KafkaException):
+                # A full producer queue is waited out; a queue known to be gone is noted, not written.
+                self._produce_to(topic, message, None, 0)
             client.filled += 1
             delivered += 1
         return delivered
@@ -912,22 +923,31 @@ class SubscriptionService:
     def _produce_to(self, topic: str, value: bytes | None, key: bytes | None, partition: int,
                     headers: list[tuple[str, bytes]] | None = None) -> None:
         """One record; a full producer queue is waited out (back-pressure).  A failed delivery fills
-        again from the last checkpoint (``_delivered``)."""
+        again from the last checkpoint (``_delivered``, the producer's callback for failures only)."""
         assert self._producer is not None
         while True:
             try:
-                self._producer.produce(topic, value, key, partition=partition, headers=headers,
-                                       on_delivery=self._delivered)
+                self._producer.produce(topic, value, key, partition=partition, headers=headers)
+                return
+            except KafkaException as exc:
+                if exc.args[0].code() not in QUEUE_MISSING:
+                    raise translate(exc, f"writing to {topic}") from exc
+                # The producer already knows the queue was deleted (a write to it failed): as in
+                # ``_delivered``, its client starts over with a new queue.
+                self._missing_queues.add(topic)
                 return
             except BufferError:
                 self._producer.poll(0.1)
                 if self._stopping.is_set():
+                    # Not written: no checkpoint may pass it (the next primary fills it again).
+                    self._delivery_failed = self._delivery_failed or f"{topic}: stopping with the producer queue full"
                     return
 
     def _delivered(self, err: KafkaError | None, msg: Any) -> None:
+        """A record the broker did not take (``delivery.report.only.error``: only those come here)."""
         if err is None:
             return
-        if err.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
+        if err.code() in QUEUE_MISSING:
             # The client's queue was deleted under it: the client starts over with a new queue,
             # and nothing is filled again for a queue that is gone.
             self._missing_queues.add(msg.topic())
@@ -970,7 +990,9 @@ class SubscriptionService:
                       "positions": _position_records(self._positions[r]),
                       "queues": [{"queue_topic": q, "positions": _position_records(at)}
                                  for q, at in sorted(starts.items())]}
-            self._producer.produce(self.fill_topic, self._codec.encode("FillCheckpoint", record),
+            # Built from this instance's own offsets and checked queue names: no validation pass (its
+            # failed union branch formatted the whole record into a message, at every checkpoint).
+            self._producer.produce(self.fill_topic, self._codec.encode("FillCheckpoint", record, validate=False),
                                    str(r).encode(), partition=r)
             self.checkpoints[r] = dict(self._positions[r])
             self.starts[r] = dict(starts)
