@@ -133,6 +133,8 @@ class PartitionBatcher(Generic[T]):
         self._assembling: _Assembling[T] = _Assembling()
         self.events_conflated = 0
         self.batches_accepted = 0
+        #: The commit offset of the last batch accepted (-1: none yet).
+        self._accepted_end = -1
         self.redeliveries = 0
 
     # --- input -------------------------------------------------------------
@@ -213,6 +215,17 @@ class PartitionBatcher(Generic[T]):
     def unaccepted(self) -> int:
         """Events not yet accepted: those waiting, and those in the batches out."""
         return self._assembling.waiting + sum(len(b.events) for b in self.out)
+
+    @property
+    def covered_end(self) -> int:
+        """The offset after the last one anything covers (an accepted batch, a batch out, the
+        batch assembling); -1 when nothing was ever added or skipped."""
+        a = self._assembling
+        if a.covers_anything():
+            return a.last_offset + 1
+        if self.out:
+            return self.out[-1].commit_offset
+        return self._accepted_end
 
     def oldest(self) -> T | None:
         """The oldest event not yet accepted: in the batches out, else the first one waiting."""
@@ -332,4 +345,5 @@ class PartitionBatcher(Generic[T]):
         assert self.out, "no batch is out"
         batch = self.out.pop(0)
         self.batches_accepted += 1
+        self._accepted_end = batch.commit_offset
         return batch.commit_offset

@@ -170,6 +170,11 @@ class QueuePrimary:
     """The primary side of one queue (an async event queue or a gateway sender)."""
 
     status_interval_s = 2.0
+    #: Records read per turn of the loop at most: each turn also dispatches, drains results and
+    #: commits, once for all it read (a turn of 1000 takes ~2 ms of reading).
+    read_max_records = 1000
+    #: How often an idle loop asks where its consumer stands (``_cover_skipped_offsets``).
+    gap_check_interval_s = 0.2
     backoff_max_s = 5.0
     #: "async-event-queue" or "gateway-sender": the key space in the control and status topics.
     kind = ""
@@ -349,15 +354,19 @@ class QueuePrimary:
         assert consumer is not None
         consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost)
         next_status = time.monotonic() + self.status_interval_s
+        next_gap_check = 0.0
         try:
             while not self._stopping.is_set():
                 timeout = self._poll_timeout_s()
                 try:
-                    msgs = consume_available(consumer, 500, timeout)
+                    msgs = consume_available(consumer, self.read_max_records, timeout)
                 except KafkaException as exc:
                     raise translate(exc, f"consuming {self.topic}") from exc
                 if msgs:
                     self._read(msgs, int(time.time() * 1000))
+                elif time.monotonic() >= next_gap_check:
+                    self._cover_skipped_offsets(int(time.time() * 1000))
+                    next_gap_check = time.monotonic() + self.gap_check_interval_s
                 self._poll_control()
                 self._drain_inbox()
                 self._dispatch_ready()
@@ -494,6 +503,30 @@ class QueuePrimary:
             except MalformedRecord as exc:
                 # Its QueuedEvent fields read, its event body does not: the first touch found it.
                 self._skip_unreadable(part, msg, exc, now_ms)
+
+    def _cover_skipped_offsets(self, now_ms: int) -> None:
+        """Offsets the consumer moved past without handing over a record are covered as read.
+
+        A queue written in Kafka transactions holds a commit marker after each
+        transaction's records (and, read_committed, an aborted transaction's
+        records are never handed over): their offsets carry no event, but the
+        consumer's position moves past them.  Covered like a dead letter
+        (``skip``), they go out as an empty batch whose removal moves the queue
+        head to the end, so the queue's size reaches 0 (``sluice admin
+        status``).  Asked when a turn read nothing, at most every
+        ``gap_check_interval_s``."""
+        consumer = self._consumer
+        parts = [p for p in self._partitions.values() if p.head >= 0 and not p.revoked]
+        if consumer is None or not parts:
+            return
+        try:
+            positions = consumer.position([p.tp for p in parts])
+        except KafkaException as exc:
+            log.debug("queue %s: positions not known now: %s", self.queue_id, exc)
+            return
+        for part, tp in zip(parts, positions):
+            if tp.error is None and tp.offset > max(part.head, part.batcher.covered_end):
+                part.batcher.skip(tp.offset - 1, now_ms)
 
     def _skip_unreadable(self, part: QueuePartition, msg: Message, exc: Exception, now_ms: int) -> None:
         self._dead_letter(msg, exc)

@@ -315,3 +315,19 @@ def test_dropping_events_from_a_batch_out_keeps_its_offsets_and_its_identity() -
     assert b.buffered_bytes == 20 and b.unaccepted == 2
     assert b.rejected() is batch and [e.offset for e in batch.events] == [0, 2]
     assert b.accepted() == 4
+
+
+def test_covered_end_is_the_offset_after_everything_added_skipped_out_or_accepted() -> None:
+    """covered_end follows what the batcher covers, whether assembling, out or accepted: the first offset
+    it has not seen."""
+    b = PartitionBatcher(0, BatchPolicy(batch_size=2, batch_time_interval_ms=0))
+    assert b.covered_end == -1
+    b.add(Item(5, "a"), now_ms=0)
+    b.skip(6, now_ms=0)
+    assert b.covered_end == 7
+    batch = b.take(0)
+    assert batch is not None and b.covered_end == 7
+    b.accepted()
+    assert b.covered_end == 7
+    b.skip(9, now_ms=0)
+    assert b.covered_end == 10

@@ -80,9 +80,13 @@ class FakeConsumer:
 
     def __init__(self) -> None:
         self.commits: list[list[tuple[int, int]]] = []
+        self.positions: dict[int, int] = {}
 
     def commit(self, offsets: list[TopicPartition], asynchronous: bool = True) -> None:
         self.commits.append([(tp.partition, tp.offset) for tp in offsets])
+
+    def position(self, partitions: list[TopicPartition]) -> list[TopicPartition]:
+        return [TopicPartition(tp.topic, tp.partition, self.positions.get(tp.partition, -1001)) for tp in partitions]
 
 
 class Loop(QueuePrimary):
@@ -342,3 +346,27 @@ def test_an_offer_that_fails_over_an_undecodable_event_goes_on_at_once_without_i
     assert loop.offers == [[0, 1, 2], [0, 2]]  # type: ignore[attr-defined]
     [letter] = dead_letters(loop)
     assert letter["source_offset"] == 1 and "does not decode" in letter["reason"]
+
+
+def test_offsets_the_consumer_moved_past_without_a_record_are_removed_with_an_empty_batch(tmp_path: Path) -> None:
+    """A transaction's commit marker after the last record (its offset never handed over, the consumer's
+    position past it) is covered when the loop is idle: an empty batch, no offer, and its removal moves the
+    head to the end; a partition whose position is where its records end is left as it is."""
+    loop = make_loop(tmp_path)
+    loop._read([FakeMessage(record(entry("a", 0)), 0, 0), FakeMessage(record(entry("b", 1)), 0, 1),
+                FakeMessage(record(entry("c", 2)), 1, 0)], now_ms=0)
+    loop._consumer.positions = {0: 3, 1: 1}  # type: ignore[union-attr]  # partition 0: a marker at offset 2
+    loop._cover_skipped_offsets(now_ms=0)
+    batch = waiting(loop)
+    assert [e.offset for e in batch.events] == [0, 1] and batch.commit_offset == 3
+    assert waiting(loop, 1).commit_offset == 1
+    part = loop._partitions[0]
+    loop._write_removal(part, batch, part.batcher.accepted())
+    loop._drain_inbox()
+    assert part.head == 3
+    loop._cover_skipped_offsets(now_ms=0)
+    assert part.batcher.take(0, force=True) is None, "nothing more to cover"
+    loop._consumer.positions = {0: 5, 1: 1}  # type: ignore[union-attr]  # an aborted transaction: 3 and 4
+    loop._cover_skipped_offsets(now_ms=0)
+    empty = part.batcher.take(0, force=True)
+    assert empty is not None and empty.events == [] and empty.commit_offset == 5
