@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import gc
 from pathlib import Path
 from typing import Any
 
+from ..core.config import SiteConfig
 from ..core.servicecli import add_site_options, run_loop_service
 from .service import DispatcherService
 
@@ -33,9 +35,25 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+#: Young objects between two collections of the youngest generation (Python's default: 700).
+GC_YOUNG_THRESHOLD = 10_000
+
+
 def run(args: argparse.Namespace) -> int:
     return run_loop_service(
-        "dispatcher", args,
-        lambda cfg: DispatcherService(cfg, args.queue, site_dir=str(Path(args.config).resolve().parent)),
+        "dispatcher", args, lambda cfg: _build(cfg, args),
         lambda service, cfg: f"dispatcher {service.member_id} of queue {args.queue} (site {cfg.site})",
     )
+
+
+def _build(cfg: SiteConfig, args: argparse.Namespace) -> DispatcherService:
+    service = DispatcherService(cfg, args.queue, site_dir=str(Path(args.config).resolve().parent))
+    # A dispatcher makes an object per event and holds thousands at a time.  With
+    # Python's default thresholds the collector ran every ~700 events and its full
+    # passes walked every object the imports made (the listener's modules too,
+    # imported by now): 0.7 µs of CPU per event, a quarter of the process's.  Those
+    # objects live as long as the process, so they are moved out of the collector's
+    # sight, and the youngest generation is collected less often: 0.1 µs.
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)
+    return service
