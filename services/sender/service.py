@@ -17,12 +17,16 @@ is a round trip to the remote site, through Kafka only:
    the sites to add to their ``visited_dsids`` (this site and every site the
    region's senders send to), so that the receiving site forwards them
    nowhere those already get them from here.  A receiver says in its acks
-   which versions it reads (``batch_versions``): until the receiver of a
-   queue partition's inbound partition has said it reads version 3, and
-   again after an ack timeout (a receiver rolled back to a release that does
-   not read it dead-letters such a batch and never acknowledges it), the
-   partition's batches are written as version 2, the events as records with
-   those changes spliced in (``eventwire.gateway_batch_v2``).  Only then,
+   which versions it reads (``batch_versions``), and acks come on the
+   inbound partition of their batch: until the latest ack on an inbound
+   partition (another sender's too: the ack thread starts at each
+   partition's last record, so a sender knows before it sends) has said its
+   receiver reads version 3, and again after an ack timeout (a receiver
+   rolled back to a release that does not read it dead-letters such a batch
+   and never acknowledges it), batches go to that partition as version 2,
+   the events as records with those changes spliced in
+   (``eventwire.gateway_batch_v2``); while no ack has said anything yet,
+   one at a time.  Only then,
    or for the before_transmit filters when configured, are the events
    decoded (on first touch); one that turns out not to decode is
    dead-lettered with its reason and left out of the batch.
@@ -173,9 +177,11 @@ class GatewaySenderService(QueuePrimary):
         self._visited_added = {r.name: sorted({cfg.dsid} | {cfg.sender(s).remote_dsid for s in r.gateway_senders})
                                for r in cfg.regions}
         self._batch_header = self._codec.header("GatewayBatch")
-        # Per queue partition: the GatewayBatch version its inbound partition's receiver reads, as its
-        # latest ack said (version 2 until one says more); guarded by _acked.
+        # Per inbound partition (acks come on the partition of their batch): the GatewayBatch version its
+        # receiver reads, as its latest ack said (version 2 until one says more); guarded by _acked.
         self._batch_versions: dict[int, int] = {}
+        # Per acks partition: the end it had when the ack thread started (what lies below is another run's).
+        self._acks_known_below: dict[int, int] = {}
         self._remote_producer: Any = None
         self._ack_reader: Any = None
         self._ack_thread: threading.Thread | None = None
@@ -265,7 +271,8 @@ class GatewaySenderService(QueuePrimary):
                     topic = md.topics.get(self.remote_acks)
                     if topic is None or topic.error is not None or not topic.partitions:
                         raise SluiceError(f"{self.remote_acks} missing")
-                    reader.assign([TopicPartition(self.remote_acks, p, OFFSET_END) for p in topic.partitions])
+                    reader.assign([TopicPartition(self.remote_acks, p, self._last_ack_offset(reader, p))
+                                   for p in topic.partitions])
                     assigned = True
                 except (KafkaException, SluiceError) as exc:
                     log.warning("acks of dsid %d not readable yet: %s", self.remote_dsid, exc)
@@ -282,10 +289,23 @@ class GatewaySenderService(QueuePrimary):
                 self._take_ack_record(msg)
         reader.close()
 
+    def _last_ack_offset(self, reader: Any, partition: int) -> int:
+        """Where the ack thread starts reading an acks partition: at its last record, whoever's ack it
+        is, to learn which batch versions that partition's receiver reads before anything is sent
+        (``_learn_versions``); at its end when it is empty."""
+        low, high = reader.get_watermark_offsets(TopicPartition(self.remote_acks, partition), timeout=5)
+        if high <= low:
+            return OFFSET_END
+        self._acks_known_below[partition] = high
+        return high - 1
+
     def _take_ack_record(self, msg: Any) -> None:
         """One record of the remote acks topic (ack thread): an ack of a batch in flight is handed to the
         worker waiting for it, once its signature is verified."""
         key = msg.key() or b""
+        if msg.offset() < self._acks_known_below.get(msg.partition(), -1):
+            self._learn_versions(msg)  # the partition's last ack before this sender started
+            return
         if not key.startswith(self._ack_key_prefix):
             return  # another sender's (unsigned, the key only saves verifying what is not ours)
         if self._ack_verifier is not None:
@@ -305,18 +325,36 @@ class GatewaySenderService(QueuePrimary):
             self._unverified_ack(msg, BadSignature("receiver_dsid", ack["receiver_dsid"], f"an ack in dsid "
                                                    f"{self.remote_dsid}'s acks topic names another site"))
             return
-        version = BATCH_VERSION_BODIES if BATCH_VERSION_BODIES in ack["batch_versions"] else BATCH_VERSION_RECORDS
         with self._acked:
-            if self._batch_versions.get(ack["queue_partition"], BATCH_VERSION_RECORDS) != version:
-                log.info("sender %s[%d]: dsid %d's receiver reads GatewayBatch version %d; batches go as version %d",
-                         self.queue_id, ack["queue_partition"], self.remote_dsid, version, version)
-                self._batch_versions[ack["queue_partition"]] = version
+            self._take_versions(msg.partition(), ack)
             entry = self._in_flight.get((ack["queue_partition"], ack["batch_id"]))
             # A batch read twice by the receiver (a crash before its commit) is acknowledged twice: the
             # ack that applied it, then duplicate_batch.  The first one tells what happened.
             if entry is not None and (entry.ack is None or entry.ack["duplicate_batch"]):
                 entry.ack = ack
                 self._acked.notify_all()
+
+    def _learn_versions(self, msg: Any) -> None:
+        """The batch versions an ack of another sender says its receiver reads, when the remote site
+        signed it; nothing else is taken from it."""
+        try:
+            if self._ack_verifier is not None:
+                self._ack_verifier.signer(msg.value(), msg.headers())
+            ack = self._codec.decode_as("GatewayAck", msg.value())
+        except (BadSignature, CodecError):
+            return
+        if ack["receiver_dsid"] == self.remote_dsid:
+            with self._acked:
+                self._take_versions(msg.partition(), ack)
+
+    def _take_versions(self, inbound_partition: int, ack: dict[str, Any]) -> None:
+        """The batch version to write to an inbound partition, from its receiver's ack (under _acked)."""
+        version = BATCH_VERSION_BODIES if BATCH_VERSION_BODIES in ack["batch_versions"] else BATCH_VERSION_RECORDS
+        if self._batch_versions.get(inbound_partition, BATCH_VERSION_RECORDS) != version:
+            log.info("sender %s: the receiver of dsid %d's inbound partition %d reads GatewayBatch version %d; "
+                     "batches go to it as version %d", self.queue_id, self.remote_dsid, inbound_partition, version,
+                     version)
+            self._batch_versions[inbound_partition] = version
 
     def _unverified_ack(self, msg: Any, problem: BadSignature) -> None:
         """Counted and ignored (the batch goes again after the ack timeout); an alert, logged when it
@@ -480,6 +518,8 @@ class GatewaySenderService(QueuePrimary):
                 if batch.events and (partition, self._wire_id(partition, batch.batch_id)) not in self._in_flight:
                     if not self._write(part, batch):
                         break
+                    if self._versions_unknown(partition):
+                        break  # one batch out until its receiver says which versions it reads
             acknowledged = 0
             waited = False
             for i, batch in enumerate(batches):
@@ -509,6 +549,12 @@ class GatewaySenderService(QueuePrimary):
             self._forget(partition, batches)
             return 0
 
+    def _versions_unknown(self, partition: int) -> bool:
+        """No ack has said yet which batch versions the receiver of the partition's batches reads: its
+        batches go as version 2, one at a time, so that few go so before the first ack says more."""
+        with self._acked:
+            return self._inbound_partition(partition) not in self._batch_versions
+
     def partitions_released(self, partitions: list[int]) -> None:
         """A new primary sends their batches again (with new ids): nothing of theirs is awaited here."""
         released = set(partitions)
@@ -531,7 +577,9 @@ class GatewaySenderService(QueuePrimary):
             resend = batch.redeliveries > 0 or (partition, batch.batch_id) in self._sent
             # Before the write: one that times out may still land, and the next is then a resend.
             self._sent.add((partition, batch.batch_id))
-            version = self._batch_versions.get(partition, BATCH_VERSION_RECORDS)
+        inbound_partition = self._inbound_partition(partition)
+        with self._acked:
+            version = self._batch_versions.get(inbound_partition, BATCH_VERSION_RECORDS)
         wire_id = self._wire_id(partition, batch.batch_id)
         key = f"{self.cfg.dsid}/{self.queue_id}/{partition}"
         if self._filters.at_transmit or version < BATCH_VERSION_BODIES:
@@ -557,7 +605,6 @@ class GatewaySenderService(QueuePrimary):
                                   visited_added=self._visited_added)
         else:
             value = gateway_batch_v2(**fields, bodies=[self._outgoing(e, resend) for e in events])
-        inbound_partition = self._inbound_partition(partition)
         spans, headers = self._send_spans(part, batch, events) if self._tracing else ([], None)
         if self._signer is not None:
             # Over the bytes exactly as written, once per send.
@@ -625,7 +672,7 @@ class GatewaySenderService(QueuePrimary):
                                 self.queue_id, partition, entry.wire_id, self.ack_timeout_s)
                     # A receiver that does not read the version sent dead-letters it and never answers: the
                     # partition goes back to the version every receiver reads until an ack says more.
-                    self._batch_versions.pop(partition, None)
+                    self._batch_versions.pop(self._inbound_partition(partition), None)
                     return False
                 if self._stopping.is_set() or part.revoked or self.desired is not DesiredState.RUNNING:
                     why = "stopping" if self._stopping.is_set() else "partition revoked" if part.revoked \
