@@ -1,28 +1,82 @@
-"""Bucket ownership and the ordered application of operations.
+"""Bucket ownership, the ordered application of operations, and their transactions.
 
 Ownership is Kafka's: every region instance is a member of one consumer group
 subscribed to every region changelog, and the member assigned partition *b*
 of a changelog owns bucket *b* of that region (consumer-group leadership is
 the primary lock, DESIGN §1).  The engine does not read its assigned
 partitions through the group; it pauses them and keeps polling only to stay
-in the group and to hear about rebalances.
+in the group and to hear about rebalances.  On each assignment it keeps the
+group metadata of that generation (``consumer_group_metadata``): the offsets
+of every transaction it writes for those buckets carry it, and the group
+coordinator refuses them once the generation is gone (KIP-447).
 
 Gaining a bucket (``on_assign``)::
 
-    LOADING ── load: read the changelog partition from its start, replay every
-       │       record into a fresh BucketState, re-enqueue every record at or
-       │       after the committed fan-out checkpoint (possibleDuplicate), wait
-       │       until those queue records are durable, commit the checkpoint
+    LOADING ── load: wait until no transaction is open on the changelog
+       │       partition (its last stable offset is its high watermark), read
+       │       the committed checkpoint (read_committed: it waits for
+       │       transactional offsets still pending), read the partition at
+       │       read_committed from its start to that end, replay every record
+       │       into a fresh BucketState, re-enqueue every record at or after
+       │       the checkpoint (possibleDuplicate) in a transaction of its own
        ▼
     READY ──── requests are applied in arrival order (one lock, so bucket order
-       │       is the order of the changelog) and fanned out (fanout.py);
-       │       the checkpoint is committed every ``commit_interval_s``
+       │       is the order of the changelog); their records join the open
+       │       group-commit window, and the committer thread writes each
+       │       window as one transaction with the buckets' checkpoints
+       │       (fanout.py tells that story)
        ▼
-    gone ───── on_revoke: stop accepting, wait for in-flight records, commit
-               the checkpoint synchronously, drop the state.  on_lost: drop.
+    REVOKING ─ on_revoke: stop accepting, wait (bounded) until every window
+       │       holding the bucket's records is committed, with this
+       │       generation's metadata still valid
+       ▼
+    gone ───── on_lost (session expired): dropped at once; a window still
+               holding its records is refused by the group coordinator and
+               aborted.
 
-A delivery failure in a READY bucket sends it back to LOADING: its in-memory
-state may be ahead of the changelog, so it is rebuilt from the changelog.
+A failed window sends its buckets back to LOADING: their in-memory state may
+be ahead of the changelog, so it is rebuilt from it.  Records of a later
+window prepared on that state are dropped (their ownership epoch is gone)
+and their requests answered with a retriable error.
+
+Why the load waits for open transactions: a read_committed reader stops at
+the first open transaction.  Reading only to there and then serving the
+bucket would miss that transaction's records if it commits later (a previous
+owner whose offsets the group accepted just before its session expired).  So
+the load waits until the partition's last stable offset equals its high
+watermark: every transaction that wrote to it is decided.  A transaction of
+ours still open (a window written before the bucket was reloaded) is waited
+for the same way.
+
+Fencing, and what a dead owner costs.  An owner killed (kill -9) or frozen
+(SIGSTOP, a long GC pause) in the middle of a window leaves its transaction
+open, and the new owner's load waits for it.  It ends when the transaction
+coordinator aborts it after ``transaction.timeout.ms`` (checked every
+``transaction.abort.timed.out.transaction.cleanup.interval.ms`` at the broker,
+10 s by default), or as soon as another producer initializes the same
+``transactional.id``.  Each instance writes under one transactional.id,
+``<group>.<instance id>``, for its whole life.  The choice, measured on Apache
+Kafka 4.4.0 (2 cores shared with a broker and other work; figures in the
+region tests and the report of issue 18):
+
+* one transactional.id per bucket (a producer per owned bucket) would fence a
+  dead owner at once (the new owner initializes the bucket's id), but costs
+  4 threads and ~0.45 MB per producer (57 producers: +228 threads, +27 MB),
+  a connection per producer and broker, and a transaction per bucket per
+  window: a window touching 8 buckets took p50 10-18 ms as 8 concurrent
+  transactions against 4.7 ms as one, and a put_all touches every bucket;
+* one transactional.id per instance, one transaction per window, as here.
+  The new owner of a bucket whose load stays blocked ``FENCE_AFTER_S`` fences
+  the earlier owners that the owner directory shows gone (a claim on the
+  bucket not renewed since before this instance was assigned it: a live
+  member republishes its claims at every rebalance); a live owner that
+  merely handed the bucket over has committed its windows in on_revoke and
+  is never fenced.  ``transaction.timeout.ms`` is the backstop when the
+  directory cannot tell (an instance killed before it ever published).
+
+A fenced or timed-out producer is fatal in librdkafka: the engine builds a new
+one under the same transactional.id (which fences the old one for good) and
+reloads the buckets of the failed window.
 
 A changelog record the load cannot read (not an EntryEvent: a stray writer,
 a damaged record) is skipped and goes to the site's region dead-letter topic
@@ -32,10 +86,10 @@ again (a failover, a rebalance) does not dead-letter the same record twice;
 only a loader that loses the bucket between writing a dead letter and the
 broker acknowledging it can leave a second one behind.
 
-Threads: the caller's (``submit``), the producer poll thread (delivery
-reports, fan-out), the group thread (membership, commits) and the loader.
-They share ``self._lock``-guarded bucket tables; everything else is owned by
-one thread.
+Threads: the callers' (``submit``), the committer (the transactional producer
+and its windows), the group thread (membership, generation metadata) and the
+loader.  They share the ``self._lock``-guarded bucket tables and open window;
+everything else is owned by one thread.
 """
 
 from __future__ import annotations
@@ -66,22 +120,36 @@ from ..core.kafka import (
     KafkaException,
     Producer,
     TopicPartition,
+    close_producer,
+    consumed_position,
+    fence_transactional_id,
     make_consumer,
     make_producer,
+    make_transactional_producer,
+    partition_end,
     partition_for_key,
     read_to_end,
     translate,
 )
-from .fanout import BucketProgress, FanoutWriter, Pending, QueueTarget
 from .conflicts import ConflictResolver
+from .fanout import Pending, QueueTarget, RecordBuilder, Slot, Window, WindowOutcome, WindowWriter
 from .state import BucketState, ConflictLost, Duplicate, Op, Skipped
 
 log = logging.getLogger("sluice.region.engine")
+
+#: How long a load waits on a transaction someone left open before fencing the earlier owners the
+#: directory shows gone: longer than any window of a live owner takes to commit.
+FENCE_AFTER_S = 1.0
+#: How long on_revoke waits for the windows holding a revoked bucket's records.
+REVOKE_WAIT_S = 10.0
+#: The pause before the committer builds its producer again after failing to.
+PRODUCER_RETRY_S = 1.0
 
 
 class BucketStatus(enum.Enum):
     LOADING = "loading"
     READY = "ready"
+    REVOKING = "revoking"
 
 
 @dataclass(slots=True)
@@ -91,7 +159,7 @@ class OwnedBucket:
     epoch: int
     status: BucketStatus = BucketStatus.LOADING
     state: BucketState | None = None
-    progress: BucketProgress | None = None
+    #: The checkpoint committed for the bucket (-1: none yet).
     committed: int = -1
     inflight: dict[EventID, Pending] = field(default_factory=dict)
     # A server-assigned EventID stream (member = this instance, thread = bucket).
@@ -155,13 +223,16 @@ class RegionEngine:
         changelog_topics: dict[str, str],
         targets: dict[str, list[QueueTarget]],
         codec: Codec,
-        commit_interval_s: float = 0.2,
         load_timeout_s: float = 60.0,
         event_tracking_timeout_s: float = 900.0,
         conflict_resolver: ConflictResolver | None = None,
         on_crash: Callable[[BaseException], None] | None = None,
         on_ownership: Callable[[list[tuple[str, int, int]]], None] | None = None,
         dead_letter_topic: str | None = None,
+        transaction_timeout_ms: int = 10_000,
+        window_linger_s: float = 0.0,
+        window_records_max: int = 200_000,
+        gone_owners: Callable[[str, int, int], list[str]] | None = None,
     ) -> None:
         self.site = site
         self.dsid = dsid
@@ -177,7 +248,6 @@ class RegionEngine:
         self._producer_settings = producer_settings
         self._codec = codec
         self._targets = targets
-        self._commit_interval_s = commit_interval_s
         self._load_timeout_s = load_timeout_s
         self._tracking_timeout_ms = int(event_tracking_timeout_s * 1000)
         self._on_crash = on_crash
@@ -187,68 +257,102 @@ class RegionEngine:
         self._dead_letter_topic = dead_letter_topic
         #: Keys of the dead letters this instance knows are written (loader thread only).
         self._dead_lettered: set[bytes] = set()
+        #: This instance's transactional.id, for its whole life (the module docstring says why).
+        self.transactional_id = transactional_id_of(group_id, member_id)
+        self._transaction_timeout_ms = transaction_timeout_ms
+        #: How long a window stays open after its first record (0: until the previous one is committed).
+        self._window_linger_s = window_linger_s
+        #: Records the open window may hold before writes are refused (retriable) until it is written.
+        self._window_records_max = window_records_max
+        #: (region, bucket, since_ms) → the instance ids the directory shows gone that claimed the
+        #: bucket before this instance was assigned it at since_ms (None: no directory, no fencing).
+        self._gone_owners = gone_owners
 
         self._lock = threading.Lock()
+        #: Signalled (under ``_lock``) when the open window gets its first records, and when a window is done.
+        self._window_changed = threading.Condition(self._lock)
+        self._window = Window()
+        self._windows_taken = 0
+        self._windows_done = 0
+        #: The generation metadata of the current assignment (group thread writes, committer reads).
+        self._membership: bytes | None = None
         self._owned: dict[tuple[str, int], OwnedBucket] = {}
         self._epoch = 0
         self._loads: queue.Queue[tuple[str, int, int] | None] = queue.Queue(maxsize=100_000)
         self._stopping = threading.Event()
-        self._poll_stopping = threading.Event()
-        self._fence_lock = threading.Lock()
-        self._fence_wanted = threading.Event()
-        self._awaiting_fence: list[tuple[list[OpResult], Callable[[list[OpResult]], None]]] = []
+        self._committer_stopping = False
         self._threads: list[threading.Thread] = []
-        self._producer: Producer | None = None
+        self._writer: WindowWriter | None = None
+        self._builder = RecordBuilder(codec, changelog_topics, targets)
         self._group: Consumer | None = None
         self._offsets: Consumer | None = None
-        self._writer: FanoutWriter | None = None
+        self._dead_letter_producer: Producer | None = None
         self.assigned_once = threading.Event()
         self.stats = {"applied": 0, "duplicates": 0, "conflicts_lost": 0, "loads": 0, "refanned_out": 0,
-                      "bucket_failures": 0, "dead_lettered": 0}
+                      "bucket_failures": 0, "dead_lettered": 0, "windows": 0, "windows_failed": 0,
+                      "window_records": 0, "producers_rebuilt": 0, "owners_fenced": 0}
 
     # --- lifecycle -----------------------------------------------------------
 
     def start(self) -> None:
-        self._producer = make_producer(self._kafka_settings, **{"client.id": self.client_id}, **self._producer_settings)
+        self._writer = WindowWriter(self._new_producer(), self.changelog_topics,
+                                    timeout_s=self._transaction_timeout_ms / 1000)
         # Committed checkpoints are read through a consumer of the group that never subscribes (the group
         # member belongs to the group thread): not through the admin API, whose coordinator requests can
-        # abort the process when the broker connection drops (confluentinc/librdkafka#4605).
+        # abort the process when the broker connection drops (confluentinc/librdkafka#4605).  It reads at
+        # read_committed, so librdkafka asks for stable offsets: it waits for transactional offsets
+        # still pending (KIP-447).
         self._offsets = make_consumer(self._kafka_settings, self.group_id,
-                                      **{"client.id": f"{self.client_id}-offsets", "enable.auto.commit": False})
-        self._writer = FanoutWriter(self._producer, self._codec, self.changelog_topics, self._targets, self._bucket_failed)
+                                      **{"client.id": f"{self.client_id}-offsets", "enable.auto.commit": False,
+                                         "isolation.level": "read_committed"})
         self._group = make_consumer(
             self._kafka_settings,
             self.group_id,
             **{"client.id": self.client_id},
             **self._group_settings,
         )
-        for name, target in (("poll", self._poll_loop), ("group", self._group_loop), ("loader", self._load_loop)):
+        for name, target in (("commit", self._commit_loop), ("group", self._group_loop), ("loader", self._load_loop)):
             t = threading.Thread(target=self._guard(target), name=f"region-{name}", daemon=True)
             t.start()
             self._threads.append(t)
 
-    def stop(self, deadline_s: float = 10.0) -> None:
-        """Stop loading, leave the group (revoking cleanly), then flush and stop polling.
+    def _new_producer(self) -> Producer:
+        """A transactional producer under this instance's id, initialized: any open transaction of an
+        earlier producer of the id is aborted and that producer fenced."""
+        producer = make_transactional_producer(
+            self._kafka_settings, self.transactional_id, self._transaction_timeout_ms,
+            **{"client.id": self.client_id, **self._producer_settings})
+        try:
+            producer.init_transactions(self._load_timeout_s)
+        except KafkaException as exc:
+            close_producer(producer, 1.0)
+            raise translate(exc, f"initializing transactions of {self.transactional_id}") from exc
+        return producer
 
-        The poll thread keeps serving delivery reports while the group
-        thread's revoke waits for in-flight records, so it stops last.
-        """
+    def stop(self, deadline_s: float = 10.0) -> None:
+        """Stop loading, leave the group (revoking cleanly: the open windows are committed), then stop
+        the committer and close the producer."""
         if self._stopping.is_set():
             return
         self._stopping.set()
         self._loads.put_nowait(None)
         end = time.monotonic() + deadline_s
         for t in self._threads:
-            if t.name != "region-poll":
+            if t.name != "region-commit":
                 t.join(max(0.1, end - time.monotonic()))
-        if self._producer is not None:
-            self._producer.flush(max(0.1, end - time.monotonic()))
-        self._poll_stopping.set()
+        with self._lock:
+            self._committer_stopping = True
+            self._window_changed.notify_all()
         for t in self._threads:
-            if t.name == "region-poll":
+            if t.name == "region-commit":
                 t.join(max(0.1, end - time.monotonic()))
+        if self._writer is not None and self._writer.producer is not None:
+            close_producer(self._writer.producer, end - time.monotonic())
         if self._offsets is not None:
             self._offsets.close()
+        if self._dead_letter_producer is not None:
+            self._dead_letter_producer.flush(max(0.1, end - time.monotonic()))
+            close_producer(self._dead_letter_producer, 0.1)
 
     def _guard(self, fn: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
@@ -257,7 +361,9 @@ class RegionEngine:
             except Exception as exc:  # top of a thread: record the crash, hand it to the owner
                 log.exception("region engine thread %s crashed", threading.current_thread().name)
                 self._stopping.set()
-                self._poll_stopping.set()
+                with self._lock:
+                    self._committer_stopping = True
+                    self._window_changed.notify_all()
                 if self._on_crash is not None:
                     self._on_crash(exc)
 
@@ -289,7 +395,8 @@ class RegionEngine:
 
     def owns(self, region: str, bucket: int) -> bool:
         with self._lock:
-            return (region, bucket) in self._owned
+            ob = self._owned.get((region, bucket))
+            return ob is not None and ob.status is not BucketStatus.REVOKING
 
     def is_ready(self, region: str, bucket: int) -> bool:
         with self._lock:
@@ -299,14 +406,13 @@ class RegionEngine:
     # --- writes --------------------------------------------------------------
 
     def submit(self, ops: list[Operation], on_done: Callable[[list[OpResult]], None]) -> None:
-        """Apply ``ops`` in order; ``on_done(results)`` runs (in the poll thread,
-        or here) once every applied event is durable in the changelog and in
-        every queue it goes to.
+        """Apply ``ops`` in order; ``on_done(results)`` runs (in the committer
+        thread, or here) once every applied event's window is committed: its
+        changelog record and its queue records are durable and visible.
 
         Every op must be for a bucket this instance owns; others get a
         ``NotOwner`` or ``BucketUnavailable`` result and are not applied.
         """
-        assert self._writer is not None
         results = [OpResult() for _ in ops]
 
         def finished(error: SluiceError | None) -> None:
@@ -318,28 +424,29 @@ class RegionEngine:
                             ob.inflight.pop(r.event.event_id, None)
             if error is not None:
                 _fail_results(results, error)
-                on_done(results)
-            elif any(r.event is not None for r in results):
-                # New writes are answered only after a commit proves this
-                # member still holds its generation (see _fence).
-                self._await_fence(results, on_done)
-            else:
-                on_done(results)
+            on_done(results)
 
         pending = Pending(finished)
-        pending.add(1)  # held until every op is produced, so it cannot fire early
+        pending.add(1)  # held until every op is in the window, so it cannot fire early
         now_ms = int(time.time() * 1000)
         grouped: list[tuple[OpResult, OwnedBucket, str]] = []
         group_trace: list[tuple[str, bytes]] | None = None
+        written: set[Slot] = set()
         with self._lock:
+            window = self._window
+            was_empty = window.empty()
             for op, result in zip(ops, results):
                 bucket = op.bucket if op.bucket >= 0 else self.bucket_of(op.region, op.key)
                 ob = self._owned.get((op.region, bucket))
-                if ob is None:
+                if ob is None or ob.status is BucketStatus.REVOKING:
                     result.error = NotOwner(op.region, bucket)
                     continue
-                if ob.status is not BucketStatus.READY or ob.state is None or ob.progress is None:
+                if ob.status is not BucketStatus.READY or ob.state is None:
                     result.error = BucketUnavailable(op.region, bucket, "the owner is loading the bucket")
+                    continue
+                if len(window.records) >= self._window_records_max:
+                    result.error = BucketUnavailable(op.region, bucket, "the owner's writes wait for Kafka "
+                                                     f"({len(window.records)} records not yet committed)")
                     continue
                 event_id = op.event_id
                 if event_id is None:
@@ -372,7 +479,7 @@ class RegionEngine:
                     original = ob.inflight.get(event_id)
                     if original is not None and original is not pending:
                         # The first attempt is still being written: answer
-                        # this retry when that one is durable.  (The same
+                        # this retry when that one is committed.  (The same
                         # event twice in one request, as a batch may hold it
                         # after a queue re-enqueued it, is already waited for:
                         # chaining the request to itself would never answer.)
@@ -381,6 +488,7 @@ class RegionEngine:
                 if isinstance(outcome, Skipped):
                     result.skipped = True
                     continue
+                slot = (op.region, bucket, ob.epoch)
                 if isinstance(outcome, list):  # a region clear: one event per entry of the bucket
                     result.cleared = len(outcome)
                     if not outcome:
@@ -390,22 +498,31 @@ class RegionEngine:
                     ob.inflight[event_id] = pending
                     self.stats["applied"] += len(outcome)
                     for event in outcome:
-                        self._writer.write(event, pending, ob.progress)
+                        changelog, queued = self._builder.records(event)
+                        window.add(slot, changelog, queued)
+                    written.add(slot)
                     continue
                 result.event = outcome
                 ob.inflight[event_id] = pending
                 self.stats["applied"] += 1
+                written.add(slot)
                 if op.transaction is None:
-                    self._writer.write(outcome, pending, ob.progress, op.trace)
+                    changelog, queued = self._builder.records(outcome, op.trace)
+                    window.add(slot, changelog, queued)
                 else:
                     grouped.append((result, ob, op.transaction))
                     group_trace = op.trace  # one put_all / remove_all request: one trace
             if grouped:
-                self._write_grouped(grouped, pending, group_trace)
+                self._write_grouped(window, grouped, group_trace)
+            if written:
+                pending.add(1)
+                window.waiting.append((pending, frozenset(written)))
+                if was_empty:
+                    self._window_changed.notify_all()
         pending.arm()
         pending.done()
 
-    def _write_grouped(self, grouped: list[tuple[OpResult, OwnedBucket, str]], pending: Pending,
+    def _write_grouped(self, window: Window, grouped: list[tuple[OpResult, OwnedBucket, str]],
                        trace: list[tuple[str, bytes]] | None = None) -> None:
         """The events of one put_all / remove_all, marked with its transaction
         id, the last of each bucket flagged: contiguous in each changelog and
@@ -418,7 +535,8 @@ class RegionEngine:
             assert event is not None
             event = replace(event, transaction=(tx, last_of_bucket[(event.region, event.bucket)] == i))
             result.event = event
-            self._writer.write(event, pending, ob.progress, trace)
+            changelog, queued = self._builder.records(event, trace)
+            window.add((ob.region, ob.bucket, ob.epoch), changelog, queued)
 
     def read(self, region: str, bucket: int) -> BucketState:
         """The state of a READY bucket (callers read under ``read_lock``)."""
@@ -446,20 +564,96 @@ class RegionEngine:
             time.sleep(0.01)
         return False
 
-    # --- producer poll thread -----------------------------------------------
+    # --- committer thread ----------------------------------------------------------
 
-    def _poll_loop(self) -> None:
-        assert self._producer is not None
-        while not self._poll_stopping.is_set():
-            self._producer.poll(0.05)
+    def _commit_loop(self) -> None:
+        """Close a window, write it as one transaction, answer its requests; again (fanout.py)."""
+        while True:
+            with self._lock:
+                while self._window.empty() and not self._committer_stopping:
+                    self._window_changed.wait(0.5)
+                if self._window.empty():
+                    return  # stopping, and nothing left to write
+                if self._window_linger_s > 0:
+                    wait_s = self._window.opened_at + self._window_linger_s - time.monotonic()
+                    if wait_s > 0 and not self._committer_stopping:
+                        self._window_changed.wait(wait_s)
+                window, self._window = self._window, Window()
+                self._windows_taken += 1
+                membership = self._membership
+                # Records prepared under an ownership that has ended since (lost,
+                # revoked, reloaded) must not be written: their state is gone.
+                skip = {slot for slot in window.slots if not self._current(*slot)}
+            outcome = self._write_window(window, skip, membership)
+            self._finish_window(window, skip, outcome)
 
-    def _bucket_failed(self, region: str, bucket: int, error: SluiceError) -> None:
-        """A write of the bucket failed: its memory may be ahead of the changelog."""
+    def _write_window(self, window: Window, skip: set[Slot], membership: bytes | None) -> WindowOutcome:
+        writer = self._writer
+        assert writer is not None
+        if writer.producer is None:
+            return WindowOutcome(error=BrokerUnavailable("the owner is rebuilding its Kafka producer"))
+        outcome = writer.write(window, skip, membership)
+        self.stats["windows"] += 1
+        self.stats["window_records"] += len(window.records)
+        if outcome.producer_broken:
+            self._rebuild_producer(outcome.error)
+        return outcome
+
+    def _rebuild_producer(self, why: SluiceError | None) -> None:
+        """A fatal producer (fenced, or its transaction timed out at the coordinator): a new one
+        under the same transactional.id, asked again until it comes or the engine stops."""
+        writer = self._writer
+        assert writer is not None
+        log.warning("transactional producer %s unusable (%s); building a new one", self.transactional_id, why)
+        close_producer(writer.producer, 1.0)
+        while not self._stopping.is_set():
+            try:
+                writer.producer = self._new_producer()
+                self.stats["producers_rebuilt"] += 1
+                return
+            except SluiceError as exc:
+                log.warning("building the transactional producer again failed (%s); retrying", exc)
+                self._stopping.wait(PRODUCER_RETRY_S)
+        writer.producer = None  # type: ignore[assignment]
+
+    def _finish_window(self, window: Window, skip: set[Slot], outcome: WindowOutcome) -> None:
+        """Step 3 or 4 of fanout.py: answer the window's requests; a failed window's buckets reload."""
+        failed: list[Slot] = []
+        with self._lock:
+            if outcome.committed is not None:
+                for slot, checkpoint in outcome.committed.items():
+                    ob = self._current(*slot)
+                    if ob is not None:
+                        ob.committed = max(ob.committed, checkpoint)
+            else:
+                failed = [slot for slot in window.slots if slot not in skip]
+            self._windows_done += 1
+            self._window_changed.notify_all()
+        error = outcome.error
+        if error is not None:
+            self.stats["windows_failed"] += 1
+            log.warning("a window of %d records for %d buckets failed: %s", len(window.records),
+                        len(window.slots), error)
+        for region, bucket, epoch in failed:
+            assert error is not None
+            self._bucket_failed(region, bucket, error, epoch)
+        moved = OwnershipUnconfirmed("the bucket changed owner or was reloaded before the write was committed")
+        for pending, buckets in window.waiting:
+            if error is not None:
+                pending.fail(error)
+            elif buckets & skip:
+                pending.fail(moved)
+            else:
+                pending.done()
+
+    def _bucket_failed(self, region: str, bucket: int, error: SluiceError, epoch: int | None = None) -> None:
+        """A write of the bucket failed: its memory may be ahead of the changelog.  ``epoch``: only if
+        the bucket is still owned under it."""
         log.warning("bucket %s[%d] failed (%s); reloading it from the changelog", region, bucket, error)
         self.stats["bucket_failures"] += 1
         with self._lock:
             ob = self._owned.get((region, bucket))
-            if ob is None or ob.status is BucketStatus.LOADING:
+            if ob is None or ob.status is not BucketStatus.READY or (epoch is not None and ob.epoch != epoch):
                 return
             self._epoch += 1
             ob.epoch = self._epoch
@@ -467,6 +661,18 @@ class RegionEngine:
             ob.state = None
             epoch = ob.epoch
         self._loads.put((region, bucket, epoch))
+
+    def _wait_windows(self, timeout_s: float) -> bool:
+        """Until every window holding records accepted so far is done (committed or failed)."""
+        end = time.monotonic() + timeout_s
+        with self._lock:
+            target = self._windows_taken + (0 if self._window.empty() else 1)
+            while self._windows_done < target:
+                left = end - time.monotonic()
+                if left <= 0 or self._committer_stopping:
+                    return False
+                self._window_changed.wait(min(left, 0.5))
+        return True
 
     # --- group thread ---------------------------------------------------------
 
@@ -479,77 +685,24 @@ class RegionEngine:
             on_revoke=self._on_revoke,
             on_lost=self._on_lost,
         )
-        next_commit = time.monotonic() + self._commit_interval_s
         next_expiry = time.monotonic() + 30.0
         try:
             while not self._stopping.is_set():
-                self._fence_wanted.wait(0.05)
-                msg = consumer.poll(0)
+                msg = consumer.poll(0.05)
                 if msg is not None and msg.error() is not None:
                     log.debug("group consumer: %s", msg.error())
-                if self._fence_wanted.is_set():
-                    self._fence(consumer)
-                    next_commit = time.monotonic() + self._commit_interval_s
-                elif time.monotonic() >= next_commit:
-                    self._commit_checkpoints(asynchronous=True)
-                    next_commit = time.monotonic() + self._commit_interval_s
                 if time.monotonic() >= next_expiry:
                     self._expire_streams()
                     next_expiry = time.monotonic() + 30.0
         finally:
             # Leaving the group revokes every bucket through _on_revoke,
-            # which waits for in-flight records and commits synchronously.
+            # which waits for the windows holding their records.
             try:
                 consumer.close()
             except (KafkaException, RuntimeError) as exc:
                 log.warning("closing the group consumer: %s", exc)
-            self._release_fenced(OwnershipUnconfirmed("the instance is stopping"))
-
-    # --- fencing -----------------------------------------------------------------
-    #
-    # A member that was paused (SIGSTOP, a long GC, a frozen VM) past its
-    # session timeout has lost its buckets without knowing it; a new owner may
-    # already serve them.  It must not acknowledge what it writes then.  So a
-    # write is answered only after a synchronous offset commit, issued after
-    # the write was durable, succeeds: the group coordinator rejects commits of
-    # a stale generation, so a success proves this member still held its
-    # buckets after the write.  One commit answers every write waiting for it.
-
-    def _await_fence(self, results: list[OpResult], on_done: Callable[[list[OpResult]], None]) -> None:
-        with self._fence_lock:
-            self._awaiting_fence.append((results, on_done))
-        self._fence_wanted.set()
-
-    def _release_fenced(self, error: SluiceError | None) -> None:
-        with self._fence_lock:
-            batch, self._awaiting_fence = self._awaiting_fence, []
-            self._fence_wanted.clear()
-        for results, on_done in batch:
-            if error is not None:
-                _fail_results(results, error)
-            on_done(results)
-
-    def _fence(self, consumer: Consumer) -> None:
-        with self._fence_lock:
-            batch, self._awaiting_fence = self._awaiting_fence, []
-            self._fence_wanted.clear()
-        if not batch:
-            return
-        offsets = self._checkpoint_offsets(force=True)
-        error: SluiceError | None = None
-        if not offsets:
-            error = OwnershipUnconfirmed("this instance no longer owns the bucket")
-        else:
-            try:
-                consumer.commit(offsets=offsets, asynchronous=False)
-            except KafkaException as exc:
-                log.warning("fencing commit failed (%s); answering %d requests with a retriable error",
-                            exc, len(batch))
-                error = OwnershipUnconfirmed(f"the group refused the fencing commit ({exc.args[0]})")
-        for results, on_done in batch:
-            if error is not None:
-                _fail_results(results, error)
-            on_done(results)
+            with self._lock:
+                self._membership = None
 
     def _expire_streams(self) -> None:
         now_ms = int(time.time() * 1000)
@@ -566,9 +719,14 @@ class RegionEngine:
         consumer.assign(partitions)
         if partitions:
             consumer.pause(partitions)
+        # The generation that assigned these buckets: the offsets of every
+        # transaction writing them carry it.  Asked here, in the thread that
+        # polls the consumer (librdkafka's call blocks while another thread polls).
+        membership = consumer.consumer_group_metadata()
         loads = []
         now_ms = int(time.time() * 1000)
         with self._lock:
+            self._membership = membership
             for tp in partitions:
                 region = self._topic_region[tp.topic]
                 self._epoch += 1
@@ -581,26 +739,21 @@ class RegionEngine:
         self.assigned_once.set()
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        keys = [(self._topic_region[tp.topic], tp.partition) for tp in partitions]
         with self._lock:
-            revoked = [self._owned.pop((self._topic_region[tp.topic], tp.partition), None) for tp in partitions]
-        # Wait for the records already produced (of any bucket) to be acknowledged,
-        # so the checkpoint committed below covers every write we answered.
-        end = time.monotonic() + 10.0
-        while self._producer is not None and len(self._producer) > 0 and time.monotonic() < end:
-            time.sleep(0.01)
-        offsets = [
-            TopicPartition(self.changelog_topics[ob.region], ob.bucket, ob.progress.checkpoint)
-            for ob in revoked
-            if ob is not None and ob.progress is not None and ob.status is BucketStatus.READY
-        ]
-        if offsets:
-            try:
-                consumer.commit(offsets=offsets, asynchronous=False)
-                # Every write answered below was durable before this commit.
-                self._release_fenced(None)
-            except KafkaException as exc:
-                log.warning("committing checkpoints on revoke: %s", exc)
-                self._release_fenced(OwnershipUnconfirmed("ownership moved"))
+            for key in keys:
+                ob = self._owned.get(key)
+                if ob is not None:
+                    ob.status = BucketStatus.REVOKING
+        # The generation is still ours: commit what was accepted for these
+        # buckets before the group moves them (the next owner's load would
+        # otherwise wait for our transactions, or re-enqueue their records).
+        if not self._wait_windows(REVOKE_WAIT_S):
+            log.warning("revoking %d buckets before their last window was committed", len(keys))
+        with self._lock:
+            revoked = [self._owned.pop(key, None) for key in keys]
+            if not self._owned:
+                self._membership = None
         log.info("revoked %s", ", ".join(f"{ob.region}[{ob.bucket}]" for ob in revoked if ob) or "nothing")
         self._ownership_changed()
 
@@ -608,50 +761,18 @@ class RegionEngine:
         with self._lock:
             for tp in partitions:
                 self._owned.pop((self._topic_region[tp.topic], tp.partition), None)
-        # A lost member may be a zombie: nothing it wrote since is acknowledged.
-        self._release_fenced(OwnershipUnconfirmed("this instance lost its buckets (session expired)"))
+            # A lost member may be a zombie: whatever it still writes is
+            # refused by the group coordinator (a stale generation) and aborted.
+            self._membership = None
         log.warning("lost %d buckets (session expired)", len(partitions))
         self._ownership_changed()
-
-    def _checkpoint_offsets(self, force: bool) -> list[TopicPartition]:
-        """Fan-out checkpoints of READY buckets: those that advanced, or all (``force``).
-
-        ``force`` (a fencing commit) also takes the buckets being reloaded, at
-        the checkpoint last committed: any commit of this member's generation
-        proves it still holds its buckets, and a write that became durable
-        while its bucket reloads is then answered, not refused.
-        """
-        offsets = []
-        with self._lock:
-            for ob in self._owned.values():
-                topic = self.changelog_topics[ob.region]
-                if ob.status is not BucketStatus.READY or ob.progress is None:
-                    if force and ob.committed >= 0:
-                        offsets.append(TopicPartition(topic, ob.bucket, ob.committed))
-                    continue
-                if force or ob.progress.checkpoint > ob.committed:
-                    offsets.append(TopicPartition(topic, ob.bucket, ob.progress.checkpoint))
-                    ob.committed = max(ob.committed, ob.progress.checkpoint)
-        return offsets
-
-    def _commit_checkpoints(self, asynchronous: bool) -> None:
-        consumer = self._group
-        assert consumer is not None
-        offsets = self._checkpoint_offsets(force=False)
-        if offsets:
-            try:
-                consumer.commit(offsets=offsets, asynchronous=asynchronous)
-            except KafkaException as exc:
-                # A failed commit only widens what a next owner re-enqueues.
-                log.warning("committing fan-out checkpoints: %s", exc)
 
     # --- loader thread -----------------------------------------------------------
 
     def _load_loop(self) -> None:
         # A short fetch wait: the reader moves from partition to partition, and
         # each new assignment otherwise waits out a fetch held at the broker.
-        reader = make_consumer(self._kafka_settings, None,
-                               **{"client.id": f"{self.client_id}-loader", "fetch.wait.max.ms": 10})
+        readers = self._new_readers()
         try:
             while not self._stopping.is_set():
                 item = self._loads.get()
@@ -659,18 +780,25 @@ class RegionEngine:
                     return
                 region, bucket, epoch = item
                 try:
-                    self._load(reader, region, bucket, epoch)
+                    self._load(readers[0], readers[1], region, bucket, epoch)
                 except SluiceError as exc:
                     log.warning("loading %s[%d] failed (%s); retrying", region, bucket, exc)
-                    # A fresh reader: the old one's metadata may be stuck on what the broker said as it
+                    # Fresh readers: the old ones' metadata may be stuck on what the broker said as it
                     # came back (partitions unknown until the next metadata refresh).
-                    reader.close()
-                    reader = make_consumer(self._kafka_settings, None,
-                                           **{"client.id": f"{self.client_id}-loader", "fetch.wait.max.ms": 10})
-                    time.sleep(0.5)
+                    for reader in readers:
+                        reader.close()
+                    readers = self._new_readers()
+                    self._stopping.wait(0.5)
                     self._loads.put(item)
         finally:
-            reader.close()
+            for reader in readers:
+                reader.close()
+
+    def _new_readers(self) -> tuple[Consumer, Consumer]:
+        """The loader's read_committed reader, and a read_uncommitted one asked only for high watermarks."""
+        settings = {"client.id": f"{self.client_id}-loader", "fetch.wait.max.ms": 10}
+        return (make_consumer(self._kafka_settings, None, **settings, **{"isolation.level": "read_committed"}),
+                make_consumer(self._kafka_settings, None, **settings, **{"isolation.level": "read_uncommitted"}))
 
     def _committed(self, topic: str, bucket: int) -> int:
         """The fan-out checkpoint committed for a changelog partition (-1: none)."""
@@ -690,74 +818,106 @@ class RegionEngine:
         ob = self._owned.get((region, bucket))
         return ob if ob is not None and ob.epoch == epoch else None
 
-    def _load(self, reader: Consumer, region: str, bucket: int, epoch: int) -> None:
+    def _wait_decided(self, reader: Consumer, high_reader: Consumer, region: str, bucket: int,
+                      epoch: int) -> tuple[int, int] | None:
+        """(low, end) of the bucket's changelog partition once no transaction is open on it (its last
+        stable offset is its high watermark); None when the bucket is no longer ours to load.  A
+        transaction left open by an earlier owner that is gone is ended by fencing it (module docstring)."""
+        topic = self.changelog_topics[region]
+        tp = TopicPartition(topic, bucket)
+        started = time.monotonic()
+        fenced = False
+        while True:
+            try:
+                low, stable, high = partition_end(reader, high_reader, tp)
+            except KafkaException as exc:
+                raise translate(exc, f"reading the changelog bounds of {region}[{bucket}]") from exc
+            if stable >= high:
+                return low, high
+            with self._lock:
+                ob = self._current(region, bucket, epoch)
+                since_ms = ob.since_ms if ob is not None else 0
+            if ob is None or self._stopping.is_set():
+                return None
+            waited_s = time.monotonic() - started
+            if not fenced and waited_s >= FENCE_AFTER_S:
+                fenced = True
+                self._fence_gone_owners(region, bucket, since_ms)
+            if waited_s > self._load_timeout_s:
+                raise BrokerUnavailable(f"changelog {topic}[{bucket}]: a transaction open from offset {stable} "
+                                        f"(end {high}) not decided in {self._load_timeout_s:g} s")
+            self._stopping.wait(0.05)
+
+    def _fence_gone_owners(self, region: str, bucket: int, since_ms: int) -> None:
+        if self._gone_owners is None:
+            return
+        try:
+            gone = [i for i in self._gone_owners(region, bucket, since_ms) if i != self.member_id]
+        except SluiceError as exc:
+            log.warning("%s[%d]: asking the directory for earlier owners failed: %s", region, bucket, exc)
+            return
+        for instance in gone:
+            transactional_id = transactional_id_of(self.group_id, instance)
+            log.warning("%s[%d]: a transaction stays open; fencing %s, an earlier owner the directory shows "
+                        "gone", region, bucket, transactional_id)
+            try:
+                fence_transactional_id(self._kafka_settings, transactional_id, timeout_s=10.0)
+                self.stats["owners_fenced"] += 1
+            except SluiceError as exc:
+                log.warning("fencing %s failed: %s", transactional_id, exc)
+
+    def _load(self, reader: Consumer, high_reader: Consumer, region: str, bucket: int, epoch: int) -> None:
         with self._lock:
             if self._current(region, bucket, epoch) is None:
                 return
         started = time.monotonic()
         topic = self.changelog_topics[region]
         tp = TopicPartition(topic, bucket)
-        group = self._group
-        assert group is not None and self._writer is not None
-        # Records this instance wrote to the bucket before (a reload after a
-        # failed write, or the bucket back after a lost session) may still be
-        # on their way: the producer retries them until delivery.timeout.ms.
-        # Read the changelog before they land, and the state would not know
-        # their EventIDs, so a client's retry of one would be applied again.
-        unreported = self._writer.unreported(region, bucket)
-        if unreported:
-            log.info("%s[%d]: waiting for %d changelog records of ours still in flight before loading",
-                     region, bucket, unreported)
-            if not self._writer.wait_reported(region, bucket, self._load_timeout_s):
-                raise BrokerUnavailable(f"{self._writer.unreported(region, bucket)} changelog records of "
-                                        f"{region}[{bucket}] still unacknowledged")
-        try:
-            low, high = reader.get_watermark_offsets(tp, timeout=10.0)
-            # The group consumer belongs to the group thread; ask the
-            # coordinator through the admin client instead.
-            committed = self._committed(topic, bucket)
-        except KafkaException as exc:
-            raise translate(exc, f"reading the changelog bounds of {region}[{bucket}]") from exc
+        bounds = self._wait_decided(reader, high_reader, region, bucket, epoch)
+        if bounds is None:
+            return
+        low, high = bounds
+        # After the partition's transactions are decided, so the offsets they carried are stable.
+        committed = self._committed(topic, bucket)
         replay_from = committed if committed >= 0 else low
         state = BucketState(region, bucket, self.dsid, self.member_id)
         refanout: list[tuple[EntryEvent, int]] = []
         unreadable: list[tuple[int, bytes | None, bytes | None, CodecError]] = []
-        read_s = 0.0
         if high > low:
             reader.assign([TopicPartition(topic, bucket, OFFSET_BEGINNING if low == 0 else low)])
-            last = low - 1
+            position = low
             idle_since = time.monotonic()
-            while last < high - 1:
+            # Positions, not the last record's offset: markers and aborted
+            # records occupy offsets up to the end (core/kafka.py).
+            while position < high:
                 # consume() waits its whole timeout for a partial batch, so keep
                 # the timeout short: the records are usually prefetched already.
-                msgs = reader.consume(1000, 0.02)
-                if not msgs:
+                try:
+                    msgs = reader.consume(1000, 0.02)
+                except KafkaException as exc:
+                    raise translate(exc, f"reading the changelog of {region}[{bucket}]") from exc
+                moved = consumed_position(reader, tp)
+                if not msgs and moved <= position:
                     if time.monotonic() - idle_since > self._load_timeout_s / 3:
-                        raise BrokerUnavailable(f"changelog {topic}[{bucket}] stopped at {last} before {high - 1}")
+                        raise BrokerUnavailable(f"changelog {topic}[{bucket}] stopped at {position} before {high}")
                     continue
                 idle_since = time.monotonic()
                 for msg in msgs:
                     if msg.error() is not None:
                         continue
-                    last = msg.offset()
+                    offset = msg.offset()
+                    position = max(position, offset + 1)
                     try:
                         event = EntryEvent.from_record(self._codec.decode_as("EntryEvent", msg.value()))
                     except CodecError as exc:
-                        log.error("changelog %s[%d]@%d unreadable, skipped: %s", topic, bucket, last, exc)
-                        unreadable.append((last, msg.key(), msg.value(), exc))
+                        log.error("changelog %s[%d]@%d unreadable, skipped: %s", topic, bucket, offset, exc)
+                        unreadable.append((offset, msg.key(), msg.value(), exc))
                         continue
                     state.replay(event)
-                    if last >= replay_from:
-                        refanout.append((event, last))
-                if last >= high - 1:
-                    # Some brokers report a high watermark below the last
-                    # record under load: ask again before calling it the end.
-                    try:
-                        high = max(high, reader.get_watermark_offsets(tp, timeout=10.0)[1])
-                    except KafkaException as exc:
-                        raise translate(exc, f"reading the changelog bounds of {region}[{bucket}]") from exc
+                    if offset >= replay_from:
+                        refanout.append((event, offset))
+                position = max(position, moved)
             reader.unassign()
-            high = max(high, last + 1)
         if unreadable:
             self._dead_letter(reader, topic, bucket, unreadable)
         read_s = time.monotonic() - started
@@ -774,15 +934,28 @@ class RegionEngine:
             if ob is None:
                 return
             ob.state = state
-            ob.progress = BucketProgress(replay_from)
             ob.committed = committed
             # Continue this instance's own EventID stream for the bucket, or a
             # reload would reuse sequences the changelog already holds.
             ob.next_sequence = state.streams.get((self.member_id, bucket), -1) + 1
-            pending = Pending(refanned)
-            for event, offset in refanout:
-                self._writer.refanout(event, offset, pending, ob.progress)
-            pending.arm()
+            if refanout:
+                # Records written before the checkpoint moved with them (by an owner
+                # that did not write in transactions) may lack their queue records:
+                # queue them again, and move the checkpoint past them, in one transaction.
+                pending = Pending(refanned)
+                pending.add(1)
+                window = self._window
+                was_empty = window.empty()
+                slot = (region, bucket, epoch)
+                for event, offset in refanout:
+                    window.add(slot, None, self._builder.requeued(event, offset))
+                window.checkpoint(slot, high)
+                window.waiting.append((pending, frozenset({slot})))
+                if was_empty:
+                    self._window_changed.notify_all()
+                pending.arm()
+            else:
+                done.set()
         if not done.wait(self._load_timeout_s):
             raise BrokerUnavailable(f"re-enqueueing {len(refanout)} events of {region}[{bucket}] timed out")
         if failure[0] is not None:
@@ -798,7 +971,6 @@ class RegionEngine:
             "loaded %s[%d]: %d keys from offsets %d..%d (read in %.2fs), %d re-enqueued, %.2fs in all",
             region, bucket, state.size(), low, high, read_s, len(refanout), time.monotonic() - started,
         )
-
 
     def _dead_letter(self, reader: Consumer, topic: str, bucket: int,
                      unreadable: list[tuple[int, bytes | None, bytes | None, CodecError]]) -> None:
@@ -821,7 +993,12 @@ class RegionEngine:
         fresh = [k for k in todo if k not in self._dead_lettered]
         if not fresh:
             return
-        assert self._producer is not None
+        # The transactional producer belongs to the committer; dead letters are
+        # rare and need no transaction: a plain idempotent producer of the loader's.
+        if self._dead_letter_producer is None:
+            self._dead_letter_producer = make_producer(self._kafka_settings,
+                                                       **{"client.id": f"{self.client_id}-dead-letters"})
+        producer = self._dead_letter_producer
         delivered = threading.Event()
         errors: list[str] = []
         waiting = [len(fresh)]
@@ -843,11 +1020,13 @@ class RegionEngine:
                       "error_class": type(exc).__name__, "event": None, "service": f"region {self.member_id}",
                       "failed_at": now_ms}
             try:
-                self._producer.produce(dead_letters, self._codec.encode("DeadLetter", record), k,
-                                       on_delivery=on_delivery)
+                producer.produce(dead_letters, self._codec.encode("DeadLetter", record), k, on_delivery=on_delivery)
             except (BufferError, KafkaException) as exc2:
                 raise BrokerUnavailable(f"dead-lettering {k.decode()}: {exc2}") from exc2
-        if not delivered.wait(self._load_timeout_s):
+        end = time.monotonic() + self._load_timeout_s
+        while not delivered.is_set() and time.monotonic() < end:
+            producer.poll(0.05)
+        if not delivered.is_set():
             raise BrokerUnavailable(f"dead letters of {topic}[{bucket}] not acknowledged in {self._load_timeout_s} s")
         if errors:
             raise BrokerUnavailable(f"dead letters of {topic}[{bucket}] not written: {errors[0]}")
@@ -855,6 +1034,11 @@ class RegionEngine:
         self.stats["dead_lettered"] += len(fresh)
         log.warning("%s[%d]: %d unreadable changelog records dead-lettered to %s", topic, bucket, len(fresh),
                     dead_letters)
+
+
+def transactional_id_of(group_id: str, instance: str) -> str:
+    """The transactional.id an instance writes its windows under: one per instance, for its life."""
+    return f"{group_id}.{instance}"
 
 
 def _fail_results(results: list[OpResult], error: SluiceError) -> None:

@@ -1,45 +1,94 @@
-"""Fan-out of applied events: the changelog record first, then the queues.
+"""The write path of a bucket owner: records, group-commit windows, Kafka transactions.
 
 The story of one write, step by step:
 
-1. The owner of the bucket prepares the event (``state.py``) and produces it
-   to the region changelog, partition = bucket.  The changelog is the
-   write-ahead truth: an operation is applied when its record is durable.
-2. When the broker acknowledges the changelog record (delivery report, in
-   partition order because the producer is idempotent), its offset is known
-   and the event is produced to every attached queue that takes it.  So no
-   queue ever holds an event whose changelog record is not durable.
-3. When every queue record of the event is acknowledged, the request's
-   ``Pending`` counts it done; the caller is answered when all its events are.
-4. Per bucket, ``BucketProgress`` keeps the fan-out checkpoint: the changelog
-   offset below which every record reached every queue.  It is committed as
-   the consumer-group offset of the changelog partition.  A new owner re-enqueues
-   everything from that offset on, marked possibleDuplicate; consumers drop
-   the repeats by EventID.
+1. The owner of the bucket prepares the event (``state.py``) under the
+   engine's lock, in the order it accepts operations, and builds its records
+   at once (``RecordBuilder``): the changelog record (partition = bucket)
+   and a ``QueuedEvent`` for every attached queue that takes the operation
+   and lets the event in.  A gateway sender's loop check (the event came from
+   that sender's remote site, or has visited it) and its before_enqueue
+   filters run here; the records of a gateway queue carry the "routed" flag,
+   so the sender need not look inside the event.  The records join the open
+   ``Window`` in that order, and the request's ``Pending`` waits on it.
+2. The engine's committer thread closes the window as soon as the one before
+   it is committed (group commit: whatever arrived while a transaction was
+   being committed goes into the next one) and writes it as one Kafka
+   transaction (``WindowWriter``): begin; produce every record, without
+   delivery callbacks but for the last changelog record of each bucket,
+   whose offset makes the bucket's checkpoint; flush; send the checkpoints
+   as the region consumer group's offsets of the changelog partitions, with
+   the group metadata of the generation that assigned the buckets
+   (``send_offsets_to_transaction``, KIP-447); commit.
+3. Committed: the window's changelog records, their queue records and the
+   checkpoints become visible to read_committed readers together.  Each
+   request's ``Pending`` counts its window done; the caller is answered when
+   all of it is committed.
+4. Failed: nothing of the window becomes visible (aborted, or never
+   written).  Its requests are answered with a retriable error and its
+   buckets are reloaded from the changelog (their memory is ahead of it).  A
+   retry keeps its EventIDs, so whichever attempt committed, the bucket's
+   duplicate tracking answers the others.
 
-A queue record is a ``QueuedEvent``.  Its Avro body is the queue fields
-followed by the ``EntryEvent`` body, so it is built by prefixing the
-changelog record's body instead of encoding the event a second time.
+Fencing.  The group coordinator refuses a transaction's offsets from a
+member that is no longer in the generation that assigned it the bucket, and
+the transaction is then aborted: a paused owner that resumes after losing
+its buckets commits nothing.  A transaction whose offsets were accepted
+before the session expired may still commit; a new owner's load waits for it
+(engine.py: no open transaction on the partition, committed offsets stable),
+so whatever it commits is read before the new owner writes.
+
+The checkpoint.  The group's committed offset of changelog partition *b* is
+one past the last changelog record of *b* a committed transaction wrote;
+everything below it reached every queue in the same transaction.  A new
+owner re-enqueues (possibleDuplicate) what follows it, which is nothing for
+a changelog written this way; records written before Sluice wrote in
+transactions may lack their queue records, and these are re-enqueued.
+
+A queue record's ``changelog_offset`` is -1 when it is written in the same
+transaction as its changelog record: that offset is known only from the
+changelog record's delivery report, and waiting for it would cost a
+per-record callback and a round trip more per window.  The event's EventID
+identifies the write; a re-enqueued record carries its changelog offset.
 """
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..core.eventwire import FLAG_POSSIBLE_DUPLICATE, entry_event_body, string, varint
-from ..core.codec import HEADER_BYTES, MARKER, Codec
-from ..core.errors import SluiceError
+from ..core.codec import Codec
+from ..core.errors import BrokerUnavailable, OwnershipUnconfirmed, SluiceError
 from ..core.events import EntryEvent, Operation, goes_to_async_queue, goes_to_gateway
-from ..core.kafka import KafkaError, Message, Producer, error_from_kafka_error, murmur2, partition_for_key
-
+from ..core.eventwire import FLAG_POSSIBLE_DUPLICATE, FLAG_ROUTED, entry_event_body, queued_event, string, varint
+from ..core.kafka import (
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+    consumer_group_generation,
+    is_fatal,
+    is_group_fencing,
+    is_retriable,
+    murmur2,
+    partition_for_key,
+    requires_abort,
+    translate,
+)
 
 # Avro primitives, shared with the hand-written EntryEvent encoder.
 _varint = varint
 _avro_string = string
+
+#: A bucket: (region, bucket).
+Where = tuple[str, int]
+#: A bucket and the epoch of this instance's ownership of it: (region, bucket, epoch).
+Slot = tuple[str, int, int]
+#: One record to produce: topic, partition, key, value, headers.
+Record = tuple[str, int, bytes, bytes, "list[tuple[str, bytes]] | None"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,11 +105,18 @@ class QueueTarget:
     #: A gateway sender's before_enqueue filters and substitution filter:
     #: (event, queue partition) -> the event to queue, or None to keep it out.
     enqueue: Callable[[EntryEvent, int], EntryEvent | None] | None = None
+    #: A gateway sender's remote site: events from it, or that visited it, are not queued.
+    remote_dsid: int | None = None
 
     def accepts(self, op: Operation) -> bool:
         if self.kind == "gateway-sender":
             return goes_to_gateway(op)
         return goes_to_async_queue(op, self.forward_expiration_destroy)
+
+    def loops_back(self, event: EntryEvent) -> bool:
+        """A gateway sender never sends an event to the site it came from or already visited (Geode)."""
+        return self.remote_dsid is not None and (
+            event.origin_dsid == self.remote_dsid or self.remote_dsid in event.visited_dsids)
 
     def partition_for(self, event: EntryEvent, key_bytes: bytes) -> int:
         """Parallel: the bucket.  Serial: by the order policy."""
@@ -75,10 +131,10 @@ class QueueTarget:
 
 
 class Pending:
-    """Completion of one request: outstanding records, first error, callback.
+    """Completion of one request: outstanding windows, first error, callback.
 
-    Records are added by the caller's thread while delivery reports of the
-    same request already arrive in the poll thread, so the counter is locked.
+    A request counts one for each window its records joined, and one for
+    each earlier attempt of the same EventID it waits for (``then``).
     ``on_done(error_or_None)`` is called exactly once, after ``arm()`` and
     when nothing is outstanding; then every chained dependent counts one done.
     """
@@ -99,7 +155,7 @@ class Pending:
             self.remaining += n
 
     def arm(self) -> None:
-        """All records are produced; fire when they are all acknowledged."""
+        """Everything is counted; fire when it is all done."""
         with self._lock:
             self.armed = True
         self._maybe_fire()
@@ -143,183 +199,242 @@ class Pending:
                 d.done()
 
 
-class BucketProgress:
-    """The fan-out checkpoint of one owned bucket.
+class RecordBuilder:
+    """The records of an applied event: its changelog record and its queue records (step 1)."""
 
-    ``inflight`` holds ``[changelog offset, queue records outstanding]`` in
-    offset order (delivery reports of one partition arrive in order).  The
-    checkpoint is the offset of the oldest record still outstanding, or one
-    past the newest when none is.
-    """
-
-    __slots__ = ("checkpoint", "inflight", "failed")
-
-    def __init__(self, checkpoint: int) -> None:
-        self.checkpoint = checkpoint
-        self.inflight: collections.deque[list[int]] = collections.deque()
-        self.failed = False
-
-    def opened(self, offset: int, outstanding: int) -> list[int]:
-        slot = [offset, outstanding]
-        self.inflight.append(slot)
-        if outstanding == 0:
-            self._advance()
-        return slot
-
-    def closed_one(self, slot: list[int]) -> None:
-        slot[1] -= 1
-        if slot[1] == 0:
-            self._advance()
-
-    def _advance(self) -> None:
-        inflight = self.inflight
-        while inflight and inflight[0][1] <= 0:
-            self.checkpoint = inflight.popleft()[0] + 1
-
-
-class FanoutWriter:
-    """Produces changelog records and, once each is durable, its queue records."""
-
-    def __init__(
-        self,
-        producer: Producer,
-        codec: Codec,
-        changelog_topics: dict[str, str],
-        targets: dict[str, list[QueueTarget]],
-        on_bucket_failure: Callable[[str, int, SluiceError], None],
-    ) -> None:
-        self._producer = producer
-        self._codec = codec
+    def __init__(self, codec: Codec, changelog_topics: dict[str, str], targets: dict[str, list[QueueTarget]]) -> None:
         self._changelog_topics = changelog_topics
         self._targets = targets
-        self._on_bucket_failure = on_bucket_failure
-        self._queued_fp = MARKER + codec.fingerprint("QueuedEvent")
-        self._entry_fp = MARKER + codec.fingerprint("EntryEvent")
-        self._queue_id_bytes = {
-            t.id: _avro_string(t.id) for ts in targets.values() for t in ts
-        }
-        # Changelog records produced and not yet reported, per bucket: a reload
-        # must not read a changelog that records of ours may still land in.
-        self._unreported: collections.Counter[tuple[str, int]] = collections.Counter()
-        self._reported = threading.Condition()
+        self._queued_header = codec.header("QueuedEvent")
+        self._entry_header = codec.header("EntryEvent")
 
-    def unreported(self, region: str, bucket: int) -> int:
-        """Changelog records of the bucket produced and not yet reported."""
-        with self._reported:
-            return self._unreported[(region, bucket)]
+    def records(self, event: EntryEvent, headers: list[tuple[str, bytes]] | None = None
+                ) -> tuple[Record, list[Record]]:
+        """The changelog record and the queue records of a new event.  ``headers`` (its trace
+        context) go on every record."""
+        key = event.key.encode("utf-8")
+        body = entry_event_body(event)
+        changelog = (self._changelog_topics[event.region], event.bucket, key, self._entry_header + body, headers)
+        return changelog, self._queued(event, key, body, -1, headers)
 
-    def wait_reported(self, region: str, bucket: int, timeout_s: float) -> bool:
-        """Wait until every changelog record of the bucket produced so far was
-        reported (delivered or failed for good); False if ``timeout_s`` passed first."""
-        with self._reported:
-            return self._reported.wait_for(lambda: self._unreported[(region, bucket)] <= 0, timeout_s)
-
-    def _changelog_reported(self, where: tuple[str, int]) -> None:
-        with self._reported:
-            self._unreported[where] -= 1
-            if self._unreported[where] <= 0:
-                del self._unreported[where]
-                self._reported.notify_all()
-
-    def write(self, event: EntryEvent, pending: Pending, progress: BucketProgress,
-              headers: list[tuple[str, bytes]] | None = None) -> None:
-        """Step 1: the changelog record.  Called in bucket order by the owner.
-        ``headers`` (the event's trace context) go on the changelog and queue records."""
-        key_bytes = event.key.encode("utf-8")
-        value = self._entry_fp + entry_event_body(event)
-        targets = [t for t in self._targets.get(event.region, ()) if t.accepts(event.operation)]
-        pending.add(1 + len(targets))
-        where = (event.region, event.bucket)
-
-        def on_changelog(err: KafkaError | None, msg: Message) -> None:
-            self._changelog_reported(where)
-            if err is not None:
-                failure = error_from_kafka_error(err, f"writing the changelog of {event.region}[{event.bucket}]")
-                progress.failed = True
-                pending.fail(failure)
-                pending.done(len(targets))
-                self._on_bucket_failure(event.region, event.bucket, failure)
-                return
-            pending.done()
-            self._fan_out(event, key_bytes, value, msg.offset(), targets, pending, progress, headers)
-
-        with self._reported:
-            self._unreported[where] += 1
-        try:
-            self._produce(self._changelog_topics[event.region], key_bytes, value, event.bucket, on_changelog,
-                          headers)
-        except BaseException:
-            self._changelog_reported(where)
-            raise
-
-    def refanout(self, event: EntryEvent, offset: int, pending: Pending, progress: BucketProgress) -> None:
-        """Re-enqueue a changelog record after a change of owner (possibleDuplicate)."""
+    def requeued(self, event: EntryEvent, offset: int) -> list[Record]:
+        """The queue records of a changelog record at ``offset`` queued again after a change of
+        owner, marked possibleDuplicate."""
         event = event.as_possible_duplicate()
-        key_bytes = event.key.encode("utf-8")
-        value = self._entry_fp + entry_event_body(event)
-        targets = [t for t in self._targets.get(event.region, ()) if t.accepts(event.operation)]
-        pending.add(len(targets))
-        self._fan_out(event, key_bytes, value, offset, targets, pending, progress)
+        key = event.key.encode("utf-8")
+        return self._queued(event, key, entry_event_body(event), offset, None)
 
-    def _fan_out(
-        self,
-        event: EntryEvent,
-        key_bytes: bytes,
-        changelog_value: bytes,
-        offset: int,
-        targets: list[QueueTarget],
-        pending: Pending,
-        progress: BucketProgress,
-        headers: list[tuple[str, bytes]] | None = None,
-    ) -> None:
-        """Step 2: the queue records of one durable changelog record."""
-        slot = progress.opened(offset, len(targets))
+    def _queued(self, event: EntryEvent, key: bytes, body: bytes, offset: int,
+                headers: list[tuple[str, bytes]] | None) -> list[Record]:
+        out: list[Record] = []
+        targets = self._targets.get(event.region)
         if not targets:
-            return
-        body = changelog_value[HEADER_BYTES:]
+            return out
         now_ms = int(time.time() * 1000)
-        tail = _varint(event.bucket) + _varint(offset) + _varint(now_ms) + body
-        # QueuedEvent's leading flags, read by the queue's readers without decoding the event.
-        flags = _varint(FLAG_POSSIBLE_DUPLICATE if event.possible_duplicate else 0)
-
-        def on_queue(err: KafkaError | None, msg: Message) -> None:
-            if err is not None:
-                failure = error_from_kafka_error(err, f"writing queue {msg.topic()}")
-                progress.failed = True
-                pending.fail(failure)
-                self._on_bucket_failure(event.region, event.bucket, failure)
-                return
-            progress.closed_one(slot)
-            pending.done()
-
+        flags = FLAG_POSSIBLE_DUPLICATE if event.possible_duplicate else 0
         for target in targets:
-            partition = target.partition_for(event, key_bytes)
-            if target.enqueue is None:
-                value = self._queued_fp + flags + self._queue_id_bytes[target.id] + tail
-            else:
+            if not target.accepts(event.operation):
+                continue
+            own_flags, own_body = flags, body
+            if target.kind == "gateway-sender":
+                if target.loops_back(event):
+                    continue
+                own_flags |= FLAG_ROUTED
+            partition = target.partition_for(event, key)
+            if target.enqueue is not None:
                 queued = target.enqueue(event, partition)
                 if queued is None:  # a before_enqueue filter kept it out of this queue
-                    progress.closed_one(slot)
-                    pending.done()
                     continue
-                own_tail = tail if queued is event else (
-                    _varint(event.bucket) + _varint(offset) + _varint(now_ms) + entry_event_body(queued))
-                value = self._queued_fp + flags + self._queue_id_bytes[target.id] + own_tail
-            self._produce(target.topic, key_bytes, value, partition, on_queue, headers)
+                if queued is not event:
+                    own_body = entry_event_body(queued)
+            out.append((target.topic, partition, key,
+                        queued_event(self._queued_header, own_flags, target.id, event.bucket, offset, now_ms, own_body),
+                        headers))
+        return out
 
-    def _produce(self, topic: str, key: bytes, value: bytes, partition: int, cb: Any,
-                 headers: list[tuple[str, bytes]] | None = None) -> None:
+
+@dataclass(slots=True)
+class Window:
+    """One group-commit window: the records of the operations accepted since the last window was
+    closed, in the order they were accepted, and the requests waiting for them.
+
+    Records are tagged with their ``Slot``: the bucket and the epoch of its
+    ownership they were prepared under, so that records of an ownership that
+    ended before the window is written (lost, revoked, reloaded) are told
+    from those of the current one and left out."""
+
+    #: (record, slot) in acceptance order: per-partition order is bucket order, and a client
+    #: thread's operations keep their order in every queue partition.
+    records: list[tuple[Record, Slot]] = field(default_factory=list)
+    #: Every slot written, in first-write order.
+    slots: dict[Slot, None] = field(default_factory=dict)
+    #: Per slot: the index (in ``records``) of its last changelog record.
+    last_changelog: dict[Slot, int] = field(default_factory=dict)
+    #: Checkpoints to commit for slots whose window writes no changelog record (a load's re-enqueue).
+    checkpoints: dict[Slot, int] = field(default_factory=dict)
+    #: Each waiting request and the slots it wrote.
+    waiting: list[tuple[Pending, frozenset[Slot]]] = field(default_factory=list)
+    opened_at: float = 0.0
+
+    def empty(self) -> bool:
+        return not self.records and not self.checkpoints and not self.waiting
+
+    def add(self, slot: Slot, changelog: Record | None, queued: list[Record]) -> None:
+        """The records of one event of ``slot``'s bucket."""
+        if not self.slots:
+            self.opened_at = time.monotonic()
+        self.slots[slot] = None
+        records = self.records
+        if changelog is not None:
+            self.last_changelog[slot] = len(records)
+            records.append((changelog, slot))
+        for record in queued:
+            records.append((record, slot))
+
+    def checkpoint(self, slot: Slot, offset: int) -> None:
+        """Commit ``offset`` as the bucket's checkpoint with this window (a load's re-enqueue)."""
+        if not self.slots:
+            self.opened_at = time.monotonic()
+        self.slots[slot] = None
+        self.checkpoints[slot] = offset
+
+
+@dataclass(frozen=True, slots=True)
+class WindowOutcome:
+    """What writing a window did: the checkpoints committed, or why nothing was."""
+
+    #: Slot → the checkpoint committed with the window (every slot written), when it committed.
+    committed: dict[Slot, int] | None = None
+    error: SluiceError | None = None
+    #: The producer is unusable (fenced, or its transaction timed out): build a new one.
+    producer_broken: bool = False
+
+
+class WindowWriter:
+    """Writes one window as one Kafka transaction (step 2 of the module docstring).
+
+    Owned by the committer thread: the producer's transactional calls
+    block, and only one transaction of a producer may be open at a time.
+    """
+
+    def __init__(self, producer: Producer, changelog_topics: dict[str, str], timeout_s: float) -> None:
+        self.producer = producer
+        self._changelog_topics = changelog_topics
+        self._timeout_s = timeout_s
+
+    def write(self, window: Window, skip: set[Slot], group_metadata: bytes | None) -> WindowOutcome:
+        """Write the window's records of every slot but those in ``skip`` (ownerships that ended
+        since they were prepared), their checkpoints as the offsets of ``group_metadata``'s group.
+
+        Never raises for Kafka's reasons: a failed window is aborted here and
+        its outcome says why (``error``) and whether the producer must be
+        rebuilt.
+        """
+        slots = [slot for slot in window.slots if slot not in skip]
+        if not slots:
+            return WindowOutcome(committed={})
+        generation, member = consumer_group_generation(group_metadata) if group_metadata is not None else (-1, "")
+        if generation < 0 or not member:
+            # Offsets without a generation are not checked against the group
+            # (KIP-447 keeps that for old clients): never write without one.
+            return WindowOutcome(error=OwnershipUnconfirmed("this instance holds no generation of the group"))
+        deadline = time.monotonic() + self._timeout_s
+        producer = self.producer
+        reported: dict[Slot, tuple[KafkaError | None, int]] = {}
+        started = False
+        try:
+            producer.begin_transaction()
+            started = True
+            last = {i: slot for slot, i in window.last_changelog.items() if slot not in skip}
+            for i, (record, slot) in enumerate(window.records):
+                if slot in skip:
+                    continue
+                callback = _Report(reported, slot) if i in last else None
+                self._produce(record, callback, deadline)
+            remaining = producer.flush(max(0.0, deadline - time.monotonic()))
+            if remaining:
+                return self._abort(BrokerUnavailable(
+                    f"{remaining} records of the window not acknowledged in {self._timeout_s:g} s"))
+            offsets = []
+            committed: dict[Slot, int] = {}
+            for slot in slots:
+                if slot in window.last_changelog:
+                    error, offset = reported.get(slot, (None, -1))
+                    if error is not None or offset < 0:
+                        # The transaction fails at commit anyway; say why.
+                        what = error.str() if error is not None else "no delivery report"
+                        return self._abort(BrokerUnavailable(f"changelog of {slot[0]}[{slot[1]}]: {what}"))
+                    checkpoint = offset + 1
+                else:
+                    checkpoint = window.checkpoints[slot]
+                committed[slot] = checkpoint
+                offsets.append(TopicPartition(self._changelog_topics[slot[0]], slot[1], checkpoint))
+            producer.send_offsets_to_transaction(offsets, group_metadata, max(0.1, deadline - time.monotonic()))
+            self._commit(deadline)
+            return WindowOutcome(committed=committed)
+        except KafkaException as exc:
+            if is_group_fencing(exc):
+                error: SluiceError = OwnershipUnconfirmed(
+                    f"the group refused the window's offsets ({exc.args[0].str()}): the buckets moved")
+                error.__cause__ = exc
+            else:
+                error = translate(exc, "writing a window of the region's records")
+                error.retriable = True  # a failed window changed nothing: the callers may retry
+            if is_fatal(exc):
+                return WindowOutcome(error=error, producer_broken=True)
+            if not started and not requires_abort(exc):
+                return WindowOutcome(error=error, producer_broken=True)
+            return self._abort(error)
+
+    def _produce(self, record: Record, callback: Any, deadline: float) -> None:
+        topic, partition, key, value, headers = record
+        producer = self.producer
         while True:
             try:
                 if headers is None:
-                    self._producer.produce(topic, value, key, partition=partition, on_delivery=cb)
+                    producer.produce(topic, value, key, partition=partition, on_delivery=callback)
                 else:
-                    self._producer.produce(topic, value, key, partition=partition, on_delivery=cb, headers=headers)
+                    producer.produce(topic, value, key, partition=partition, on_delivery=callback, headers=headers)
                 return
             except BufferError:
-                # Back-pressure: the local queue is full.  Serve delivery
-                # reports (which may produce more) until there is room.
-                self._producer.poll(0.05)
+                # Back-pressure: the local queue is full; let the broker catch up, within the window's time.
+                if time.monotonic() >= deadline:
+                    raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "producer queue full", retriable=True))
+                producer.poll(0.05)
+
+    def _commit(self, deadline: float) -> None:
+        """commit_transaction, asked again while librdkafka says a retry may succeed and time is left."""
+        while True:
+            try:
+                self.producer.commit_transaction(max(0.1, deadline - time.monotonic()))
+                return
+            except KafkaException as exc:
+                if requires_abort(exc) or is_fatal(exc) or not is_retriable(exc) or time.monotonic() >= deadline:
+                    raise
+
+    def _abort(self, error: SluiceError) -> WindowOutcome:
+        try:
+            self.producer.abort_transaction(self._timeout_s)
+        except KafkaException as exc:
+            # An abort that fails leaves the transaction to the new producer's
+            # init_transactions, which aborts it.
+            error.__context__ = exc
+            return WindowOutcome(error=error, producer_broken=True)
+        return WindowOutcome(error=error)
 
 
-__all__ = ["BucketProgress", "FanoutWriter", "Pending", "QueueTarget", "murmur2"]
+class _Report:
+    """The delivery report of a bucket's last changelog record of a window: its offset."""
+
+    __slots__ = ("reported", "slot")
+
+    def __init__(self, reported: dict[Slot, tuple[KafkaError | None, int]], slot: Slot) -> None:
+        self.reported = reported
+        self.slot = slot
+
+    def __call__(self, err: KafkaError | None, msg: Message) -> None:
+        self.reported[self.slot] = (err, msg.offset() if err is None else -1)
+
+
+__all__ = ["Pending", "QueueTarget", "Record", "RecordBuilder", "Slot", "Where", "Window", "WindowOutcome",
+           "WindowWriter", "murmur2"]

@@ -76,7 +76,7 @@ from ..core.events import EntryEvent, EventID
 from ..core.lifecycle import ServiceState
 from ..core.webguard import is_loopback
 from ..core.kafka import KafkaException, make_admin, translate
-from .directory import DirectoryPublisher, MemberTrust, OwnerDirectory
+from .directory import DirectoryPublisher, MemberTrust, OwnerDirectory, read_instances
 from .engine import Operation, OpResult, RegionEngine
 from ..core.gatewayfilters import SenderFilters
 from .conflicts import load_resolver
@@ -90,6 +90,9 @@ CLIENT_ID_PREFIX = "sluice-region@"
 TOPIC_CHECK_S = 5.0
 #: How long a bucket may be owned by no instance before the instances stop saying they are ready.
 UNOWNED_GRACE_S = 30.0
+#: transaction.timeout.ms of the instances' write transactions: the backstop that ends a transaction a
+#: dead owner left open when the directory cannot name the owner to fence (engine.py says the choice).
+TRANSACTION_TIMEOUT_MS = 10_000
 _JSON = {"content-type": "application/json"}
 
 
@@ -265,6 +268,8 @@ class RegionService:
                         self.cfg.queue(q.id).forward_expiration_destroy if q.kind == "async-event-queue" else False
                     ),
                     enqueue=gates[q.id].on_enqueue if q.id in gates else None,
+                    # The gateway loop check happens at enqueue (fanout.py): not sent back where it came from.
+                    remote_dsid=self.cfg.sender(q.id).remote_dsid if q.kind == "gateway-sender" else None,
                 )
                 for q in self.cfg.attached_queues(region.name)
             ]
@@ -288,6 +293,8 @@ class RegionService:
             on_crash=self._crashed,
             on_ownership=self._owned_changed,
             dead_letter_topic=self.cfg.topics.region_dead_letter(),
+            transaction_timeout_ms=TRANSACTION_TIMEOUT_MS,
+            gone_owners=self._gone_owners,
         )
         trust = MemberTrust.from_config(self.cfg, self.url)
         self._publisher = DirectoryPublisher(self.cfg, self.instance_id, self.url, trust)
@@ -328,6 +335,18 @@ class RegionService:
                 raise TopicMissing(topic)
             if len(found.partitions) != partitions:
                 raise TopicMismatch(topic, "partitions", partitions, len(found.partitions))
+
+    def _gone_owners(self, region: str, bucket: int, since_ms: int) -> list[str]:
+        """The instances whose believed directory record still claims the bucket but was written
+        before this instance was assigned it at ``since_ms``: a live member republishes its claims at
+        every rebalance, so these are dead or frozen (the engine fences their transactions)."""
+        try:
+            instances = read_instances(self.cfg, deadline_s=5.0)
+        except KafkaException as exc:
+            raise translate(exc, "reading the owner directory") from exc
+        return sorted(i.instance for i in instances.values()
+                      if i.instance != self.instance_id and i.state == "running" and i.updated_at < since_ms
+                      and any(r == region and b == bucket for r, b, _ in i.claims))
 
     def _owned_changed(self, claims: list[tuple[str, int, int]]) -> None:
         if self._publisher is not None:

@@ -21,7 +21,7 @@ from sluice.core import processes
 from sluice.core.codec import get_codec
 from sluice.core.config import SiteConfig, load_config
 from sluice.core.events import EntryEvent
-from sluice.core.kafka import make_consumer, read_to_end, until_answered
+from sluice.core.kafka import consumed_position, make_consumer, read_to_end, until_answered
 from sluice.core.processes import RegionProcess
 from sluice.core.topics import apply_topics
 
@@ -109,14 +109,17 @@ class QueueRecord:
     event: EntryEvent
 
 
-def read_topic(bootstrap: str, topic: str, partitions: int) -> list[tuple[int, int, bytes | None]]:
-    """Every record of a topic: (partition, offset, value), partition by partition."""
+def read_topic(bootstrap: str, topic: str, partitions: int,
+               isolation_level: str = "read_committed") -> list[tuple[int, int, bytes | None]]:
+    """Every record of a topic: (partition, offset, value), partition by partition; committed records
+    only unless ``isolation_level`` is read_uncommitted."""
     consumer = Consumer({
         "bootstrap.servers": bootstrap,
         "group.id": "sluice-test-reader",
         "fetch.wait.max.ms": 10,
         "enable.auto.commit": False,
         "auto.offset.reset": "earliest",
+        "isolation.level": isolation_level,
     })
     out: list[tuple[int, int, bytes | None]] = []
     try:
@@ -125,24 +128,29 @@ def read_topic(bootstrap: str, topic: str, partitions: int) -> list[tuple[int, i
             if high <= low:
                 continue
             consumer.assign([TopicPartition(topic, p, low)])
-            last = low - 1
+            position = low
             end = time.monotonic() + 60
-            while last < high - 1 and time.monotonic() < end:
+            # Positions, not the last record's offset: transaction markers and
+            # aborted records occupy offsets up to the end (sluice.core.kafka).
+            while position < high and time.monotonic() < end:
                 # consume() waits its whole timeout for a partial batch: keep it short.
                 for msg in consumer.consume(1000, 0.05):
                     if msg.error() is None:
                         out.append((p, msg.offset(), msg.value()))
-                        last = msg.offset()
+                        position = max(position, msg.offset() + 1)
+                position = max(position, consumed_position(consumer, TopicPartition(topic, p)))
+            assert position >= high, f"{topic}[{p}]: read to {position} of {high} in 60 s"
             consumer.unassign()
     finally:
         consumer.close()
     return out
 
 
-def read_queue(bootstrap: str, topic: str, partitions: int) -> list[QueueRecord]:
+def read_queue(bootstrap: str, topic: str, partitions: int,
+               isolation_level: str = "read_committed") -> list[QueueRecord]:
     codec = get_codec()
     records = []
-    for p, offset, value in read_topic(bootstrap, topic, partitions):
+    for p, offset, value in read_topic(bootstrap, topic, partitions, isolation_level):
         r = codec.decode_as("QueuedEvent", value)
         records.append(QueueRecord(p, offset, r["queue_id"], r["changelog_partition"], r["changelog_offset"],
                                    EntryEvent.from_record(r["event"])))

@@ -1,21 +1,22 @@
-"""A bucket reloaded while records of its own are still on their way applies a client's retry once.
+"""A bucket reloaded while a transaction of its own is still open applies a client's retry once.
 
 When a write of a bucket fails, or the instance gets its buckets back after a
 lost session (a broker killed and restarted), the owner rebuilds the bucket
-from its changelog.  Records it produced before may still be in the
-producer, retried until ``delivery.timeout.ms``: if the reload read the
-changelog before they landed, it would not know their EventIDs, and the
-client's retry of such a write (answered with a retriable error) would be
-applied a second time.  The engine runs here in the test's process against a
-real broker; a long ``linger.ms`` keeps the first attempt in the producer
-while the bucket reloads.
+from its changelog.  A window of its own may still be on its way: its
+records in the changelog, its transaction not yet decided.  If the reload read
+the changelog only up to the open transaction and the transaction then
+committed, the bucket would not know those EventIDs, and the client's retry of
+such a write would be applied a second time.  So the load waits until no
+transaction is open on the partition.  The engine runs here in the test's
+process against a real broker; a gate holds the window's commit while the
+bucket reloads.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
+from typing import Any
 
 from sluice.core.codec import get_codec
 from sluice.core.errors import BrokerUnavailable
@@ -26,9 +27,6 @@ from sluice.region.state import Op
 
 from regionkit import read_topic, write_site
 
-LINGER_MS = 3000
-
-
 def _engine(cfg, member: str) -> RegionEngine:
     kafka = cfg.kafka
     return RegionEngine(
@@ -38,7 +36,7 @@ def _engine(cfg, member: str) -> RegionEngine:
         client_id=f"reload-test-{member}",
         kafka_settings=kafka.client_settings(),
         group_settings=kafka.group_settings(),
-        producer_settings={**kafka.producer_settings(), "linger.ms": LINGER_MS},
+        producer_settings=kafka.producer_settings(),
         group_id=f"{cfg.kafka.topic_prefix}region",
         regions={"orders": 1},
         changelog_topics={"orders": cfg.topics.region_changelog("orders")},
@@ -67,7 +65,27 @@ def _wait_ready(engine: RegionEngine) -> None:
     assert engine.wait_ready("orders", 0, 30), "bucket orders[0] never became ready"
 
 
-def test_a_reload_waits_for_its_own_records_in_flight(site_a, unique_prefix, tmp_path: Path):
+class HeldCommit:
+    """The engine's producer, whose commit_transaction waits for the test to open a gate."""
+
+    def __init__(self, producer: Any) -> None:
+        self._producer = producer
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._producer, name)
+
+    def commit_transaction(self, timeout: float) -> None:
+        self.entered.set()
+        assert self.gate.wait(30), "the test never opened the gate"
+        self._producer.commit_transaction(timeout)
+
+
+def test_a_reload_waits_for_its_own_open_transaction(site_a, unique_prefix, tmp_path: Path):
+    """The first attempt's window is written and held before its commit; the bucket fails and reloads;
+    it is not ready while that transaction is open, the first attempt is answered once it commits, and
+    the client's retry is a duplicate: the event is in the changelog once."""
     cfg = write_site(tmp_path / "site.yaml", site="a", bootstrap=site_a.bootstrap,
                      prefix=site_a.topic_prefix(unique_prefix), buckets=1)
     engine = _engine(cfg, "m1")
@@ -75,28 +93,29 @@ def test_a_reload_waits_for_its_own_records_in_flight(site_a, unique_prefix, tmp
     try:
         assert engine.assigned_once.wait(30)
         _wait_ready(engine)
+        held = HeldCommit(engine._writer.producer)
+        engine._writer.producer = held
         event_id = EventID("client-1", 1, 0)
         op = Operation(op=Op.PUT, region="orders", key="k", value=b'{"n":1}', event_id=event_id, bucket=0)
 
         first: list[OpResult] = []
         writer = threading.Thread(target=lambda: first.append(_submit(engine, op)))
         writer.start()
-        # The first attempt is now lingering in the producer.  A failed write of the bucket (as a
-        # broker killed under load causes) reloads it while that record is still on its way.
-        time.sleep(0.3)
+        # The first attempt's records are in the changelog, its transaction open.  A failed write
+        # of the bucket (as a broker killed under load causes) reloads it now.
+        assert held.entered.wait(30), "the window never reached its commit"
         engine._bucket_failed("orders", 0, BrokerUnavailable("a write of the bucket failed (test)"))
-        started = time.monotonic()
+        assert not engine.wait_ready("orders", 0, 2.0), "the bucket was ready while its own transaction was open"
+        held.gate.set()
         _wait_ready(engine)
-        reloaded_after_s = time.monotonic() - started
         # The client's retry of the same operation, as after a retriable answer.
         retry = _submit(engine, Operation(op=Op.PUT, region="orders", key="k", value=b'{"n":1}',
                                           event_id=event_id, bucket=0))
         writer.join(30)
         assert first and first[0].error is None, first
         assert retry.error is None and retry.duplicate, retry
-        assert reloaded_after_s > (LINGER_MS / 1000) * 0.5, (
-            f"the bucket was ready again {reloaded_after_s:.2f}s after the failure, before its record landed")
     finally:
+        engine._writer.producer = getattr(engine._writer.producer, "_producer", engine._writer.producer)
         engine.stop()
 
     codec = get_codec()

@@ -1,20 +1,24 @@
-"""Fan-out of applied events: routing, partitions, completion and checkpoints.
+"""The write path of a bucket owner: routing, records, windows and their transactions.
 
 What is checked here, without a broker:
 
 1. ``QueueTarget.accepts`` routes each Operation as Geode does for its kind
    (gateway sender vs async event queue, with and without
-   ``forward-expiration-destroy``), and ``partition_for`` keeps the order
+   ``forward-expiration-destroy``), ``loops_back`` keeps an event away from
+   the site it came from or visited, and ``partition_for`` keeps the order
    Geode's order policies promise (parallel: the bucket; serial: KEY, THREAD,
    PARTITION).
-2. ``Pending`` answers a request exactly once, after ``arm()`` and when every
-   record is acknowledged, under concurrent delivery reports too.
-3. ``BucketProgress`` only moves the fan-out checkpoint over a contiguous
-   prefix of fully fanned-out changelog records.
-4. A queue record built by prefixing the changelog body (``_varint``,
-   ``_avro_string``) is a valid ``QueuedEvent`` for any event and any long.
-5. ``FanoutWriter`` driven by a fake producer writes the changelog first and
-   the queues only after its acknowledgement.
+2. ``Pending`` answers a request exactly once, after ``arm()`` and when
+   everything it waits for is done, under concurrent completions too.
+3. ``Window`` keeps records in acceptance order, tagged with their bucket's
+   ownership epoch, and knows each bucket's last changelog record.
+4. A queue record built around the changelog body is a valid ``QueuedEvent``
+   for any event and any long; ``RecordBuilder`` writes the flags
+   (possibleDuplicate, routed), leaves looping events and filtered ones out.
+5. ``WindowWriter`` driven by a fake transactional producer writes a window
+   as one transaction whose offsets are the checkpoints, and aborts it (or
+   asks for a new producer) on every failure, so nothing of a failed window
+   is committed.
 """
 
 from __future__ import annotations
@@ -27,18 +31,27 @@ from typing import Any, Callable
 
 import fastavro
 import pytest
-from confluent_kafka import KafkaError
+from confluent_kafka import KafkaError, KafkaException
 from hypothesis import HealthCheck, example, given, settings
 from test_events import ROUTING
 from hypothesis import strategies as st
 
 from sluice.core.codec import HEADER_BYTES, MARKER, get_codec
-from sluice.core.errors import BrokerUnavailable, SluiceError
+from sluice.core.errors import BrokerUnavailable, OwnershipUnconfirmed, SluiceError
 from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
-from sluice.core.eventwire import FLAG_POSSIBLE_DUPLICATE
+from sluice.core.eventwire import FLAG_POSSIBLE_DUPLICATE, FLAG_ROUTED
 from sluice.core.kafka import partition_for_key
 from sluice.region import fanout
-from sluice.region.fanout import BucketProgress, FanoutWriter, Pending, QueueTarget, _avro_string, _varint
+from sluice.region.fanout import (
+    Pending,
+    QueueTarget,
+    RecordBuilder,
+    Window,
+    WindowOutcome,
+    WindowWriter,
+    _avro_string,
+    _varint,
+)
 
 PROPERTY = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -348,85 +361,36 @@ def test_pending_concurrent_then_and_fire_counts_dependent_once(tight_switching:
         assert dep_rec.calls == [None]
 
 
-# --- 3. BucketProgress ----------------------------------------------------------------------
+# --- 3. Window -------------------------------------------------------------------------------
+
+CL = ("sluice.changelog.orders", 5, b"k", b"c", None)
+Q1 = ("sluice.queue.q1", 1, b"k", b"q", None)
 
 
-def test_checkpoint_advances_over_a_completed_prefix_only() -> None:
-    """A record completed out of order does not move the checkpoint past an earlier incomplete one."""
-    progress = BucketProgress(10)
-    s10 = progress.opened(10, 2)
-    s11 = progress.opened(11, 1)
-    s12 = progress.opened(12, 1)
-    progress.closed_one(s11)
-    progress.closed_one(s12)
-    assert progress.checkpoint == 10
-    progress.closed_one(s10)
-    assert progress.checkpoint == 10  # one queue record of 10 still outstanding
-    progress.closed_one(s10)
-    assert progress.checkpoint == 13
-    assert not progress.inflight
+def test_window_keeps_acceptance_order_and_each_buckets_last_changelog_record() -> None:
+    """Records keep the order they were accepted in across buckets; the last changelog record of each
+    slot is known, and a load's re-enqueue carries its checkpoint instead."""
+    w = Window()
+    assert w.empty()
+    w.add(("orders", 5, 1), CL, [Q1])
+    w.add(("orders", 2, 3), ("sluice.changelog.orders", 2, b"j", b"c2", None), [])
+    w.add(("orders", 5, 1), ("sluice.changelog.orders", 5, b"k", b"c3", None), [Q1])
+    assert [r[0][3] for r in w.records] == [b"c", b"q", b"c2", b"c3", b"q"]
+    assert list(w.slots) == [("orders", 5, 1), ("orders", 2, 3)]
+    assert w.last_changelog == {("orders", 5, 1): 3, ("orders", 2, 3): 2}
+    w.add(("orders", 7, 4), None, [Q1])
+    w.checkpoint(("orders", 7, 4), 99)
+    assert w.checkpoints == {("orders", 7, 4): 99} and ("orders", 7, 4) not in w.last_changelog
+    assert not w.empty()
 
 
-def test_zero_outstanding_slot_advances_at_once() -> None:
-    """A changelog record no queue takes moves the checkpoint past itself immediately, if nothing is before it."""
-    progress = BucketProgress(0)
-    progress.opened(0, 0)
-    assert progress.checkpoint == 1
-    slot = progress.opened(1, 1)
-    progress.opened(2, 0)
-    assert progress.checkpoint == 1  # waits behind offset 1
-    progress.closed_one(slot)
-    assert progress.checkpoint == 3
-
-
-# Each step: ("open", offset, outstanding) or ("close", offset); then the expected checkpoint.
-PROGRESS_TRACES = {
-    "in-order": [(("open", 0, 1), 0), (("open", 1, 1), 0), (("close", 0), 1), (("close", 1), 2)],
-    "reverse-close": [(("open", 0, 1), 0), (("open", 1, 1), 0), (("open", 2, 1), 0),
-                      (("close", 2), 0), (("close", 1), 0), (("close", 0), 3)],
-    "gap-in-offsets": [(("open", 5, 1), 5), (("open", 9, 0), 5), (("close", 5), 10)],
-    "zero-then-wait": [(("open", 7, 0), 8), (("open", 8, 2), 8), (("close", 8), 8), (("close", 8), 9)],
-    "hole-in-the-middle": [(("open", 0, 1), 0), (("open", 1, 1), 0), (("open", 2, 1), 0),
-                           (("close", 0), 1), (("close", 2), 1), (("close", 1), 3)],
-}
-
-
-@pytest.mark.parametrize("trace", list(PROGRESS_TRACES), ids=list(PROGRESS_TRACES))
-def test_checkpoint_traces(trace: str) -> None:
-    """Recorded open/close traces give the expected checkpoint after every step."""
-    progress = BucketProgress(PROGRESS_TRACES[trace][0][0][1])
-    slots: dict[int, list[int]] = {}
-    for step, expected in PROGRESS_TRACES[trace]:
-        if step[0] == "open":
-            slots[step[1]] = progress.opened(step[1], step[2])
-        else:
-            progress.closed_one(slots[step[1]])
-        assert progress.checkpoint == expected, (step, progress.checkpoint)
-
-
-@given(st.lists(st.integers(0, 3), min_size=1, max_size=30), st.randoms(use_true_random=False))
-@PROPERTY
-def test_checkpoint_is_one_past_the_longest_completed_prefix(outstanding: list[int], rnd: Any) -> None:
-    """For any completion order, the checkpoint is one past the longest prefix of fully fanned-out records."""
-    base = 100
-    progress = BucketProgress(base)
-    slots = [progress.opened(base + i, n) for i, n in enumerate(outstanding)]
-    remaining = list(outstanding)
-    closes = [i for i, n in enumerate(outstanding) for _ in range(n)]
-    rnd.shuffle(closes)
-
-    def expected() -> int:
-        done = 0
-        while done < len(remaining) and remaining[done] == 0:
-            done += 1
-        return base + done
-
-    assert progress.checkpoint == expected()
-    for i in closes:
-        progress.closed_one(slots[i])
-        remaining[i] -= 1
-        assert progress.checkpoint == expected()
-    assert progress.checkpoint == base + len(outstanding)
+def test_a_window_tells_two_ownerships_of_a_bucket_apart() -> None:
+    """Records of a bucket prepared before and after it was reloaded are different slots."""
+    w = Window()
+    w.add(("orders", 5, 1), CL, [])
+    w.add(("orders", 5, 2), CL, [])
+    assert list(w.slots) == [("orders", 5, 1), ("orders", 5, 2)]
+    assert [slot for _, slot in w.records] == [("orders", 5, 1), ("orders", 5, 2)]
 
 
 # --- 4. QueuedEvent by prefixing --------------------------------------------------------------
@@ -487,7 +451,7 @@ def test_avro_string_is_length_prefixed_utf8(s: str) -> None:
 
 
 def queued_bytes(event: EntryEvent, queue_id: str, offset: int, now_ms: int) -> bytes:
-    """The queue record exactly as FanoutWriter builds it from the changelog record."""
+    """A queue record around the changelog record's body, as RecordBuilder lays it out."""
     codec = get_codec()
     changelog_value = codec.encode("EntryEvent", event.to_record(), validate=False)
     body = changelog_value[HEADER_BYTES:]
@@ -519,7 +483,92 @@ def test_prefixed_queued_event_decodes_to_the_same_event(event: EntryEvent, queu
     assert data == scratch
 
 
-# --- 5. FanoutWriter over a fake producer ------------------------------------------------------
+# --- 4b. RecordBuilder ---------------------------------------------------------------------------
+
+NOW_S = 1_700_000_123.456
+
+
+@pytest.fixture
+def frozen_clock(monkeypatch: pytest.MonkeyPatch) -> int:
+    monkeypatch.setattr(fanout, "time", SimpleNamespace(time=lambda: NOW_S, monotonic=lambda: 0.0))
+    return int(NOW_S * 1000)
+
+
+def make_builder(**gateway: Any) -> RecordBuilder:
+    targets = {"orders": [
+        QueueTarget(id="gw-b", topic="sluice.queue.gw-b", kind="gateway-sender", parallel=False, partitions=4,
+                    order_policy="KEY", remote_dsid=2, **gateway),
+        target("async-event-queue", parallel=True, partitions=16, id="aeq-db"),
+    ]}
+    return RecordBuilder(get_codec(), {"orders": "sluice.changelog.orders"}, targets)
+
+
+def test_builder_writes_the_changelog_record_and_every_queue_record(frozen_clock: int) -> None:
+    """The changelog record (partition = bucket) and one QueuedEvent per queue that takes the operation:
+    the gateway's marked routed, offsets -1 (unknown in the same transaction), the event byte for byte."""
+    event = make_event(key="k1", bucket=5)
+    (topic, partition, key, value, headers), queued = make_builder().records(event, [("traceparent", b"00-x")])
+    assert (topic, partition, key, headers) == ("sluice.changelog.orders", 5, b"k1", [("traceparent", b"00-x")])
+    assert EntryEvent.from_record(get_codec().decode_as("EntryEvent", value)) == event
+    assert [(q[0], q[1]) for q in queued] == [("sluice.queue.gw-b", partition_for_key(b"k1", 4)),
+                                              ("sluice.queue.aeq-db", 5)]
+    for (_, _, qkey, qvalue, qheaders), queue_id, flags in zip(queued, ["gw-b", "aeq-db"], [FLAG_ROUTED, 0]):
+        assert qkey == b"k1" and qheaders == [("traceparent", b"00-x")]
+        record = get_codec().decode_as("QueuedEvent", qvalue)
+        assert (record["flags"], record["queue_id"], record["changelog_partition"], record["changelog_offset"]) == \
+            (flags, queue_id, 5, -1)
+        assert record["enqueued_at"] == frozen_clock
+        assert EntryEvent.from_record(record["event"]) == event
+
+
+def test_builder_sends_an_invalidate_to_no_queue(frozen_clock: int) -> None:
+    """An invalidate is a changelog record only."""
+    changelog, queued = make_builder().records(make_event(operation=Operation.INVALIDATE))
+    assert changelog[0] == "sluice.changelog.orders" and queued == []
+
+
+@pytest.mark.parametrize("origin,visited,to_gateway", [
+    (1, (), True), (2, (), False), (3, (2,), False), (3, (1, 4), True),
+], ids=["local", "from-the-remote-site", "visited-the-remote-site", "visited-others"])
+def test_builder_keeps_the_gateway_loop_check_at_enqueue(frozen_clock: int, origin: int, visited: tuple[int, ...],
+                                                        to_gateway: bool) -> None:
+    """An event from the sender's remote site, or that visited it, is not queued for that sender
+    (Geode: no loops in a mesh); the async event queue still gets it."""
+    event = replace_event(make_event(), origin_dsid=origin, visited_dsids=visited)
+    _, queued = make_builder().records(event)
+    assert [q[0] for q in queued] == (["sluice.queue.gw-b"] if to_gateway else []) + ["sluice.queue.aeq-db"]
+
+
+def test_builder_applies_before_enqueue_filters(frozen_clock: int) -> None:
+    """A filter that keeps an event out leaves no record in its queue; a substitution is queued instead."""
+    kept_out = make_builder(enqueue=lambda e, p: None).records(make_event())[1]
+    assert [q[0] for q in kept_out] == ["sluice.queue.aeq-db"]
+    changed = replace_event(make_event(), value=b'"changed"')
+    substituted = make_builder(enqueue=lambda e, p: changed).records(make_event())[1]
+    record = get_codec().decode_as("QueuedEvent", substituted[0][3])
+    assert EntryEvent.from_record(record["event"]) == changed
+
+
+def test_builder_requeues_marked_possible_duplicate_with_the_changelog_offset(frozen_clock: int) -> None:
+    """A re-enqueued changelog record goes to the queues only, flagged possibleDuplicate, with its offset."""
+    event = make_event(bucket=2)
+    queued = make_builder().requeued(event, 3)
+    assert [q[0] for q in queued] == ["sluice.queue.gw-b", "sluice.queue.aeq-db"]
+    for q, flags in zip(queued, [FLAG_POSSIBLE_DUPLICATE | FLAG_ROUTED, FLAG_POSSIBLE_DUPLICATE]):
+        record = get_codec().decode_as("QueuedEvent", q[3])
+        assert (record["flags"], record["changelog_offset"]) == (flags, 3)
+        assert EntryEvent.from_record(record["event"]) == event.as_possible_duplicate()
+
+
+def replace_event(event: EntryEvent, **changes: Any) -> EntryEvent:
+    from dataclasses import replace
+    return replace(event, **changes)
+
+
+# --- 5. WindowWriter over a fake transactional producer -------------------------------------------
+
+GENERATION_3 = b"CGMDv2:" + (3).to_bytes(4, sys.byteorder, signed=True) + b"region\0member-1\0\x01"
+NO_GENERATION = b"CGMDv2:" + (-1).to_bytes(4, sys.byteorder, signed=True) + b"region\0\0\x01"
 
 
 class FakeMessage:
@@ -536,131 +585,180 @@ class FakeMessage:
         return self._offset
 
 
-class FakeProducer:
-    """Records produce() calls; the test delivers them when it chooses."""
+def kafka_error(code: int, *, fatal: bool = False, abortable: bool = False, retriable: bool = False) -> KafkaException:
+    return KafkaException(KafkaError(code, "injected", fatal=fatal, retriable=retriable, txn_requires_abort=abortable))
 
-    def __init__(self, buffer_errors: int = 0) -> None:
-        self.produced: list[dict[str, Any]] = []
+
+class FakeTransactionalProducer:
+    """Appends each record to its partition at flush; a step named in ``fail`` raises its error."""
+
+    def __init__(self, fail: dict[str, KafkaException] | None = None, buffer_errors: int = 0) -> None:
+        self.calls: list[str] = []
+        self.produced: list[tuple[str, int, bytes]] = []
+        self.callbacks: list[tuple[Any, str, int]] = []
+        self.ends: dict[tuple[str, int], int] = {}
+        self.offsets: list[tuple[str, int, int]] = []
+        self.metadata: bytes | None = None
+        self.fail = fail or {}
         self.buffer_errors = buffer_errors
-        self.polls = 0
+        self.unflushed = 0
 
-    def produce(self, topic: str, value: bytes, key: bytes, partition: int, on_delivery: Any) -> None:
+    def _step(self, name: str) -> None:
+        self.calls.append(name)
+        if name in self.fail:
+            raise self.fail.pop(name)
+
+    def begin_transaction(self) -> None:
+        self._step("begin")
+
+    def produce(self, topic: str, value: bytes, key: bytes, partition: int, on_delivery: Any = None,
+                headers: Any = None) -> None:
         if self.buffer_errors:
             self.buffer_errors -= 1
             raise BufferError("Local: Queue full")
-        self.produced.append(dict(topic=topic, value=value, key=key, partition=partition, cb=on_delivery))
+        offset = self.ends.get((topic, partition), 0)
+        self.ends[(topic, partition)] = offset + 1
+        self.produced.append((topic, partition, value))
+        if on_delivery is not None:
+            self.callbacks.append((on_delivery, topic, partition, offset))
 
     def poll(self, timeout: float) -> int:
-        self.polls += 1
         return 0
 
-    def deliver(self, index: int, offset: int, error: KafkaError | None = None) -> None:
-        rec = self.produced[index]
-        rec["cb"](error, FakeMessage(rec["topic"], rec["partition"], offset))
+    def flush(self, timeout: float) -> int:
+        self._step("flush")
+        for cb, topic, partition, offset in self.callbacks:
+            cb(None, FakeMessage(topic, partition, offset))
+        self.callbacks.clear()
+        return self.unflushed
+
+    def send_offsets_to_transaction(self, offsets: list[Any], metadata: bytes, timeout: float) -> None:
+        self._step("send_offsets")
+        self.offsets = [(tp.topic, tp.partition, tp.offset) for tp in offsets]
+        self.metadata = metadata
+
+    def commit_transaction(self, timeout: float) -> None:
+        self._step("commit")
+
+    def abort_transaction(self, timeout: float) -> None:
+        self._step("abort")
 
 
-NOW_S = 1_700_000_123.456
+def a_window() -> Window:
+    """Bucket 5 (two events, both queued) and bucket 2 (one event, no queue), in that order."""
+    w = Window()
+    w.add(("orders", 5, 1), ("sluice.changelog.orders", 5, b"a", b"a1", None), [("sluice.queue.q", 0, b"a", b"qa1", None)])
+    w.add(("orders", 2, 1), ("sluice.changelog.orders", 2, b"b", b"b1", None), [])
+    w.add(("orders", 5, 1), ("sluice.changelog.orders", 5, b"a", b"a2", None), [("sluice.queue.q", 0, b"a", b"qa2", None)])
+    return w
 
 
-@pytest.fixture
-def frozen_clock(monkeypatch: pytest.MonkeyPatch) -> int:
-    monkeypatch.setattr(fanout, "time", SimpleNamespace(time=lambda: NOW_S))
-    return int(NOW_S * 1000)
+def write(producer: FakeTransactionalProducer, window: Window, skip: set[Any] | None = None,
+          metadata: bytes | None = GENERATION_3) -> WindowOutcome:
+    return WindowWriter(producer, {"orders": "sluice.changelog.orders"}, timeout_s=5).write(window, skip or set(), metadata)
 
 
-def make_writer(producer: FakeProducer, failures: list[tuple[str, int, SluiceError]]) -> FanoutWriter:
-    targets = {"orders": [
-        target("gateway-sender", parallel=False, partitions=4, order_policy="KEY", id="gw-b"),
-        target("async-event-queue", parallel=True, partitions=16, id="aeq-db"),
-    ]}
-    return FanoutWriter(producer, get_codec(), {"orders": "sluice.changelog.orders"}, targets,
-                        lambda r, b, e: failures.append((r, b, e)))
+def test_a_window_is_one_transaction_whose_offsets_are_the_checkpoints() -> None:
+    """begin, every record in acceptance order, flush, the checkpoints (one past each bucket's last
+    changelog record) as the group's offsets with the generation's metadata, commit."""
+    producer = FakeTransactionalProducer()
+    producer.ends[("sluice.changelog.orders", 5)] = 40
+    outcome = write(producer, a_window())
+    assert producer.calls == ["begin", "flush", "send_offsets", "commit"]
+    assert [v for _, _, v in producer.produced] == [b"a1", b"qa1", b"b1", b"a2", b"qa2"]
+    assert producer.offsets == [("sluice.changelog.orders", 5, 42), ("sluice.changelog.orders", 2, 1)]
+    assert producer.metadata == GENERATION_3
+    assert outcome == WindowOutcome(committed={("orders", 5, 1): 42, ("orders", 2, 1): 1})
 
 
-def test_writer_fans_out_only_after_the_changelog_ack(frozen_clock: int) -> None:
-    """The changelog record goes first; queue records follow its ack, carry its offset, and complete the request."""
-    producer, failures = FakeProducer(), []
-    writer = make_writer(producer, failures)
-    rec = Recorder()
-    pending, progress = Pending(rec), BucketProgress(42)
-    event = make_event(key="k1", bucket=5)
-    writer.write(event, pending, progress)
-    pending.arm()
-    assert [p["topic"] for p in producer.produced] == ["sluice.changelog.orders"]
-    changelog = producer.produced[0]
-    assert (changelog["partition"], changelog["key"]) == (5, b"k1")
-    assert EntryEvent.from_record(get_codec().decode_as("EntryEvent", changelog["value"])) == event
-
-    producer.deliver(0, offset=42)
-    queued = producer.produced[1:]
-    assert [q["topic"] for q in queued] == ["sluice.queue.gw-b", "sluice.queue.aeq-db"]
-    assert queued[0]["partition"] == partition_for_key(b"k1", 4)
-    assert queued[1]["partition"] == 5
-    for q, queue_id in zip(queued, ["gw-b", "aeq-db"]):
-        assert q["key"] == b"k1"
-        record = get_codec().decode_as("QueuedEvent", q["value"])
-        assert (record["queue_id"], record["changelog_partition"], record["changelog_offset"]) == (queue_id, 5, 42)
-        assert record["enqueued_at"] == frozen_clock
-        assert EntryEvent.from_record(record["event"]) == event
-    assert rec.calls == [] and progress.checkpoint == 42
-    producer.deliver(1, offset=0)
-    assert rec.calls == [] and progress.checkpoint == 42
-    producer.deliver(2, offset=0)
-    assert rec.calls == [None] and progress.checkpoint == 43
-    assert failures == []
+def test_records_of_an_ownership_that_ended_are_left_out() -> None:
+    """Slots in ``skip`` are neither written nor checkpointed; a window of nothing else writes nothing."""
+    producer = FakeTransactionalProducer()
+    outcome = write(producer, a_window(), skip={("orders", 5, 1)})
+    assert [v for _, _, v in producer.produced] == [b"b1"]
+    assert producer.offsets == [("sluice.changelog.orders", 2, 1)]
+    assert outcome.committed == {("orders", 2, 1): 1}
+    idle = FakeTransactionalProducer()
+    assert write(idle, a_window(), skip={("orders", 5, 1), ("orders", 2, 1)}) == WindowOutcome(committed={})
+    assert idle.calls == []
 
 
-def test_writer_sends_an_invalidate_to_no_queue(frozen_clock: int) -> None:
-    """An invalidate is written to the changelog only; its ack completes the request and passes the checkpoint."""
-    producer = FakeProducer()
-    writer = make_writer(producer, [])
-    rec = Recorder()
-    pending, progress = Pending(rec), BucketProgress(7)
-    writer.write(make_event(operation=Operation.INVALIDATE), pending, progress)
-    pending.arm()
-    producer.deliver(0, offset=7)
-    assert len(producer.produced) == 1
-    assert rec.calls == [None] and progress.checkpoint == 8
+def test_a_reenqueue_window_commits_its_explicit_checkpoint() -> None:
+    """A load's re-enqueue writes queue records only and moves the checkpoint to the end it read."""
+    w = Window()
+    w.add(("orders", 3, 7), None, [("sluice.queue.q", 3, b"k", b"q", None)])
+    w.checkpoint(("orders", 3, 7), 120)
+    producer = FakeTransactionalProducer()
+    assert write(producer, w).committed == {("orders", 3, 7): 120}
+    assert producer.offsets == [("sluice.changelog.orders", 3, 120)]
 
 
-def test_writer_changelog_failure_fails_request_and_bucket(frozen_clock: int) -> None:
-    """A failed changelog write answers the request with the error, fails the bucket and writes no queue record."""
-    producer, failures = FakeProducer(), []
-    writer = make_writer(producer, failures)
-    rec = Recorder()
-    pending, progress = Pending(rec), BucketProgress(0)
-    writer.write(make_event(bucket=5), pending, progress)
-    pending.arm()
-    producer.deliver(0, offset=-1, error=KafkaError(KafkaError._MSG_TIMED_OUT))
-    assert len(producer.produced) == 1
-    assert len(rec.calls) == 1 and isinstance(rec.calls[0], BrokerUnavailable)
-    assert progress.failed
-    assert [(r, b) for r, b, _ in failures] == [("orders", 5)]
+def test_no_window_is_written_without_a_generation_of_the_group() -> None:
+    """Offsets with generation -1 are not checked by the group coordinator (KIP-447 keeps them for old
+    clients): a writer without a generation writes nothing."""
+    for metadata in (None, NO_GENERATION, b"not metadata"):
+        producer = FakeTransactionalProducer()
+        outcome = write(producer, a_window(), metadata=metadata)
+        assert isinstance(outcome.error, OwnershipUnconfirmed) and outcome.committed is None
+        assert producer.calls == []
 
 
-def test_writer_refanout_marks_possible_duplicate(frozen_clock: int) -> None:
-    """A re-enqueued changelog record goes straight to the queues, marked possibleDuplicate, with its old offset."""
-    producer = FakeProducer()
-    writer = make_writer(producer, [])
-    rec = Recorder()
-    pending, progress = Pending(rec), BucketProgress(3)
-    event = make_event(bucket=2)
-    writer.refanout(event, 3, pending, progress)
-    pending.arm()
-    assert [p["topic"] for p in producer.produced] == ["sluice.queue.gw-b", "sluice.queue.aeq-db"]
-    for q in producer.produced:
-        record = get_codec().decode_as("QueuedEvent", q["value"])
-        assert record["changelog_offset"] == 3
-        assert EntryEvent.from_record(record["event"]) == event.as_possible_duplicate()
-    producer.deliver(0, 0)
-    producer.deliver(1, 0)
-    assert rec.calls == [None] and progress.checkpoint == 4
+@pytest.mark.parametrize("code", [KafkaError.ILLEGAL_GENERATION, KafkaError.UNKNOWN_MEMBER_ID,
+                                  KafkaError.FENCED_INSTANCE_ID])
+def test_offsets_refused_by_the_group_abort_the_window(code: int) -> None:
+    """A member no longer in the generation (a paused owner that lost its buckets) has its window's
+    offsets refused; the window is aborted and its callers told to retry (OwnershipUnconfirmed)."""
+    producer = FakeTransactionalProducer(fail={"send_offsets": kafka_error(code, abortable=True)})
+    outcome = write(producer, a_window())
+    assert producer.calls == ["begin", "flush", "send_offsets", "abort"]
+    assert outcome.committed is None and not outcome.producer_broken
+    assert isinstance(outcome.error, OwnershipUnconfirmed) and outcome.error.retriable
 
 
-def test_writer_waits_out_a_full_local_queue(frozen_clock: int) -> None:
+def test_an_abortable_commit_failure_aborts_the_window() -> None:
+    """A record the broker refused fails the commit; the window is aborted, its error retriable."""
+    producer = FakeTransactionalProducer(fail={"commit": kafka_error(KafkaError.NOT_ENOUGH_REPLICAS, abortable=True)})
+    outcome = write(producer, a_window())
+    assert producer.calls[-2:] == ["commit", "abort"]
+    assert outcome.committed is None and outcome.error is not None and outcome.error.retriable
+
+
+def test_a_retriable_commit_failure_is_committed_again() -> None:
+    """librdkafka says a timed-out commit may be asked again: it is, and the window commits."""
+    producer = FakeTransactionalProducer(fail={"commit": kafka_error(KafkaError._TIMED_OUT, retriable=True)})
+    outcome = write(producer, a_window())
+    assert producer.calls == ["begin", "flush", "send_offsets", "commit", "commit"]
+    assert outcome.committed is not None
+
+
+def test_a_fenced_producer_is_rebuilt_without_an_abort() -> None:
+    """A fatal error (another producer initialized the id, or the coordinator timed the transaction
+    out) leaves the producer unusable: the outcome asks for a new one."""
+    producer = FakeTransactionalProducer(fail={"commit": kafka_error(KafkaError._FENCED, fatal=True)})
+    outcome = write(producer, a_window())
+    assert outcome.producer_broken and outcome.committed is None
+    assert "abort" not in producer.calls
+
+
+def test_records_not_acknowledged_in_time_abort_the_window() -> None:
+    """A flush that leaves records unacknowledged at the window's deadline aborts it."""
+    producer = FakeTransactionalProducer()
+    producer.unflushed = 2
+    outcome = write(producer, a_window())
+    assert producer.calls == ["begin", "flush", "abort"]
+    assert isinstance(outcome.error, BrokerUnavailable) and outcome.committed is None
+
+
+def test_an_abort_that_fails_asks_for_a_new_producer() -> None:
+    """When even the abort fails, only a new producer's init_transactions can end the transaction."""
+    producer = FakeTransactionalProducer(fail={"send_offsets": kafka_error(KafkaError.ILLEGAL_GENERATION, abortable=True),
+                                               "abort": kafka_error(KafkaError._TIMED_OUT, retriable=True)})
+    outcome = write(producer, a_window())
+    assert outcome.producer_broken and isinstance(outcome.error, OwnershipUnconfirmed)
+
+
+def test_a_full_local_queue_is_waited_out() -> None:
     """BufferError from produce() is back-pressure: the writer polls and produces the same record again."""
-    producer = FakeProducer(buffer_errors=3)
-    writer = make_writer(producer, [])
-    writer.write(make_event(), Pending(Recorder()), BucketProgress(0))
-    assert producer.polls == 3
-    assert len(producer.produced) == 1
+    producer = FakeTransactionalProducer(buffer_errors=3)
+    outcome = write(producer, a_window())
+    assert outcome.committed is not None and len(producer.produced) == 5
