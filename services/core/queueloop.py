@@ -732,16 +732,20 @@ class QueuePrimary:
         return self._attributes
 
     def _deliver_decodable(self, part: QueuePartition, group: list[Batch[AsyncEvent]]) -> int:
-        """``deliver_group``; when it raised over events a touch found undecodable (a kind of
-        queue that does not catch that itself), they are dead-lettered and the batches go
-        again at once without them.  Each round leaves out at least one event, or ends."""
+        """``deliver_group``; when it raised or delivered nothing over events a touch found
+        undecodable (a kind of queue that does not catch that itself, or turns it into a
+        refusal), they are dead-lettered and the batches go again at once without them.  Each
+        round leaves out at least one event, or ends."""
+        service = f"{self.kind} {self.member_id}"
         while True:
             try:
-                return self.deliver_group(part, group)
+                accepted = self.deliver_group(part, group)
             except Exception:
-                service = f"{self.kind} {self.member_id}"
                 if not [b for b in group if self.dead_letter_undecodable(b, service)]:
                     raise
+                continue
+            if accepted > 0 or not [b for b in group if self.dead_letter_undecodable(b, service)]:
+                return accepted
 
     def _must_stop_offering(self, part: QueuePartition) -> bool:
         return self._stopping.is_set() or part.revoked or self.desired is not DesiredState.RUNNING

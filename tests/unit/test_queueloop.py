@@ -20,6 +20,7 @@ from sluice.core.asyncevent import AsyncEvent
 from sluice.core.batching import Batch, PartitionBatcher
 from sluice.core.codec import MARKER, get_codec, schema_dir
 from sluice.core.config import load_config
+from sluice.core.errors import MalformedRecord
 from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
 from sluice.core.eventwire import FLAG_POSSIBLE_DUPLICATE, FLAG_ROUTED, entry_event_body, queued_event
 from sluice.core.kafka import TopicPartition
@@ -370,3 +371,28 @@ def test_offsets_the_consumer_moved_past_without_a_record_are_removed_with_an_em
     loop._cover_skipped_offsets(now_ms=0)
     empty = part.batcher.take(0, force=True)
     assert empty is not None and empty.events == [] and empty.commit_offset == 5
+
+
+def test_an_offer_refused_over_an_undecodable_event_goes_on_at_once_without_it(tmp_path: Path) -> None:
+    """A kind of queue that turns an undecodable event into a refusal (delivers nothing, raises nothing): the
+    event is dead-lettered and the batch offered again at once without it, within the first attempt."""
+    loop = make_loop(tmp_path, Scripted)
+    loop.touch = True  # type: ignore[attr-defined]
+    loop.script = [1]  # type: ignore[attr-defined]
+
+    def refusing(part: QueuePartition, batches: list[Batch[AsyncEvent]]) -> int:
+        try:
+            return Scripted.deliver_group(loop, part, batches)  # type: ignore[arg-type]
+        except MalformedRecord:
+            return 0
+
+    loop.deliver_group = refusing  # type: ignore[method-assign]
+    loop._read([FakeMessage(record(entry("a", 0)), 0, 0),
+                FakeMessage(record(entry_event_body(entry("b", 1))[:-2]), 0, 1)], now_ms=0)
+    part = loop._partitions[0]
+    loop._offer(part, [waiting(loop)])
+    items = [loop._inbox.get_nowait() for _ in range(loop._inbox.qsize())]
+    done = items[-1][1]
+    assert (done.accepted, done.attempts) == (1, 1)
+    assert loop.offers == [[0, 1], [0]]  # type: ignore[attr-defined]
+    assert [d["source_offset"] for d in dead_letters(loop)] == [1]
