@@ -1,14 +1,18 @@
-"""A bucket owner applying a gateway batch (sluice.region.remote), the guard of its route, and the
-receiver's client of it (sluice.client.region.BatchClient), without a broker or a network.
+"""A gateway batch handed to its bucket owners, without a broker or a network: the owner applying it
+(sluice.region.remote), the guard of its route, the receiver's client of it
+(sluice.client.region.BatchClient) and the receiver routing a batch's events to their owners.
 
 The owner is given a GatewayBatch record as bytes: it decodes each event once, merges the sender's
 changes in, checks it, hands the rest to the service's ``execute`` without letting it forward, and
-answers with counts, the refused events and the last applied one; nothing per applied event.
+answers with counts, the refused events and the last applied one; nothing per applied event.  The
+receiver decodes nothing: it routes each event by its key and the directory, keeps a bucket's events
+in order when the bucket moves, halves a request refused whole and retries a refused credential.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any, Iterator
 
@@ -16,12 +20,15 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from sluice.client.region import BatchClient, RegionError
+from sluice.client.region import BatchAnswer, BatchClient, RegionError
 from sluice.core.codec import get_codec
 from sluice.core.config import parse_config
 from sluice.core.errors import InvalidRequest, NotOwner, SluiceError
 from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
-from sluice.core.eventwire import entry_event_body, gateway_batch, gateway_batch_v2
+from sluice.core.eventwire import entry_event_body, gateway_batch, gateway_batch_v2, read_gateway_batch
+from sluice.core.kafka import partition_for_key
+from sluice.receiver import service as receiver_module
+from sluice.receiver.service import ReceiverService
 from sluice.region.engine import Operation as EngineOperation
 from sluice.region.guard import Guard
 from sluice.region.remote import apply_batch
@@ -242,3 +249,164 @@ def test_a_refused_or_unanswered_request_is_told_apart(status: int, body: Any, r
     with client_answering(refuse) as client, pytest.raises(SluiceError) as info:
         client.apply_batch("http://owner:7071", b"x")
     assert info.value.retriable
+
+
+# --- the receiver handing a batch to its owners ----------------------------------------------------
+RECEIVING = parse_config({
+    "site": "b", "dsid": 2, "kafka": {"bootstrap_servers": "127.0.0.1:9092"},
+    "regions": [{"name": "orders", "buckets": 8}],
+    "receiver": {"accepted_dsids": [1], "apply_events_max": 3},
+})
+
+
+class Owners:
+    """The directory: (region, bucket) -> URL, changed by the test as buckets move."""
+
+    def __init__(self, table: dict[int, str]) -> None:
+        self.table = table
+
+    def owner(self, region: str, bucket: int) -> str | None:
+        return self.table.get(bucket)
+
+    def refresh(self) -> None:
+        pass
+
+
+class Owner:
+    """The instances behind the URLs: each request's (url, keys), answered by ``answer(url, keys)``: a dict of
+    key -> (error, retriable) for the events it refuses, or an exception to raise."""
+
+    def __init__(self, answer: Any) -> None:
+        self.answer = answer
+        self.requests: list[tuple[str, list[str]]] = []
+        self.records: list[bytes] = []
+
+    def apply_batch(self, url: str, record: bytes) -> BatchAnswer:
+        view = read_gateway_batch(get_codec(), record)
+        keys = [e.key for e in view.events()]
+        self.requests.append((url, keys))
+        self.records.append(record)
+        result = self.answer(url, keys)
+        if isinstance(result, Exception):
+            raise result
+        refused = [{"index": i, "error": result[k][0], "message": f"{k} refused", "retriable": result[k][1],
+                    "event_id": None} for i, k in enumerate(keys) if k in result]
+        applied = [i for i, k in enumerate(keys) if k not in result]
+        last = (applied[-1], view.events()[applied[-1]].event_id) if applied else None
+        return BatchAnswer(len(keys), len(applied), 0, 0, refused, last)
+
+
+def bucket(key: str) -> int:
+    return partition_for_key(key.encode(), 8)
+
+
+def handed(events: list[EntryEvent], owners: dict[int, str], answer: Any,
+           moves: dict[int, str] | None = None) -> tuple[Any, Owner, ReceiverService, bytes]:
+    """A receiver handing one batch of ``events`` over; ``moves`` take effect once a request was refused."""
+    receiver = ReceiverService(RECEIVING, member_id="b-receiver-test")
+    directory = Owners(dict(owners))
+    owner = Owner(answer)
+    receiver._client = owner  # type: ignore[assignment]
+    receiver._directory = directory  # type: ignore[assignment]
+    if moves:
+        receiver._refresh_directory = lambda: directory.table.update(moves)  # type: ignore[method-assign]
+    value = batch(events)
+    view = read_gateway_batch(get_codec(), value)
+    return receiver._apply(view, value, threading.Event(), [None] * len(events)), owner, receiver, value
+
+
+@pytest.fixture(autouse=True)
+def no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(receiver_module, "APPLY_BACKOFF_FIRST_S", 0.0)
+
+
+def keys_in(owner_url: str, n: int) -> list[str]:
+    """``n`` keys whose buckets the test gives to ``owner_url`` (even buckets to x, odd to y)."""
+    want = 0 if owner_url == "http://x" else 1
+    return [k for k in (f"k{i}" for i in range(200)) if bucket(k) % 2 == want][:n]
+
+
+SPLIT = {b: "http://x" if b % 2 == 0 else "http://y" for b in range(8)}
+
+
+def test_one_owner_of_every_event_gets_the_record_as_received_and_the_ack_its_last_event() -> None:
+    """Three events of one owner: one request, the batch's bytes as they came; the last applied event is
+    the ack's, no exception."""
+    events = [event(k, i) for i, k in enumerate(keys_in("http://x", 3))]
+    applied, owner, _, value = handed(events, {b: "http://x" for b in range(8)}, lambda url, keys: {})
+    assert owner.records == [value] and applied.exceptions == {}
+    assert (applied.last_index, applied.last_event_id, applied.applied) == (2, events[2].event_id, 3)
+
+
+def test_each_owner_gets_its_events_in_order_at_most_apply_events_max_a_request() -> None:
+    """Events of two owners: each gets records of its own events only, in batch order, three at most each."""
+    xs, ys = keys_in("http://x", 4), keys_in("http://y", 2)
+    order = [xs[0], ys[0], xs[1], xs[2], ys[1], xs[3]]
+    applied, owner, _, _ = handed([event(k, i) for i, k in enumerate(order)], SPLIT, lambda url, keys: {})
+    assert owner.requests == [("http://x", xs[:3]), ("http://x", xs[3:]), ("http://y", ys)]
+    assert (applied.last_index, applied.applied, applied.exceptions) == (5, 6, {})
+
+
+def test_events_of_a_bucket_that_moved_go_to_the_new_owner_before_the_next_request() -> None:
+    """x refuses the events of a bucket it no longer owns (retriable); the directory then names y, which gets
+    them before x gets its next request: a bucket's events apply in order."""
+    xs = keys_in("http://x", 6)
+    moved = bucket(xs[1])
+
+    def answer(url: str, keys: list[str]) -> dict[str, tuple[str, bool]]:
+        return {k: ("NotOwner", True) for k in keys if url == "http://x" and bucket(k) == moved}
+
+    applied, owner, _, _ = handed([event(k, i) for i, k in enumerate(xs)], {b: "http://x" for b in range(8)},
+                                  answer, moves={moved: "http://y"})
+    first = owner.requests[0]
+    assert first == ("http://x", xs[:3])
+    assert owner.requests[1] == ("http://y", [k for k in xs[:3] if bucket(k) == moved])
+    assert all(url == "http://x" or bucket(k) == moved for url, ks in owner.requests for k in ks)
+    assert applied.exceptions == {} and applied.applied == 6 and applied.last_index == 5
+
+
+def test_a_request_refused_whole_is_halved_until_the_refused_event_stands_alone() -> None:
+    """An owner that refuses every request holding one bad event (400): the others apply, the bad one is an
+    exception of its own with its EventID."""
+    keys = keys_in("http://x", 3)
+
+    def answer(url: str, ks: list[str]) -> Exception | dict[str, Any]:
+        return RegionError(400, {"error": "InvalidRequest", "message": "bad"}) if keys[1] in ks else {}
+
+    applied, owner, _, _ = handed([event(k, i) for i, k in enumerate(keys)], {b: "http://x" for b in range(8)}, answer)
+    assert [e["exception_class"] for e in applied.exceptions.values()] == ["InvalidRequest"]
+    assert applied.exceptions[1]["event_id"] == {"member_id": "a-writer", "thread_id": 1, "sequence_id": 1}
+    assert (applied.applied, applied.last_index) == (2, 2)
+
+
+def test_a_refused_credential_is_alerted_and_retried_never_an_exception() -> None:
+    """401: the alert is counted, the request goes again, and nothing becomes an exception."""
+    calls = {"n": 0}
+
+    def answer(url: str, ks: list[str]) -> Exception | dict[str, Any]:
+        calls["n"] += 1
+        return RegionError(401, {"error": "Unauthorized", "message": "member token"}) if calls["n"] < 3 else {}
+
+    keys = keys_in("http://x", 2)
+    applied, _, receiver, _ = handed([event(k, i) for i, k in enumerate(keys)], {b: "http://x" for b in range(8)},
+                                     answer)
+    assert calls["n"] == 3 and applied.exceptions == {} and applied.applied == 2
+    assert receiver.stats["unauthorized_alerts"] == 1
+
+
+def test_events_the_receiver_cannot_route_are_exceptions_without_a_request() -> None:
+    """An event of a region this site does not have, and a body that does not give its key: exceptions in
+    the ack (the first with its EventID); the others are handed over."""
+    good = keys_in("http://x", 1)[0]
+    bodies = [entry_event_body(event(good, 0)), entry_event_body(event("k", 1, region="nowhere")), b"\x02"]
+    receiver = ReceiverService(RECEIVING, member_id="b-receiver-test")
+    owner = Owner(lambda url, keys: {})
+    receiver._client = owner  # type: ignore[assignment]
+    receiver._directory = Owners({b: "http://x" for b in range(8)})  # type: ignore[assignment]
+    value = batch([], bodies=bodies)
+    applied = receiver._apply(read_gateway_batch(get_codec(), value), value, threading.Event(), [None] * 3)
+    assert {i: e["exception_class"] for i, e in applied.exceptions.items()} == {1: "UnknownRegion",
+                                                                               2: "MalformedRecord"}
+    assert applied.exceptions[1]["event_id"]["sequence_id"] == 1
+    assert applied.exceptions[2]["event_id"] == {"member_id": "", "thread_id": -1, "sequence_id": -1}
+    assert owner.requests == [("http://x", [good])]
