@@ -157,7 +157,7 @@ def test_pause_under_writes_then_resume_loses_nothing(site_a, unique_prefix, tmp
         region.stop()
 
 
-@pytest.mark.tansu
+# Not on Tansu: the region service feeding the queue writes in transactions Tansu does not honour.
 def test_a_record_that_cannot_be_decoded_is_dead_lettered_and_dispatch_goes_on(
     any_site, unique_prefix, tmp_path: Path
 ) -> None:

@@ -1,4 +1,7 @@
-"""The region service's HTTP API against a real broker and a real service process."""
+"""The region service's HTTP API against a real broker and a real service process.
+
+On Apache Kafka only: the region's writes are Kafka transactions, and Tansu shows aborted records to
+read_committed readers (tests/README.md)."""
 
 from __future__ import annotations
 
@@ -33,7 +36,6 @@ def _post(url: str, path: str, body: Any = None, raw: bytes | None = None, json_
     return httpx.post(url + path, json=body, timeout=30)
 
 
-@pytest.mark.tansu
 def test_entry_operations_follow_geode(region):
     """create/put/get/invalidate/destroy/put_all/remove_all behave as Geode's region API."""
     cfg, proc, site = region
@@ -81,7 +83,6 @@ def test_entry_operations_follow_geode(region):
         assert ops.count("REMOVEALL_DESTROY") == 2
 
 
-@pytest.mark.tansu
 def test_a_retry_with_the_same_event_id_is_applied_once(region):
     """The same EventID sent twice is answered 'duplicate' and reaches each queue once."""
     cfg, proc, site = region
@@ -95,7 +96,6 @@ def test_a_retry_with_the_same_event_id_is_applied_once(region):
         assert [e.event_id for e in events] == [eid]
 
 
-@pytest.mark.tansu
 def test_region_clear_empties_every_bucket_once_and_stays_local(region):
     """Clear removes every entry of every bucket (a retry with its EventID clears nothing twice), the
     changelog keeps each key's tombstone (a new instance loads an empty region), and neither the
