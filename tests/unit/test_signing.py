@@ -160,3 +160,26 @@ def test_pem_public_keys_one_after_another_are_a_rotation_too() -> None:
     assert [sitekeys.public_text(k) for k in keys] == [A_PUBLIC, B_PUBLIC]
     with pytest.raises(sitekeys.KeyFormatError, match="outside the PEM blocks"):
         sitekeys.load_public_keys(pem(A_PUBLIC) + "junk")
+
+
+def test_a_batch_of_queued_event_bodies_is_signed_over_its_bytes_and_any_changed_byte_refused() -> None:
+    """A GatewayBatch v3 (event bodies as queued, the sender's changes beside them) verifies as written; a
+    changed byte in an event body, in the duplicate indexes or in the visited sites the sender adds does not:
+    what the owner merges in is covered by the signature like the events."""
+    from sluice.core.eventwire import entry_event_body, gateway_batch
+    from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
+
+    event = EntryEvent("orders", "k1", Operation.CREATE, b'{"n": 1}', EventID("m", 1, 1), VersionTag(1, 1, 1, "m"), 1,
+                       0, 1)
+    data = gateway_batch(get_codec().header("GatewayBatch"), sender_id="to-c", source_dsid=1, target_dsid=3,
+                         queue_partition=0, batch_id=7, first_offset=0, last_offset=0, possible_duplicate=False,
+                         created_at=1, bodies=[entry_event_body(event)], duplicate_events=[0],
+                         visited_added={"orders": [1, 3]})
+    headers = Signer(1, _key(A_PRIVATE)).headers(data)
+    assert _verifier().signer(data, headers) == 1
+    body_at = data.index(b'{"n": 1}')
+    tail = len(data) - 6  # inside duplicate_events / visited_added, before the last arrays end
+    for at in (body_at, tail):
+        altered = data[:at] + bytes([data[at] ^ 2]) + data[at + 1:]
+        with pytest.raises(BadSignature):
+            _verifier().signer(altered, headers)
