@@ -151,7 +151,8 @@ class RegionClient:
 
     def apply_remote(self, region: str, events: list[EntryEvent], *, outcomes: str = "exceptions",
                      traces: list[str | None] | None = None) -> dict[str, Any]:
-        """Apply events another site applied (what a gateway receiver does).
+        """Apply events another site applied, as JSON (a gateway receiver hands its batches over as
+        bytes instead: ``BatchClient.apply_batch``).
 
         Retried until acknowledged: each event keeps its EventID, so a repeat is
         answered ``duplicate``; events that lose the WAN conflict are counted in
