@@ -115,6 +115,7 @@ from .registry import (
     create_queue,
     header_value,
     interest_of,
+    is_client_queue,
     last_heard,
     queue_topic_problem,
     registry_partition,
@@ -827,15 +828,15 @@ class SubscriptionService:
         is dead-lettered once and no client is sent one.  A client's message is the record's body
         spliced into a ClientMessage (``client_event_message``), its value cut out for a client of
         invalidates: one message per (values, possibleDuplicate) of the event, whatever the clients."""
-        dead_letters = msg.partition() % self.partitions in takers
+        dead_letters_here = msg.partition() % self.partitions in takers
         tail: tuple[int, int, int] | None = None
         try:
             body = self._entry_body(value)
             head = read_entry_head(body)
-            if dead_letters:
+            if dead_letters_here:
                 tail = check_entry_tail(body, head)
         except CodecError as exc:
-            if dead_letters:
+            if dead_letters_here:
                 self.stats["undecodable"] += 1
                 log.error("subscriptions %s: %s[%d]@%d cannot be read and is dead-lettered: %s",
                           self.member_id, msg.topic(), msg.partition(), offset, exc)
@@ -930,7 +931,7 @@ class SubscriptionService:
                 self._producer.produce(topic, value, key, partition=partition, headers=headers)
                 return
             except KafkaException as exc:
-                if exc.args[0].code() not in QUEUE_MISSING:
+                if exc.args[0].code() not in QUEUE_MISSING or not is_client_queue(self.cfg, topic):
                     raise translate(exc, f"writing to {topic}") from exc
                 # The producer already knows the queue was deleted (a write to it failed): as in
                 # ``_delivered``, its client starts over with a new queue.
@@ -947,7 +948,7 @@ class SubscriptionService:
         """A record the broker did not take (``delivery.report.only.error``: only those come here)."""
         if err is None:
             return
-        if err.code() in QUEUE_MISSING:
+        if err.code() in QUEUE_MISSING and is_client_queue(self.cfg, msg.topic()):
             # The client's queue was deleted under it: the client starts over with a new queue,
             # and nothing is filled again for a queue that is gone.
             self._missing_queues.add(msg.topic())

@@ -349,3 +349,22 @@ def test_a_standby_refuses_silently(service: tuple[SubscriptionService, FakeProd
     feed(svc, svc.registry_topic, "c-1", b"not avro", bearer(TOKEN))
     feed(svc, svc.acks_topic, "c-1", None)
     assert producer.records == [] and svc.stats["refused"] == svc.stats["undecodable"] == 0
+
+
+def test_a_failed_write_to_a_deleted_client_queue_is_a_queue_gone_and_any_other_a_refill(
+        service: tuple[SubscriptionService, FakeProducer], cfg: SiteConfig) -> None:
+    """The producer's callback hears only of failed writes: one to a client queue whose topic or partition
+    is unknown means the queue was deleted (its client starts over); the same error on another topic (the
+    fill topic), or another error on a queue, is a failed write, and the primary fills again."""
+    from confluent_kafka import KafkaError
+
+    svc, _producer = service
+    queue = cfg.topics.client_queue("c-1", "0123abcd")
+    for code in (KafkaError._UNKNOWN_PARTITION, KafkaError._UNKNOWN_TOPIC, KafkaError.UNKNOWN_TOPIC_OR_PART):
+        svc._delivered(KafkaError(code), SimpleNamespace(topic=lambda: queue))
+    assert svc._missing_queues == {queue} and svc._delivery_failed is None
+    svc._delivered(KafkaError(KafkaError._UNKNOWN_PARTITION), SimpleNamespace(topic=lambda: svc.fill_topic))
+    assert svc._delivery_failed is not None and svc.fill_topic in svc._delivery_failed
+    svc._delivery_failed = None
+    svc._delivered(KafkaError(KafkaError._MSG_TIMED_OUT), SimpleNamespace(topic=lambda: queue))
+    assert svc._delivery_failed is not None and svc._missing_queues == {queue}
