@@ -12,18 +12,20 @@ coordinator refuses them once the generation is gone (KIP-447).
 
 Gaining a bucket (``on_assign``)::
 
-    LOADING ── load: wait until no transaction is open on the changelog
-       │       partition (its last stable offset is its high watermark), read
-       │       the committed checkpoint (read_committed: it waits for
-       │       transactional offsets still pending), read the partition at
-       │       read_committed from its start to that end, replay every record
-       │       into a fresh BucketState, re-enqueue every record at or after
-       │       the checkpoint (possibleDuplicate) in a transaction of its own
+    LOADING ── load: read the committed offset of the changelog partition
+       │       (read_committed: librdkafka waits while a transaction's
+       │       offsets for it are pending), wait until no transaction is
+       │       open on it (its last stable offset is its high watermark),
+       │       read it at read_committed from its start to that end, replay
+       │       every record into a fresh BucketState, and re-enqueue
+       │       (possibleDuplicate) the records past an offset not marked
+       │       transactional, in a transaction of its own (fanout.py, "The
+       │       checkpoint")
        ▼
     READY ──── requests are applied in arrival order (one lock, so bucket order
        │       is the order of the changelog); their records join the open
        │       group-commit window, and the committer thread writes each
-       │       window as one transaction with the buckets' checkpoints
+       │       window as one transaction with the buckets' offsets
        │       (fanout.py tells that story)
        ▼
     REVOKING ─ on_revoke: stop accepting, wait (bounded) until every window
@@ -39,12 +41,13 @@ be ahead of the changelog, so it is rebuilt from it.  Records of a later
 window prepared on that state are dropped (their ownership epoch is gone)
 and their requests answered with a retriable error.
 
-Why the load waits for open transactions: a read_committed reader stops at
-the first open transaction.  Reading only to there and then serving the
-bucket would miss that transaction's records if it commits later (a previous
-owner whose offsets the group accepted just before its session expired).  So
-the load waits until the partition's last stable offset equals its high
-watermark: every transaction that wrote to it is decided.  A transaction of
+Why the load waits for every transaction to be decided: a read_committed
+reader stops at the first open transaction.  Reading only to there and then
+serving the bucket would miss that transaction's records if it commits later
+(a previous owner whose offsets the group accepted just before its session
+expired).  So the load first reads the committed offset, which librdkafka
+holds back while such a transaction is undecided, and then waits until the
+partition's last stable offset equals its high watermark.  A transaction of
 ours still open (a window written before the bucket was reloaded) is waited
 for the same way.
 
@@ -132,7 +135,7 @@ from ..core.kafka import (
     translate,
 )
 from .conflicts import ConflictResolver
-from .fanout import Pending, QueueTarget, RecordBuilder, Slot, Window, WindowOutcome, WindowWriter
+from .fanout import TRANSACTIONAL_CHECKPOINT, Pending, QueueTarget, RecordBuilder, Slot, Window, WindowOutcome, WindowWriter
 from .state import BucketState, ConflictLost, Duplicate, Op, Skipped
 
 log = logging.getLogger("sluice.region.engine")
@@ -159,8 +162,9 @@ class OwnedBucket:
     epoch: int
     status: BucketStatus = BucketStatus.LOADING
     state: BucketState | None = None
-    #: The checkpoint committed for the bucket (-1: none yet).
-    committed: int = -1
+    #: The offset every window of this ownership commits for the bucket (fanout.py: from where the
+    #: changelog is transactional), set by the load.
+    checkpoint: int = -1
     inflight: dict[EventID, Pending] = field(default_factory=dict)
     # A server-assigned EventID stream (member = this instance, thread = bucket).
     next_sequence: int = 0
@@ -499,7 +503,7 @@ class RegionEngine:
                     self.stats["applied"] += len(outcome)
                     for event in outcome:
                         changelog, queued = self._builder.records(event)
-                        window.add(slot, changelog, queued)
+                        window.add(slot, ob.checkpoint, changelog, queued)
                     written.add(slot)
                     continue
                 result.event = outcome
@@ -508,7 +512,7 @@ class RegionEngine:
                 written.add(slot)
                 if op.transaction is None:
                     changelog, queued = self._builder.records(outcome, op.trace)
-                    window.add(slot, changelog, queued)
+                    window.add(slot, ob.checkpoint, changelog, queued)
                 else:
                     grouped.append((result, ob, op.transaction))
                     group_trace = op.trace  # one put_all / remove_all request: one trace
@@ -536,7 +540,7 @@ class RegionEngine:
             event = replace(event, transaction=(tx, last_of_bucket[(event.region, event.bucket)] == i))
             result.event = event
             changelog, queued = self._builder.records(event, trace)
-            window.add((ob.region, ob.bucket, ob.epoch), changelog, queued)
+            window.add((ob.region, ob.bucket, ob.epoch), ob.checkpoint, changelog, queued)
 
     def read(self, region: str, bucket: int) -> BucketState:
         """The state of a READY bucket (callers read under ``read_lock``)."""
@@ -583,7 +587,7 @@ class RegionEngine:
                 membership = self._membership
                 # Records prepared under an ownership that has ended since (lost,
                 # revoked, reloaded) must not be written: their state is gone.
-                skip = {slot for slot in window.slots if not self._current(*slot)}
+                skip = {slot for slot in window.checkpoints if not self._current(*slot)}
             outcome = self._write_window(window, skip, membership)
             self._finish_window(window, skip, outcome)
 
@@ -620,20 +624,15 @@ class RegionEngine:
         """Step 3 or 4 of fanout.py: answer the window's requests; a failed window's buckets reload."""
         failed: list[Slot] = []
         with self._lock:
-            if outcome.committed is not None:
-                for slot, checkpoint in outcome.committed.items():
-                    ob = self._current(*slot)
-                    if ob is not None:
-                        ob.committed = max(ob.committed, checkpoint)
-            else:
-                failed = [slot for slot in window.slots if slot not in skip]
+            if outcome.committed is None:
+                failed = [slot for slot in window.checkpoints if slot not in skip]
             self._windows_done += 1
             self._window_changed.notify_all()
         error = outcome.error
         if error is not None:
             self.stats["windows_failed"] += 1
             log.warning("a window of %d records for %d buckets failed: %s", len(window.records),
-                        len(window.slots), error)
+                        len(window.checkpoints), error)
         for region, bucket, epoch in failed:
             assert error is not None
             self._bucket_failed(region, bucket, error, epoch)
@@ -800,40 +799,62 @@ class RegionEngine:
         return (make_consumer(self._kafka_settings, None, **settings, **{"isolation.level": "read_committed"}),
                 make_consumer(self._kafka_settings, None, **settings, **{"isolation.level": "read_uncommitted"}))
 
-    def _committed(self, topic: str, bucket: int) -> int:
-        """The fan-out checkpoint committed for a changelog partition (-1: none)."""
+    def _committed(self, topic: str, bucket: int, timeout_s: float) -> tuple[int, bool]:
+        """The offset committed for a changelog partition (-1: none), and whether it is marked
+        transactional (fanout.py).  Read at read_committed, so librdkafka asks for stable offsets: a
+        transaction whose offsets are pending holds the answer back (KIP-447), past ``timeout_s``
+        as a retriable error."""
         assert self._offsets is not None
         try:
-            found = self._offsets.committed([TopicPartition(topic, bucket)], timeout=15)
+            found = self._offsets.committed([TopicPartition(topic, bucket)], timeout=timeout_s)
         except KafkaException as exc:
             raise translate(exc, f"committed offset of {topic}[{bucket}]") from exc
         for tp in found:
             if tp.topic == topic and tp.partition == bucket:
                 if tp.error is not None:
                     raise BrokerUnavailable(f"committed offset of {topic}[{bucket}]: {tp.error}")
-                return tp.offset if tp.offset >= 0 else -1
-        return -1
+                if tp.offset < 0:
+                    return -1, False
+                return tp.offset, tp.metadata == TRANSACTIONAL_CHECKPOINT
+        return -1, False
 
     def _current(self, region: str, bucket: int, epoch: int) -> OwnedBucket | None:
         ob = self._owned.get((region, bucket))
         return ob if ob is not None and ob.epoch == epoch else None
 
     def _wait_decided(self, reader: Consumer, high_reader: Consumer, region: str, bucket: int,
-                      epoch: int) -> tuple[int, int] | None:
-        """(low, end) of the bucket's changelog partition once no transaction is open on it (its last
-        stable offset is its high watermark); None when the bucket is no longer ours to load.  A
-        transaction left open by an earlier owner that is gone is ended by fencing it (module docstring)."""
+                      epoch: int) -> tuple[int, int, int, bool] | None:
+        """(low, end, committed offset, whether it is marked transactional) of the bucket's changelog
+        partition once every transaction that wrote to it is decided; None when the bucket is no
+        longer ours to load.
+
+        First the committed offset, stable: a transaction whose offsets the
+        group accepted (before this instance was assigned the bucket) holds it
+        back until it is decided, and it wrote its records before it could
+        commit.  Then the end: the last stable offset must equal the high
+        watermark, so no transaction is open on the partition (one whose
+        offsets come later is refused by the group, and aborted).  A
+        transaction left open by an earlier owner that is gone is ended by
+        fencing it (module docstring)."""
         topic = self.changelog_topics[region]
         tp = TopicPartition(topic, bucket)
         started = time.monotonic()
         fenced = False
         while True:
             try:
-                low, stable, high = partition_end(reader, high_reader, tp)
-            except KafkaException as exc:
-                raise translate(exc, f"reading the changelog bounds of {region}[{bucket}]") from exc
-            if stable >= high:
-                return low, high
+                committed, transactional = self._committed(topic, bucket, timeout_s=1.0)
+            except SluiceError as exc:
+                if not exc.retriable:
+                    raise
+                blocked = f"its committed offset is held back ({exc})"
+            else:
+                try:
+                    low, stable, high = partition_end(reader, high_reader, tp)
+                except KafkaException as exc:
+                    raise translate(exc, f"reading the changelog bounds of {region}[{bucket}]") from exc
+                if stable >= high:
+                    return low, high, committed, transactional
+                blocked = f"a transaction is open from offset {stable} (end {high})"
             with self._lock:
                 ob = self._current(region, bucket, epoch)
                 since_ms = ob.since_ms if ob is not None else 0
@@ -844,8 +865,7 @@ class RegionEngine:
                 fenced = True
                 self._fence_gone_owners(region, bucket, since_ms)
             if waited_s > self._load_timeout_s:
-                raise BrokerUnavailable(f"changelog {topic}[{bucket}]: a transaction open from offset {stable} "
-                                        f"(end {high}) not decided in {self._load_timeout_s:g} s")
+                raise BrokerUnavailable(f"changelog {topic}[{bucket}]: {blocked} for {self._load_timeout_s:g} s")
             self._stopping.wait(0.05)
 
     def _fence_gone_owners(self, region: str, bucket: int, since_ms: int) -> None:
@@ -876,10 +896,11 @@ class RegionEngine:
         bounds = self._wait_decided(reader, high_reader, region, bucket, epoch)
         if bounds is None:
             return
-        low, high = bounds
-        # After the partition's transactions are decided, so the offsets they carried are stable.
-        committed = self._committed(topic, bucket)
-        replay_from = committed if committed >= 0 else low
+        low, high, committed, transactional = bounds
+        # Records past an unmarked checkpoint may lack their queue records (fanout.py): re-enqueued,
+        # and the marked checkpoint (where this load ends) committed with them.
+        replay_from = high if transactional else (committed if committed >= 0 else low)
+        checkpoint = committed if transactional else high
         state = BucketState(region, bucket, self.dsid, self.member_id)
         refanout: list[tuple[EntryEvent, int]] = []
         unreadable: list[tuple[int, bytes | None, bytes | None, CodecError]] = []
@@ -934,7 +955,7 @@ class RegionEngine:
             if ob is None:
                 return
             ob.state = state
-            ob.committed = committed
+            ob.checkpoint = checkpoint
             # Continue this instance's own EventID stream for the bucket, or a
             # reload would reuse sequences the changelog already holds.
             ob.next_sequence = state.streams.get((self.member_id, bucket), -1) + 1
@@ -948,8 +969,7 @@ class RegionEngine:
                 was_empty = window.empty()
                 slot = (region, bucket, epoch)
                 for event, offset in refanout:
-                    window.add(slot, None, self._builder.requeued(event, offset))
-                window.checkpoint(slot, high)
+                    window.add(slot, checkpoint, None, self._builder.requeued(event, offset))
                 window.waiting.append((pending, frozenset({slot})))
                 if was_empty:
                     self._window_changed.notify_all()

@@ -15,13 +15,12 @@ The story of one write, step by step:
    it is committed (group commit: whatever arrived while a transaction was
    being committed goes into the next one) and writes it as one Kafka
    transaction (``WindowWriter``): begin; produce every record, without
-   delivery callbacks but for the last changelog record of each bucket,
-   whose offset makes the bucket's checkpoint; flush; send the checkpoints
-   as the region consumer group's offsets of the changelog partitions, with
-   the group metadata of the generation that assigned the buckets
-   (``send_offsets_to_transaction``, KIP-447); commit.
+   delivery callbacks; send each bucket's checkpoint as the region consumer
+   group's offset of its changelog partition, with the group metadata of the
+   generation that assigned the buckets (``send_offsets_to_transaction``,
+   KIP-447); commit (which waits for every record to be acknowledged).
 3. Committed: the window's changelog records, their queue records and the
-   checkpoints become visible to read_committed readers together.  Each
+   offsets become visible to read_committed readers together.  Each
    request's ``Pending`` counts its window done; the caller is answered when
    all of it is committed.
 4. Failed: nothing of the window becomes visible (aborted, or never
@@ -35,15 +34,18 @@ member that is no longer in the generation that assigned it the bucket, and
 the transaction is then aborted: a paused owner that resumes after losing
 its buckets commits nothing.  A transaction whose offsets were accepted
 before the session expired may still commit; a new owner's load waits for it
-(engine.py: no open transaction on the partition, committed offsets stable),
-so whatever it commits is read before the new owner writes.
+(engine.py: committed offsets stable, then no transaction open on the
+partition), so whatever it commits is read before the new owner writes.
 
-The checkpoint.  The group's committed offset of changelog partition *b* is
-one past the last changelog record of *b* a committed transaction wrote;
-everything below it reached every queue in the same transaction.  A new
-owner re-enqueues (possibleDuplicate) what follows it, which is nothing for
-a changelog written this way; records written before Sluice wrote in
-transactions may lack their queue records, and these are re-enqueued.
+The checkpoint.  A changelog written this way needs no fan-out checkpoint:
+its queue records commit with it.  One written before (by an owner that
+wrote the changelog first and the queues after it) may hold records past its
+checkpoint (the group's committed offset) whose queue records are missing.
+So the offset a window commits for a bucket is the point from which its
+changelog is transactional (where the owner's load ended), marked
+``TRANSACTIONAL_CHECKPOINT`` in the offset's metadata.  A load re-enqueues
+(possibleDuplicate) the records from an unmarked checkpoint on, in one
+transaction that commits the marked one; from a marked checkpoint, nothing.
 
 A queue record's ``changelog_offset`` is -1 when it is written in the same
 transaction as its changelog record: that offset is known only from the
@@ -66,7 +68,6 @@ from ..core.eventwire import FLAG_POSSIBLE_DUPLICATE, FLAG_ROUTED, entry_event_b
 from ..core.kafka import (
     KafkaError,
     KafkaException,
-    Message,
     Producer,
     TopicPartition,
     consumer_group_generation,
@@ -87,6 +88,9 @@ _avro_string = string
 Where = tuple[str, int]
 #: A bucket and the epoch of this instance's ownership of it: (region, bucket, epoch).
 Slot = tuple[str, int, int]
+#: The metadata of a changelog partition's committed offset from which its records and their queue
+#: records were written in transactions (the module docstring's "checkpoint").
+TRANSACTIONAL_CHECKPOINT = "sluice:transactional"
 #: One record to produce: topic, partition, key, value, headers.
 Record = tuple[str, int, bytes, bytes, "list[tuple[str, bytes]] | None"]
 
@@ -266,37 +270,25 @@ class Window:
     #: (record, slot) in acceptance order: per-partition order is bucket order, and a client
     #: thread's operations keep their order in every queue partition.
     records: list[tuple[Record, Slot]] = field(default_factory=list)
-    #: Every slot written, in first-write order.
-    slots: dict[Slot, None] = field(default_factory=dict)
-    #: Per slot: the index (in ``records``) of its last changelog record.
-    last_changelog: dict[Slot, int] = field(default_factory=dict)
-    #: Checkpoints to commit for slots whose window writes no changelog record (a load's re-enqueue).
+    #: Every slot written, in first-write order, with the checkpoint its offsets commit.
     checkpoints: dict[Slot, int] = field(default_factory=dict)
     #: Each waiting request and the slots it wrote.
     waiting: list[tuple[Pending, frozenset[Slot]]] = field(default_factory=list)
     opened_at: float = 0.0
 
     def empty(self) -> bool:
-        return not self.records and not self.checkpoints and not self.waiting
+        return not self.checkpoints and not self.waiting
 
-    def add(self, slot: Slot, changelog: Record | None, queued: list[Record]) -> None:
-        """The records of one event of ``slot``'s bucket."""
-        if not self.slots:
+    def add(self, slot: Slot, checkpoint: int, changelog: Record | None, queued: list[Record]) -> None:
+        """The records of one event of ``slot``'s bucket, whose offset commits ``checkpoint``."""
+        if not self.checkpoints:
             self.opened_at = time.monotonic()
-        self.slots[slot] = None
+        self.checkpoints[slot] = checkpoint
         records = self.records
         if changelog is not None:
-            self.last_changelog[slot] = len(records)
             records.append((changelog, slot))
         for record in queued:
             records.append((record, slot))
-
-    def checkpoint(self, slot: Slot, offset: int) -> None:
-        """Commit ``offset`` as the bucket's checkpoint with this window (a load's re-enqueue)."""
-        if not self.slots:
-            self.opened_at = time.monotonic()
-        self.slots[slot] = None
-        self.checkpoints[slot] = offset
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,7 +322,7 @@ class WindowWriter:
         its outcome says why (``error``) and whether the producer must be
         rebuilt.
         """
-        slots = [slot for slot in window.slots if slot not in skip]
+        slots = [slot for slot in window.checkpoints if slot not in skip]
         if not slots:
             return WindowOutcome(committed={})
         generation, member = consumer_group_generation(group_metadata) if group_metadata is not None else (-1, "")
@@ -340,35 +332,18 @@ class WindowWriter:
             return WindowOutcome(error=OwnershipUnconfirmed("this instance holds no generation of the group"))
         deadline = time.monotonic() + self._timeout_s
         producer = self.producer
-        reported: dict[Slot, tuple[KafkaError | None, int]] = {}
         started = False
         try:
             producer.begin_transaction()
             started = True
-            last = {i: slot for slot, i in window.last_changelog.items() if slot not in skip}
-            for i, (record, slot) in enumerate(window.records):
-                if slot in skip:
-                    continue
-                callback = _Report(reported, slot) if i in last else None
-                self._produce(record, callback, deadline)
-            remaining = producer.flush(max(0.0, deadline - time.monotonic()))
-            if remaining:
-                return self._abort(BrokerUnavailable(
-                    f"{remaining} records of the window not acknowledged in {self._timeout_s:g} s"))
-            offsets = []
-            committed: dict[Slot, int] = {}
-            for slot in slots:
-                if slot in window.last_changelog:
-                    error, offset = reported.get(slot, (None, -1))
-                    if error is not None or offset < 0:
-                        # The transaction fails at commit anyway; say why.
-                        what = error.str() if error is not None else "no delivery report"
-                        return self._abort(BrokerUnavailable(f"changelog of {slot[0]}[{slot[1]}]: {what}"))
-                    checkpoint = offset + 1
-                else:
-                    checkpoint = window.checkpoints[slot]
-                committed[slot] = checkpoint
-                offsets.append(TopicPartition(self._changelog_topics[slot[0]], slot[1], checkpoint))
+            produce = self._produce
+            for record, slot in window.records:
+                if slot not in skip:
+                    produce(record, deadline)
+            committed = {slot: window.checkpoints[slot] for slot in slots}
+            offsets = [TopicPartition(self._changelog_topics[region], bucket, checkpoint,
+                                      metadata=TRANSACTIONAL_CHECKPOINT)
+                       for (region, bucket, _), checkpoint in committed.items()]
             producer.send_offsets_to_transaction(offsets, group_metadata, max(0.1, deadline - time.monotonic()))
             self._commit(deadline)
             return WindowOutcome(committed=committed)
@@ -386,15 +361,15 @@ class WindowWriter:
                 return WindowOutcome(error=error, producer_broken=True)
             return self._abort(error)
 
-    def _produce(self, record: Record, callback: Any, deadline: float) -> None:
+    def _produce(self, record: Record, deadline: float) -> None:
         topic, partition, key, value, headers = record
         producer = self.producer
         while True:
             try:
                 if headers is None:
-                    producer.produce(topic, value, key, partition=partition, on_delivery=callback)
+                    producer.produce(topic, value, key, partition=partition)
                 else:
-                    producer.produce(topic, value, key, partition=partition, on_delivery=callback, headers=headers)
+                    producer.produce(topic, value, key, partition=partition, headers=headers)
                 return
             except BufferError:
                 # Back-pressure: the local queue is full; let the broker catch up, within the window's time.
@@ -423,18 +398,5 @@ class WindowWriter:
         return WindowOutcome(error=error)
 
 
-class _Report:
-    """The delivery report of a bucket's last changelog record of a window: its offset."""
-
-    __slots__ = ("reported", "slot")
-
-    def __init__(self, reported: dict[Slot, tuple[KafkaError | None, int]], slot: Slot) -> None:
-        self.reported = reported
-        self.slot = slot
-
-    def __call__(self, err: KafkaError | None, msg: Message) -> None:
-        self.reported[self.slot] = (err, msg.offset() if err is None else -1)
-
-
-__all__ = ["Pending", "QueueTarget", "Record", "RecordBuilder", "Slot", "Where", "Window", "WindowOutcome",
+__all__ = ["TRANSACTIONAL_CHECKPOINT", "Pending", "QueueTarget", "Record", "RecordBuilder", "Slot", "Where", "Window", "WindowOutcome",
            "WindowWriter", "murmur2"]

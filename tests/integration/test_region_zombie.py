@@ -213,7 +213,8 @@ def _event(key: str, bucket: int, n: int) -> EntryEvent:
 def test_a_window_with_a_lost_generation_is_refused_and_aborted(site_a, unique_prefix, tmp_path: Path):
     """A member that stopped polling past its session timeout, while another member took its
     partitions, writes a window with its old group metadata: the coordinator refuses the offsets, the
-    window is aborted, and its changelog and queue records are visible read_uncommitted only."""
+    window is aborted: none of its changelog and queue records is committed (those that reached the
+    broker before the abort are there read_uncommitted only)."""
     cfg = write_site(tmp_path / "site.yaml", site="a", bootstrap=site_a.bootstrap,
                      prefix=site_a.topic_prefix(unique_prefix), buckets=2)
     changelog = cfg.topics.region_changelog("orders")
@@ -238,7 +239,7 @@ def test_a_window_with_a_lost_generation_is_refused_and_aborted(site_a, unique_p
     window = Window()
     for n in range(3):
         changelog_record, queued = builder.records(_event(f"k{n}", 0, n))
-        window.add(("orders", 0, 1), changelog_record, queued)
+        window.add(("orders", 0, 1), 0, changelog_record, queued)
     producer = make_transactional_producer(cfg.kafka.client_settings(), transactional_id_of(group, "zombie"), 10_000)
     try:
         producer.init_transactions(30)
@@ -250,10 +251,10 @@ def test_a_window_with_a_lost_generation_is_refused_and_aborted(site_a, unique_p
     assert isinstance(outcome.error, OwnershipUnconfirmed), outcome
     assert outcome.committed is None
     assert read_topic(site_a.bootstrap, changelog, 2) == []
-    assert len(read_topic(site_a.bootstrap, changelog, 2, "read_uncommitted")) == 3
+    assert len(read_topic(site_a.bootstrap, changelog, 2, "read_uncommitted")) <= 3
     for queue in cfg.attached_queues("orders"):
         assert read_queue(site_a.bootstrap, queue.topic, queue.partitions) == []
-        assert len(read_queue(site_a.bootstrap, queue.topic, queue.partitions, "read_uncommitted")) == 3
+        assert len(read_queue(site_a.bootstrap, queue.topic, queue.partitions, "read_uncommitted")) <= 3
 
 
 def test_a_transaction_a_dead_owner_left_open_is_fenced_by_the_new_owner(site_a, unique_prefix, tmp_path: Path):

@@ -11,14 +11,14 @@ What is checked here, without a broker:
 2. ``Pending`` answers a request exactly once, after ``arm()`` and when
    everything it waits for is done, under concurrent completions too.
 3. ``Window`` keeps records in acceptance order, tagged with their bucket's
-   ownership epoch, and knows each bucket's last changelog record.
+   ownership epoch, with the checkpoint each bucket's offset commits.
 4. A queue record built around the changelog body is a valid ``QueuedEvent``
    for any event and any long; ``RecordBuilder`` writes the flags
    (possibleDuplicate, routed), leaves looping events and filtered ones out.
 5. ``WindowWriter`` driven by a fake transactional producer writes a window
-   as one transaction whose offsets are the checkpoints, and aborts it (or
-   asks for a new producer) on every failure, so nothing of a failed window
-   is committed.
+   as one transaction whose offsets are the marked checkpoints, and aborts it
+   (or asks for a new producer) on every failure, so nothing of a failed
+   window is committed.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from sluice.core.eventwire import FLAG_POSSIBLE_DUPLICATE, FLAG_ROUTED
 from sluice.core.kafka import partition_for_key
 from sluice.region import fanout
 from sluice.region.fanout import (
+    TRANSACTIONAL_CHECKPOINT,
     Pending,
     QueueTarget,
     RecordBuilder,
@@ -367,29 +368,28 @@ CL = ("sluice.changelog.orders", 5, b"k", b"c", None)
 Q1 = ("sluice.queue.q1", 1, b"k", b"q", None)
 
 
-def test_window_keeps_acceptance_order_and_each_buckets_last_changelog_record() -> None:
-    """Records keep the order they were accepted in across buckets; the last changelog record of each
-    slot is known, and a load's re-enqueue carries its checkpoint instead."""
+def test_window_keeps_acceptance_order_and_each_slots_checkpoint() -> None:
+    """Records keep the order they were accepted in across buckets; each slot written is known with
+    the checkpoint its offset commits, in first-write order (a load's re-enqueue writes no changelog
+    record, and its slot is there all the same)."""
     w = Window()
     assert w.empty()
-    w.add(("orders", 5, 1), CL, [Q1])
-    w.add(("orders", 2, 3), ("sluice.changelog.orders", 2, b"j", b"c2", None), [])
-    w.add(("orders", 5, 1), ("sluice.changelog.orders", 5, b"k", b"c3", None), [Q1])
-    assert [r[0][3] for r in w.records] == [b"c", b"q", b"c2", b"c3", b"q"]
-    assert list(w.slots) == [("orders", 5, 1), ("orders", 2, 3)]
-    assert w.last_changelog == {("orders", 5, 1): 3, ("orders", 2, 3): 2}
-    w.add(("orders", 7, 4), None, [Q1])
-    w.checkpoint(("orders", 7, 4), 99)
-    assert w.checkpoints == {("orders", 7, 4): 99} and ("orders", 7, 4) not in w.last_changelog
+    w.add(("orders", 5, 1), 40, CL, [Q1])
+    w.add(("orders", 2, 3), 7, ("sluice.changelog.orders", 2, b"j", b"c2", None), [])
+    w.add(("orders", 5, 1), 40, ("sluice.changelog.orders", 5, b"k", b"c3", None), [Q1])
+    w.add(("orders", 7, 4), 99, None, [Q1])
+    assert [r[0][3] for r in w.records] == [b"c", b"q", b"c2", b"c3", b"q", b"q"]
+    assert w.checkpoints == {("orders", 5, 1): 40, ("orders", 2, 3): 7, ("orders", 7, 4): 99}
+    assert list(w.checkpoints) == [("orders", 5, 1), ("orders", 2, 3), ("orders", 7, 4)]
     assert not w.empty()
 
 
 def test_a_window_tells_two_ownerships_of_a_bucket_apart() -> None:
     """Records of a bucket prepared before and after it was reloaded are different slots."""
     w = Window()
-    w.add(("orders", 5, 1), CL, [])
-    w.add(("orders", 5, 2), CL, [])
-    assert list(w.slots) == [("orders", 5, 1), ("orders", 5, 2)]
+    w.add(("orders", 5, 1), 0, CL, [])
+    w.add(("orders", 5, 2), 3, CL, [])
+    assert list(w.checkpoints) == [("orders", 5, 1), ("orders", 5, 2)]
     assert [slot for _, slot in w.records] == [("orders", 5, 1), ("orders", 5, 2)]
 
 
@@ -571,37 +571,21 @@ GENERATION_3 = b"CGMDv2:" + (3).to_bytes(4, sys.byteorder, signed=True) + b"regi
 NO_GENERATION = b"CGMDv2:" + (-1).to_bytes(4, sys.byteorder, signed=True) + b"region\0\0\x01"
 
 
-class FakeMessage:
-    def __init__(self, topic: str, partition: int, offset: int) -> None:
-        self._topic, self._partition, self._offset = topic, partition, offset
-
-    def topic(self) -> str:
-        return self._topic
-
-    def partition(self) -> int:
-        return self._partition
-
-    def offset(self) -> int:
-        return self._offset
-
-
 def kafka_error(code: int, *, fatal: bool = False, abortable: bool = False, retriable: bool = False) -> KafkaException:
     return KafkaException(KafkaError(code, "injected", fatal=fatal, retriable=retriable, txn_requires_abort=abortable))
 
 
 class FakeTransactionalProducer:
-    """Appends each record to its partition at flush; a step named in ``fail`` raises its error."""
+    """Records the calls; a step named in ``fail`` raises its error (once)."""
 
     def __init__(self, fail: dict[str, KafkaException] | None = None, buffer_errors: int = 0) -> None:
         self.calls: list[str] = []
         self.produced: list[tuple[str, int, bytes]] = []
-        self.callbacks: list[tuple[Any, str, int]] = []
-        self.ends: dict[tuple[str, int], int] = {}
-        self.offsets: list[tuple[str, int, int]] = []
+        self.offsets: list[tuple[str, int, int, str | None]] = []
         self.metadata: bytes | None = None
         self.fail = fail or {}
         self.buffer_errors = buffer_errors
-        self.unflushed = 0
+        self.polls = 0
 
     def _step(self, name: str) -> None:
         self.calls.append(name)
@@ -611,30 +595,19 @@ class FakeTransactionalProducer:
     def begin_transaction(self) -> None:
         self._step("begin")
 
-    def produce(self, topic: str, value: bytes, key: bytes, partition: int, on_delivery: Any = None,
-                headers: Any = None) -> None:
+    def produce(self, topic: str, value: bytes, key: bytes, partition: int, headers: Any = None) -> None:
         if self.buffer_errors:
             self.buffer_errors -= 1
             raise BufferError("Local: Queue full")
-        offset = self.ends.get((topic, partition), 0)
-        self.ends[(topic, partition)] = offset + 1
         self.produced.append((topic, partition, value))
-        if on_delivery is not None:
-            self.callbacks.append((on_delivery, topic, partition, offset))
 
     def poll(self, timeout: float) -> int:
+        self.polls += 1
         return 0
-
-    def flush(self, timeout: float) -> int:
-        self._step("flush")
-        for cb, topic, partition, offset in self.callbacks:
-            cb(None, FakeMessage(topic, partition, offset))
-        self.callbacks.clear()
-        return self.unflushed
 
     def send_offsets_to_transaction(self, offsets: list[Any], metadata: bytes, timeout: float) -> None:
         self._step("send_offsets")
-        self.offsets = [(tp.topic, tp.partition, tp.offset) for tp in offsets]
+        self.offsets = [(tp.topic, tp.partition, tp.offset, tp.metadata) for tp in offsets]
         self.metadata = metadata
 
     def commit_transaction(self, timeout: float) -> None:
@@ -645,11 +618,13 @@ class FakeTransactionalProducer:
 
 
 def a_window() -> Window:
-    """Bucket 5 (two events, both queued) and bucket 2 (one event, no queue), in that order."""
+    """Bucket 5 (two events, both queued, checkpoint 40) and bucket 2 (one event, no queue, checkpoint 0)."""
     w = Window()
-    w.add(("orders", 5, 1), ("sluice.changelog.orders", 5, b"a", b"a1", None), [("sluice.queue.q", 0, b"a", b"qa1", None)])
-    w.add(("orders", 2, 1), ("sluice.changelog.orders", 2, b"b", b"b1", None), [])
-    w.add(("orders", 5, 1), ("sluice.changelog.orders", 5, b"a", b"a2", None), [("sluice.queue.q", 0, b"a", b"qa2", None)])
+    w.add(("orders", 5, 1), 40, ("sluice.changelog.orders", 5, b"a", b"a1", None),
+          [("sluice.queue.q", 0, b"a", b"qa1", None)])
+    w.add(("orders", 2, 1), 0, ("sluice.changelog.orders", 2, b"b", b"b1", None), [])
+    w.add(("orders", 5, 1), 40, ("sluice.changelog.orders", 5, b"a", b"a2", None),
+          [("sluice.queue.q", 0, b"a", b"qa2", None)])
     return w
 
 
@@ -658,39 +633,29 @@ def write(producer: FakeTransactionalProducer, window: Window, skip: set[Any] | 
     return WindowWriter(producer, {"orders": "sluice.changelog.orders"}, timeout_s=5).write(window, skip or set(), metadata)
 
 
-def test_a_window_is_one_transaction_whose_offsets_are_the_checkpoints() -> None:
-    """begin, every record in acceptance order, flush, the checkpoints (one past each bucket's last
-    changelog record) as the group's offsets with the generation's metadata, commit."""
+def test_a_window_is_one_transaction_whose_offsets_are_the_marked_checkpoints() -> None:
+    """begin, every record in acceptance order (no delivery callbacks), each bucket's checkpoint as the
+    group's offset marked transactional, with the generation's metadata, commit."""
     producer = FakeTransactionalProducer()
-    producer.ends[("sluice.changelog.orders", 5)] = 40
     outcome = write(producer, a_window())
-    assert producer.calls == ["begin", "flush", "send_offsets", "commit"]
+    assert producer.calls == ["begin", "send_offsets", "commit"]
     assert [v for _, _, v in producer.produced] == [b"a1", b"qa1", b"b1", b"a2", b"qa2"]
-    assert producer.offsets == [("sluice.changelog.orders", 5, 42), ("sluice.changelog.orders", 2, 1)]
+    assert producer.offsets == [("sluice.changelog.orders", 5, 40, TRANSACTIONAL_CHECKPOINT),
+                                ("sluice.changelog.orders", 2, 0, TRANSACTIONAL_CHECKPOINT)]
     assert producer.metadata == GENERATION_3
-    assert outcome == WindowOutcome(committed={("orders", 5, 1): 42, ("orders", 2, 1): 1})
+    assert outcome == WindowOutcome(committed={("orders", 5, 1): 40, ("orders", 2, 1): 0})
 
 
 def test_records_of_an_ownership_that_ended_are_left_out() -> None:
-    """Slots in ``skip`` are neither written nor checkpointed; a window of nothing else writes nothing."""
+    """Slots in ``skip`` are neither written nor given offsets; a window of nothing else writes nothing."""
     producer = FakeTransactionalProducer()
     outcome = write(producer, a_window(), skip={("orders", 5, 1)})
     assert [v for _, _, v in producer.produced] == [b"b1"]
-    assert producer.offsets == [("sluice.changelog.orders", 2, 1)]
-    assert outcome.committed == {("orders", 2, 1): 1}
+    assert producer.offsets == [("sluice.changelog.orders", 2, 0, TRANSACTIONAL_CHECKPOINT)]
+    assert outcome.committed == {("orders", 2, 1): 0}
     idle = FakeTransactionalProducer()
     assert write(idle, a_window(), skip={("orders", 5, 1), ("orders", 2, 1)}) == WindowOutcome(committed={})
     assert idle.calls == []
-
-
-def test_a_reenqueue_window_commits_its_explicit_checkpoint() -> None:
-    """A load's re-enqueue writes queue records only and moves the checkpoint to the end it read."""
-    w = Window()
-    w.add(("orders", 3, 7), None, [("sluice.queue.q", 3, b"k", b"q", None)])
-    w.checkpoint(("orders", 3, 7), 120)
-    producer = FakeTransactionalProducer()
-    assert write(producer, w).committed == {("orders", 3, 7): 120}
-    assert producer.offsets == [("sluice.changelog.orders", 3, 120)]
 
 
 def test_no_window_is_written_without_a_generation_of_the_group() -> None:
@@ -710,7 +675,7 @@ def test_offsets_refused_by_the_group_abort_the_window(code: int) -> None:
     offsets refused; the window is aborted and its callers told to retry (OwnershipUnconfirmed)."""
     producer = FakeTransactionalProducer(fail={"send_offsets": kafka_error(code, abortable=True)})
     outcome = write(producer, a_window())
-    assert producer.calls == ["begin", "flush", "send_offsets", "abort"]
+    assert producer.calls == ["begin", "send_offsets", "abort"]
     assert outcome.committed is None and not outcome.producer_broken
     assert isinstance(outcome.error, OwnershipUnconfirmed) and outcome.error.retriable
 
@@ -727,7 +692,7 @@ def test_a_retriable_commit_failure_is_committed_again() -> None:
     """librdkafka says a timed-out commit may be asked again: it is, and the window commits."""
     producer = FakeTransactionalProducer(fail={"commit": kafka_error(KafkaError._TIMED_OUT, retriable=True)})
     outcome = write(producer, a_window())
-    assert producer.calls == ["begin", "flush", "send_offsets", "commit", "commit"]
+    assert producer.calls == ["begin", "send_offsets", "commit", "commit"]
     assert outcome.committed is not None
 
 
@@ -738,15 +703,6 @@ def test_a_fenced_producer_is_rebuilt_without_an_abort() -> None:
     outcome = write(producer, a_window())
     assert outcome.producer_broken and outcome.committed is None
     assert "abort" not in producer.calls
-
-
-def test_records_not_acknowledged_in_time_abort_the_window() -> None:
-    """A flush that leaves records unacknowledged at the window's deadline aborts it."""
-    producer = FakeTransactionalProducer()
-    producer.unflushed = 2
-    outcome = write(producer, a_window())
-    assert producer.calls == ["begin", "flush", "abort"]
-    assert isinstance(outcome.error, BrokerUnavailable) and outcome.committed is None
 
 
 def test_an_abort_that_fails_asks_for_a_new_producer() -> None:
@@ -761,4 +717,4 @@ def test_a_full_local_queue_is_waited_out() -> None:
     """BufferError from produce() is back-pressure: the writer polls and produces the same record again."""
     producer = FakeTransactionalProducer(buffer_errors=3)
     outcome = write(producer, a_window())
-    assert outcome.committed is not None and len(producer.produced) == 5
+    assert outcome.committed is not None and len(producer.produced) == 5 and producer.polls == 3
