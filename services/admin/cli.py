@@ -43,6 +43,10 @@ from ..subscriptions.registry import (
     registry_partition,
 )
 
+#: Offsets of a partition's backlog read to count its events exactly; a longer backlog shows as an
+#: upper bound (its span in offsets), so a status of a deep queue stays quick.
+SIZE_COUNT_LIMIT = 50_000
+
 STATES = {"pause": "PAUSED", "resume": "RUNNING", "stop": "STOPPED", "start": "RUNNING"}
 
 EXAMPLE = """\
@@ -92,10 +96,19 @@ class PartitionStatus:
     updated_age_s: float | None
     in_flight: int = 0
     last_delivered_age_s: float | None = None
+    #: The committed events between head and end, counted one by one; None when the span is
+    #: longer than SIZE_COUNT_LIMIT offsets (``size`` is then the span, an upper bound).
+    counted: int | None = None
 
     @property
     def size(self) -> int:
-        return max(0, self.end - self.head)
+        """Events in the queue.  Offsets are not events: the queues are written in Kafka
+        transactions, whose markers (and aborted records) occupy offsets too."""
+        return self.counted if self.counted is not None else max(0, self.end - self.head)
+
+    @property
+    def size_text(self) -> str:
+        return str(self.size) if self.counted is not None or self.size == 0 else f"≤{self.size}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -165,6 +178,26 @@ def _read_compacted(consumer: Any, topic: str) -> dict[bytes, bytes]:
             if msg.key() is not None and msg.value() is not None}
 
 
+def _first_and_count(consumer: Any, topic: str, partition: int, head: int, end: int) -> tuple[bytes | None, int | None]:
+    """The value of the first committed event at or after ``head``, and the number of them up to the
+    end (None past SIZE_COUNT_LIMIT offsets, when only the first is read)."""
+    if end - head > SIZE_COUNT_LIMIT:
+        consumer.assign([TopicPartition(topic, partition, head)])
+        try:
+            for msg in consumer.consume(1, 2.0):
+                if msg.error() is None:
+                    return msg.value(), None
+            return None, None
+        finally:
+            consumer.unassign()
+    first, count = None, 0
+    for msg in read_to_end(consumer, topic, partition, start=head):
+        if first is None:
+            first = msg.value()
+        count += 1
+    return first, count
+
+
 def queue_status(cfg: SiteConfig, queue_id: str) -> list[PartitionStatus]:
     """Per partition of the queue: head, end, size, oldest event age, and the primary's report."""
     codec = get_codec()
@@ -193,17 +226,14 @@ def queue_status(cfg: SiteConfig, queue_id: str) -> list[PartitionStatus]:
             low, end = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
             removal = removals.get(p)
             head = max(low, removal["last_removed_offset"] + 1 if removal else low)
-            oldest = None
+            oldest, counted = None, 0 if head >= end else None
             if head < end:
-                consumer.assign([TopicPartition(topic, p, head)])
-                for msg in consumer.consume(1, 2.0):
-                    if msg.error() is None:
-                        try:
-                            enqueued = codec.decode_as("QueuedEvent", msg.value())["enqueued_at"]
-                            oldest = max(0.0, (now_ms - enqueued) / 1000)
-                        except CodecError:
-                            oldest = None
-                consumer.unassign()
+                first, counted = _first_and_count(consumer, topic, p, head, end)
+                if first is not None:
+                    try:
+                        oldest = max(0.0, (now_ms - codec.decode_as("QueuedEvent", first)["enqueued_at"]) / 1000)
+                    except CodecError:
+                        oldest = None
             report = reports.get(p)
             fresh = report is not None and now_ms - report["updated_at"] < 30_000
             rows.append(PartitionStatus(
@@ -222,6 +252,7 @@ def queue_status(cfg: SiteConfig, queue_id: str) -> list[PartitionStatus]:
                 in_flight=report["in_flight"] if fresh else 0,
                 last_delivered_age_s=(now_ms - report["last_accepted_at"]) / 1000
                 if report and report["last_accepted_at"] else None,
+                counted=counted,
             ))
         return rows
     except KafkaException as exc:
@@ -273,7 +304,7 @@ def print_status(console: Console, cfg: SiteConfig, rows: list[PartitionStatus])
                          ("resends", "right"), ("dead letters", "right")):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for r in rows:
-        table.add_row(r.queue_id, str(r.partition), r.primary, r.state, str(r.size),
+        table.add_row(r.queue_id, str(r.partition), r.primary, r.state, r.size_text,
                       "—" if r.oldest_age_s is None else f"{r.oldest_age_s:.1f}s", str(r.in_flight),
                       "—" if r.last_delivered_age_s is None else f"{r.last_delivered_age_s:.1f}s",
                       str(r.batches), str(r.events), str(r.redeliveries), str(r.dead_lettered))

@@ -272,7 +272,7 @@ class StatusSampler:
                 in_per_s = max(0, r.end - before.end) / elapsed_s
                 out_per_s = max(0, r.head - before.head) / elapsed_s
             self._offsets[(queue_id, r.partition)] = _Offsets(now_s, r.head, r.end)
-            partitions.append({**asdict(r), "size": r.size, "in_per_s": in_per_s, "out_per_s": out_per_s})
+            partitions.append({**asdict(r), "size": r.size, "size_counted": r.counted is not None, "in_per_s": in_per_s, "out_per_s": out_per_s})
         ages = [p["oldest_age_s"] for p in partitions if p["oldest_age_s"] is not None]
         acks = [p["last_delivered_age_s"] for p in partitions if p["last_delivered_age_s"] is not None]
         states = sorted({p["state"] for p in partitions})
@@ -286,6 +286,7 @@ class StatusSampler:
             "states": states,
             "primaries": sorted({p["primary"] for p in partitions if p["primary"] != "—"}),
             "size": sum(p["size"] for p in partitions),
+            "size_counted": all(p["size_counted"] for p in partitions),
             "oldest_age_s": max(ages) if ages else None,
             "in_per_s": _sum_rates(p["in_per_s"] for p in partitions),
             "out_per_s": _sum_rates(p["out_per_s"] for p in partitions),

@@ -407,8 +407,9 @@ def iter_messages(consumer: Consumer, timeout_s: float, batch: int = 1000) -> It
 Callback = Callable[[KafkaError | None, Message], None]
 
 
-def read_to_end(consumer: Consumer, topic: str, partition: int = 0, deadline_s: float = 15.0) -> Iterator[Message]:
-    """Every readable record of one partition, from its start to its end as of the call.
+def read_to_end(consumer: Consumer, topic: str, partition: int = 0, deadline_s: float = 15.0,
+                start: int | None = None) -> Iterator[Message]:
+    """Every readable record of one partition, from its start (or ``start``) to its end as of the call.
 
     ``consumer`` is assigned the partition for the read and unassigned after.
     Used for the small compacted topics (removals, status) and a partition's
@@ -426,6 +427,8 @@ def read_to_end(consumer: Consumer, topic: str, partition: int = 0, deadline_s: 
     """
     tp = TopicPartition(topic, partition)
     low, high = consumer.get_watermark_offsets(tp, timeout=10)
+    if start is not None:
+        low = max(low, start)
     if high <= low:
         return
     consumer.assign([TopicPartition(topic, partition, low)])
