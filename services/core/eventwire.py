@@ -434,13 +434,21 @@ def batch_event(view: BatchView, index: int) -> EntryEvent:
     ``visited_added`` of its region (the batch's source_dsid for a region not listed) joined to its
     visited_dsids, never its origin (``visited_after``).  For a batch of version 1 or 2 the sender
     merged them already, and merging again changes nothing.  ``MalformedRecord`` for a damaged body."""
-    event, _layout = decode_entry(view.bodies[index])
+    return batch_event_body(view, index)[0]
+
+
+def batch_event_body(view: BatchView, index: int) -> tuple[EntryEvent, bytes]:
+    """``batch_event`` and its body: the body received, the sender's changes spliced in where they
+    change it (``splice_entry``), byte for byte ``entry_event_body`` of the event."""
+    body = view.bodies[index]
+    event, layout = decode_entry(body)
     added = view.visited_added.get(event.region)
     visited = visited_after(event.visited_dsids, (view.source_dsid,) if added is None else added, event.origin_dsid)
     duplicate = event.possible_duplicate or view.possible_duplicate or index in view.duplicate_events
     if visited == event.visited_dsids and duplicate == event.possible_duplicate:
-        return event
-    return replace(event, visited_dsids=visited, possible_duplicate=duplicate)
+        return event, body
+    return (replace(event, visited_dsids=visited, possible_duplicate=duplicate),
+            splice_entry(body, layout, possible_duplicate=duplicate, visited_dsids=visited))
 
 
 def visited_after(visited: Sequence[int], added: Iterable[int], origin: int) -> tuple[int, ...]:
@@ -611,7 +619,7 @@ def entry_event_id(body: bytes, pos: int = 0) -> EventID:
 
 
 __all__ += ["BATCH_VERSIONS_READ", "BATCH_VERSION_BODIES", "GATEWAY_BATCH_V2_HEADER", "UNKNOWN_EVENT_ID", "BatchView",
-            "batch_event", "entry_event_id", "gateway_batch", "gateway_batch_v2",
+            "batch_event", "batch_event_body", "entry_event_id", "gateway_batch", "gateway_batch_v2",
             "read_gateway_batch", "visited_after"]
 
 

@@ -187,6 +187,9 @@ class Operation:
     bucket: int = -1
     #: For ``Op.REMOTE``: the event another site applied (its own EventID and version).
     remote: EntryEvent | None = None
+    #: For ``Op.REMOTE``, when known: the EntryEvent body of ``remote``, byte for byte; the records of
+    #: the event, when applied as it came, are written around it instead of encoding it again.
+    remote_body: bytes | None = None
     #: put_all / remove_all for a region whose gateway senders group
     #: transaction events: the id its events carry (see ``submit``).
     transaction: str | None = None
@@ -511,7 +514,8 @@ class RegionEngine:
                 self.stats["applied"] += 1
                 written.add(slot)
                 if op.transaction is None:
-                    changelog, queued = self._builder.records(outcome, op.trace)
+                    body = op.remote_body if outcome is op.remote else None
+                    changelog, queued = self._builder.records(outcome, op.trace, body)
                     window.add(slot, ob.checkpoint, changelog, queued)
                 else:
                     grouped.append((result, ob, op.transaction))

@@ -212,12 +212,14 @@ class RecordBuilder:
         self._queued_header = codec.header("QueuedEvent")
         self._entry_header = codec.header("EntryEvent")
 
-    def records(self, event: EntryEvent, headers: list[tuple[str, bytes]] | None = None
-                ) -> tuple[Record, list[Record]]:
+    def records(self, event: EntryEvent, headers: list[tuple[str, bytes]] | None = None,
+                body: bytes | None = None) -> tuple[Record, list[Record]]:
         """The changelog record and the queue records of a new event.  ``headers`` (its trace
-        context) go on every record."""
+        context) go on every record; ``body``, when given, is the event's EntryEvent body (another
+        site's event as it came: spliced, not encoded again)."""
         key = event.key.encode("utf-8")
-        body = entry_event_body(event)
+        if body is None:
+            body = entry_event_body(event)
         changelog = (self._changelog_topics[event.region], event.bucket, key, self._entry_header + body, headers)
         return changelog, self._queued(event, key, body, -1, headers)
 

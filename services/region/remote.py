@@ -12,7 +12,8 @@ Nothing on the way decodes an event; the owner does, once, here:
 1. The record is read down to its events' bodies (``eventwire.read_gateway_batch``);
    one that does not read, or names another target site, is refused whole (400).
 2. Each body is decoded and the sender's changes merged in: possibleDuplicate
-   and the visited sites (``eventwire.batch_event``).  The event is checked
+   and the visited sites (``eventwire.batch_event_body``), spliced into the
+   body too where they change it.  The event is checked
    as every event of another site is (``core/eventchecks.remote_problem``).
    One that does not decode or fails a check is a refusal of its own and
    never stops the others.
@@ -27,10 +28,9 @@ Nothing on the way decodes an event; the owner does, once, here:
    retry may help, the EventID when the body says it) and the index and
    EventID of the last event applied: nothing per event that simply applied.
 
-The changelog record of an applied event is written by the engine from the
-decoded event (``FanoutWriter.write``); splicing it from the received body
-instead (``eventwire.splice_entry``) needs the engine to take a pre-built
-body with the operation, which it does not yet.
+An event applied as it came (no conflict resolver changed it) is written to
+the changelog and the queues as that body, spliced, not encoded again
+(``Operation.remote_body``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from ..core.codec import get_codec
 from ..core.errors import CodecError, InvalidRequest, MalformedRecord, RejectedBatch, SluiceError
 from ..core.eventchecks import remote_problem
 from ..core.events import EventID
-from ..core.eventwire import batch_event, entry_event_id, read_gateway_batch
+from ..core.eventwire import batch_event_body, entry_event_id, read_gateway_batch
 from .engine import Operation
 from .state import Op
 
@@ -78,7 +78,7 @@ async def apply_batch(service: RegionService, data: bytes) -> dict[str, Any]:
     for i in range(len(view.bodies)):
         field = f"events[{i}]"
         try:
-            event = batch_event(view, i)
+            event, body = batch_event_body(view, i)
         except MalformedRecord as exc:
             refused.append(_refusal(i, MalformedRecord(f"{field}: not an EntryEvent: {exc.reason}"),
                                     _event_id_or_none(view.bodies[i])))
@@ -88,7 +88,7 @@ async def apply_batch(service: RegionService, data: bytes) -> dict[str, Any]:
             refused.append(_refusal(i, problem, event.event_id))
             continue
         trace = traces[i] if i < len(traces) else ""
-        ops.append(Operation(Op.REMOTE, event.region, event.key, remote=event,
+        ops.append(Operation(Op.REMOTE, event.region, event.key, remote=event, remote_body=body,
                              trace=[(telemetry.TRACEPARENT, trace.encode())] if trace else None))
         where.append(i)
     counts = {"ok": 0, "duplicate": 0, "conflict": 0, "skipped": 0}

@@ -254,8 +254,12 @@ class BucketState:
             if resolved is None:
                 return ConflictLost(event.event_id, current.version, event.version)
             event = resolved
-        applied = replace(event, region=self.region, bucket=self.bucket,
-                          value=None if event.operation.removes_value else event.value)
+        if event.region == self.region and event.bucket == self.bucket and (
+                event.value is None or not event.operation.removes_value):
+            applied = event  # as received: its body, when the caller has it, is its changelog body
+        else:
+            applied = replace(event, region=self.region, bucket=self.bucket,
+                              value=None if event.operation.removes_value else event.value)
         self.replay(applied)
         return applied
 

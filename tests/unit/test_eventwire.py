@@ -357,6 +357,26 @@ def test_a_batch_event_is_its_body_with_the_senders_changes_merged_in() -> None:
         wire.batch_event(damaged, 0)
 
 
+@settings(max_examples=300, deadline=None, database=None)
+@given(st.lists(events, min_size=1, max_size=4), st.lists(st.integers(min_value=0, max_value=3), max_size=3),
+       st.lists(INT32, max_size=3), st.booleans())
+def test_a_batch_events_body_is_the_body_of_the_event_as_applied(evs: list[EntryEvent], duplicates: list[int],
+                                                                 added: list[int], duplicate: bool) -> None:
+    """batch_event_body gives the event batch_event gives and a body equal to entry_event_body of it (the
+    receiving owner writes that body to its changelog), the received body itself when nothing changed."""
+    codec = get_codec()
+    bodies = [entry_event_body(e) for e in evs]
+    value = wire.gateway_batch(codec.header("GatewayBatch"), **_batch_fields(duplicate=duplicate), bodies=bodies,
+                               duplicate_events=duplicates, visited_added={evs[0].region: added})
+    view = wire.read_gateway_batch(codec, value)
+    for i in range(len(evs)):
+        event, body = wire.batch_event_body(view, i)
+        assert event == wire.batch_event(view, i)
+        assert body == entry_event_body(event)
+        if event == evs[i]:
+            assert body is view.bodies[i] or body == bodies[i]
+
+
 # --- subscriptions: routing heads and spliced client messages -------------------------------------
 
 from sluice.core.eventwire import (  # noqa: E402 - this section's own
