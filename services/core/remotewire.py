@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import base64
 
-from .avrowire import entry_event_body
+from .eventwire import entry_event_body
 from .codec import MARKER, get_codec
 from .errors import CodecError, InvalidRequest
 from .events import EntryEvent
