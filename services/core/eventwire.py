@@ -35,9 +35,10 @@ enum symbol, invalid UTF-8, trailing bytes) with ``MalformedRecord``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .errors import MalformedRecord
 from .events import EntryEvent, EventID, Operation, VersionTag
@@ -383,9 +384,6 @@ __all__ = ["FLAG_POSSIBLE_DUPLICATE", "FLAG_ROUTED", "EntryLayout", "QueuedView"
 # (``visited_after``).  A receiver that has not said it reads version 3 (GatewayAck.batch_versions)
 # gets version 2, events as records with the changes spliced in (``gateway_batch_v2``).
 
-from collections.abc import Iterable, Mapping, Sequence  # noqa: E402 - this section's own
-from dataclasses import replace  # noqa: E402
-
 #: The GatewayBatch versions this release reads (GatewayAck.batch_versions): 1 and 2 carry their
 #: events as records, 3 as queued bodies.
 BATCH_VERSIONS_READ = (1, 2, 3)
@@ -544,6 +542,30 @@ def _read_count(buf: bytes, pos: int) -> tuple[int, int]:
     return count, pos
 
 
+def _read_items(buf: bytes, pos: int, read_item: Callable[[bytes, int], tuple[Any, int]]) -> tuple[list[Any], int]:
+    """An array's items (or a map's pairs), each read by ``read_item``, block by block."""
+    items: list[Any] = []
+    while True:
+        count, pos = _read_count(buf, pos)
+        if count == 0:
+            return items, pos
+        for _ in range(count):
+            item, pos = read_item(buf, pos)
+            items.append(item)
+
+
+def _entry_span(buf: bytes, pos: int) -> tuple[bytes, int]:
+    """An EntryEvent written as a record: its bytes, read through (so checked) but not kept decoded."""
+    _event, _layout, end = _decode_entry(buf, pos)
+    return buf[pos:end], end
+
+
+def _visited_added_pair(buf: bytes, pos: int) -> tuple[tuple[str, tuple[int, ...]], int]:
+    region, pos = _read_string(buf, pos)
+    visited, pos = _read_int_array(buf, pos, "GatewayBatch.visited_added")
+    return (region, visited), pos
+
+
 def _read_batch(buf: bytes, pos: int) -> BatchView:
     sender_id, pos = _read_string(buf, pos)
     source, pos = _read_int(buf, pos, "GatewayBatch.source_dsid")
@@ -554,42 +576,16 @@ def _read_batch(buf: bytes, pos: int) -> BatchView:
     last, pos = read_long(buf, pos)
     duplicate, pos = _read_boolean(buf, pos)
     created, pos = read_long(buf, pos)
-    bodies: list[bytes] = []
-    while True:
-        count, pos = _read_count(buf, pos)
-        if count == 0:
-            break
-        for _ in range(count):
-            start = pos
-            _event, _layout, pos = _decode_entry(buf, pos)
-            bodies.append(buf[start:pos])
+    bodies, pos = _read_items(buf, pos, _entry_span)
     branch, pos = _union_branch(buf, pos, "GatewayBatch.signature")
     if branch:
         pos = _skip_bytes(buf, pos)
-    while True:
-        count, pos = _read_count(buf, pos)
-        if count == 0:
-            break
-        for _ in range(count):
-            body, pos = _read_bytes(buf, pos)
-            bodies.append(body)
+    more, pos = _read_items(buf, pos, _read_bytes)
+    bodies += more
     flags, pos = _read_int_array(buf, pos, "GatewayBatch.duplicate_events")
-    added: dict[str, tuple[int, ...]] = {}
-    while True:
-        count, pos = _read_count(buf, pos)
-        if count == 0:
-            break
-        for _ in range(count):
-            region, pos = _read_string(buf, pos)
-            added[region], pos = _read_int_array(buf, pos, "GatewayBatch.visited_added")
-    traces: list[str] = []
-    while True:
-        count, pos = _read_count(buf, pos)
-        if count == 0:
-            break
-        for _ in range(count):
-            trace, pos = _read_string(buf, pos)
-            traces.append(trace)
+    pairs, pos = _read_items(buf, pos, _visited_added_pair)
+    added: dict[str, tuple[int, ...]] = dict(pairs)
+    traces, pos = _read_items(buf, pos, _read_string)
     if pos != len(buf):
         raise MalformedRecord(f"GatewayBatch body has {len(buf) - pos} trailing bytes")
     return BatchView(sender_id, source, target, partition, batch_id, first, last, duplicate, created,
@@ -634,8 +630,6 @@ __all__ += ["BATCH_VERSIONS_READ", "BATCH_VERSION_BODIES", "GATEWAY_BATCH_V2_HEA
 # is then the body spliced into a ``ClientMessage`` (``client_event_message``), and, for a client
 # that receives invalidates rather than values, the body with its value cut out first
 # (``entry_without_value``): no event is decoded into objects or encoded again.
-
-from typing import NamedTuple  # noqa: E402 - this section's own
 
 
 class EntryHead(NamedTuple):

@@ -17,26 +17,9 @@ from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
 from sluice.core.eventwire import entry_event_body
 from sluice.core.queueloop import TracedEvent, event_traceparent
 
-INT32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
-INT64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+from eventstrategies import entry_events  # noqa: E402
 
-events = st.builds(
-    EntryEvent,
-    region=st.text(max_size=12),
-    key=st.text(max_size=20),
-    operation=st.sampled_from(list(Operation)),
-    value=st.none() | st.just(b'{"qty": 3}') | st.binary(max_size=50),
-    event_id=st.builds(EventID, st.text(max_size=10), INT64, INT64),
-    version=st.builds(VersionTag, INT32, INT64, INT64, st.text(max_size=10)),
-    origin_dsid=INT32,
-    bucket=INT32,
-    event_time=INT64,
-    callback_argument=st.none() | st.text(max_size=10),
-    possible_duplicate=st.booleans(),
-    visited_dsids=st.lists(INT32, max_size=3).map(tuple),
-    value_encoding=st.just("raw"),
-    transaction=st.none() | st.tuples(st.text(max_size=10), st.booleans()),
-)
+events = entry_events(values=st.none() | st.just(b'{"qty": 3}') | st.binary(max_size=50), value_encodings=st.just("raw"))
 
 FIELDS = ("operation", "region", "key", "raw_value", "value", "callback_argument", "event_id", "sequence_id",
           "version", "transaction", "conflatable", "queue_id", "partition", "offset", "possible_duplicate")

@@ -33,26 +33,7 @@ FP_ENTRY = get_codec().fingerprint("EntryEvent")
 #: What this reader refuses and fastavro reads: a varint beyond 64 bits (fastavro cuts it short), and a
 #: negative enum symbol or union branch (fastavro counts it from the end of the list, as Python does).
 STRICTER_THAN_FASTAVRO = re.compile(r"does not fit an Avro long|(symbol|branch) -\d")
-INT32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
-INT64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
-
-events = st.builds(
-    EntryEvent,
-    region=st.text(max_size=20),
-    key=st.text(max_size=40),
-    operation=st.sampled_from(list(Operation)),
-    value=st.none() | st.binary(max_size=300),
-    event_id=st.builds(EventID, st.text(max_size=20), INT64, INT64),
-    version=st.builds(VersionTag, INT32, INT64, INT64, st.text(max_size=20)),
-    origin_dsid=INT32,
-    bucket=INT32,
-    event_time=INT64,
-    callback_argument=st.none() | st.text(max_size=30),
-    possible_duplicate=st.booleans(),
-    visited_dsids=st.lists(INT32, max_size=5).map(tuple),
-    value_encoding=st.sampled_from(["json", "raw"]),
-    transaction=st.none() | st.tuples(st.text(max_size=20), st.booleans()),
-)
+from eventstrategies import INT32, INT64, events  # noqa: E402
 
 
 @settings(max_examples=300, deadline=None, database=None)
@@ -162,21 +143,25 @@ def test_a_queue_record_of_an_older_version_reads_the_same() -> None:
     assert view.event_body == entry_event_body(event)
 
 
+def damaged_body(event: EntryEvent, data: st.DataObject) -> bytes:
+    """The event's body truncated, extended, or with one byte changed."""
+    body = bytearray(entry_event_body(event))
+    how = data.draw(st.sampled_from(["truncate", "extend", "flip"]))
+    if how == "truncate":
+        return bytes(body[:data.draw(st.integers(min_value=0, max_value=len(body) - 1))])
+    if how == "extend":
+        return bytes(body) + data.draw(st.binary(min_size=1, max_size=4))
+    i = data.draw(st.integers(min_value=0, max_value=len(body) - 1))
+    body[i] ^= data.draw(st.integers(min_value=1, max_value=255))
+    return bytes(body)
+
+
 @settings(max_examples=500, deadline=None, database=None)
 @given(events, st.data())
 def test_damaged_bodies_are_refused_like_fastavro_refuses_them(event: EntryEvent, data: st.DataObject) -> None:
     """A truncated, extended or altered body is either refused with MalformedRecord or, where fastavro
     reads it too, read as fastavro reads it: never another exception, never another event."""
-    body = bytearray(entry_event_body(event))
-    how = data.draw(st.sampled_from(["truncate", "extend", "flip"]))
-    if how == "truncate":
-        damaged = bytes(body[:data.draw(st.integers(min_value=0, max_value=len(body) - 1))])
-    elif how == "extend":
-        damaged = bytes(body) + data.draw(st.binary(min_size=1, max_size=4))
-    else:
-        i = data.draw(st.integers(min_value=0, max_value=len(body) - 1))
-        body[i] ^= data.draw(st.integers(min_value=1, max_value=255))
-        damaged = bytes(body)
+    damaged = damaged_body(event, data)
     try:
         record = get_codec().decode_as("EntryEvent", MARKER + FP_ENTRY + damaged)
         # fastavro does not check an int's range when it reads; the hand-written reader does.
@@ -409,16 +394,7 @@ def test_a_damaged_body_is_refused_by_head_and_tail_exactly_when_decode_entry_re
         event: EntryEvent, data: st.DataObject) -> None:
     """Read together, head and tail are as strict as decode_entry: one refuses what the other refuses,
     with MalformedRecord and nothing else, and what both read agrees."""
-    body = bytearray(entry_event_body(event))
-    how = data.draw(st.sampled_from(["truncate", "extend", "flip"]))
-    if how == "truncate":
-        damaged = bytes(body[:data.draw(st.integers(min_value=0, max_value=len(body) - 1))])
-    elif how == "extend":
-        damaged = bytes(body) + data.draw(st.binary(min_size=1, max_size=4))
-    else:
-        i = data.draw(st.integers(min_value=0, max_value=len(body) - 1))
-        body[i] ^= data.draw(st.integers(min_value=1, max_value=255))
-        damaged = bytes(body)
+    damaged = damaged_body(event, data)
     try:
         expected, _ = decode_entry(damaged)
     except MalformedRecord:

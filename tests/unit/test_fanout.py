@@ -395,26 +395,10 @@ def test_a_window_tells_two_ownerships_of_a_bucket_apart() -> None:
 
 # --- 4. QueuedEvent by prefixing --------------------------------------------------------------
 
-int32 = st.integers(INT_MIN, INT_MAX)
 int64 = st.integers(LONG_MIN, LONG_MAX)
 text = st.text(max_size=20)
 
-events = st.builds(
-    EntryEvent,
-    region=text,
-    key=text,
-    operation=st.sampled_from(list(Operation)),
-    value=st.one_of(st.none(), st.binary(max_size=40)),
-    event_id=st.builds(EventID, text, int64, int64),
-    version=st.builds(VersionTag, int32, int64, int64, text),
-    origin_dsid=int32,
-    bucket=int32,
-    event_time=int64,
-    callback_argument=st.one_of(st.none(), text),
-    possible_duplicate=st.booleans(),
-    visited_dsids=st.lists(int32, max_size=4).map(tuple),
-    value_encoding=st.sampled_from(["json", "raw"]),
-)
+from eventstrategies import events  # noqa: E402
 
 
 def encode_long(n: int) -> bytes:
