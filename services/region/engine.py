@@ -143,6 +143,10 @@ log = logging.getLogger("sluice.region.engine")
 #: How long a load waits on a transaction someone left open before fencing the earlier owners the
 #: directory shows gone: longer than any window of a live owner takes to commit.
 FENCE_AFTER_S = 1.0
+#: A committer writing one window longer than this many transaction timeouts is wedged (``_check_committer``).
+WEDGED_AFTER_FACTOR = 4
+#: Wedged producers (fanout.WindowWriter) an instance keeps before it stops as crashed.
+WEDGED_PRODUCERS_MAX = 8
 #: How long on_revoke waits for the windows holding a revoked bucket's records.
 REVOKE_WAIT_S = 10.0
 #: The pause before the committer builds its producer again after failing to.
@@ -281,6 +285,10 @@ class RegionEngine:
         self._window = Window()
         self._windows_taken = 0
         self._windows_done = 0
+        #: When the committer began writing its current window (None: not writing).
+        self._writing_since: float | None = None
+        #: Producers left in a call that never returned (kept: closing one would wait on it).
+        self._wedged_producers: list[Producer] = []
         #: The generation metadata of the current assignment (group thread writes, committer reads).
         self._membership: bytes | None = None
         self._owned: dict[tuple[str, int], OwnedBucket] = {}
@@ -297,7 +305,7 @@ class RegionEngine:
         self.assigned_once = threading.Event()
         self.stats = {"applied": 0, "duplicates": 0, "conflicts_lost": 0, "loads": 0, "refanned_out": 0,
                       "bucket_failures": 0, "dead_lettered": 0, "windows": 0, "windows_failed": 0,
-                      "window_records": 0, "producers_rebuilt": 0, "owners_fenced": 0}
+                      "window_records": 0, "producers_rebuilt": 0, "producers_wedged": 0, "owners_fenced": 0}
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -353,8 +361,10 @@ class RegionEngine:
         for t in self._threads:
             if t.name == "region-commit":
                 t.join(max(0.1, end - time.monotonic()))
-        if self._writer is not None and self._writer.producer is not None:
-            close_producer(self._writer.producer, end - time.monotonic())
+        if self._writer is not None:
+            if self._writer.producer is not None:
+                close_producer(self._writer.producer, end - time.monotonic())
+            self._writer.close()
         if self._offsets is not None:
             self._offsets.close()
         if self._dead_letter_producer is not None:
@@ -600,29 +610,43 @@ class RegionEngine:
         assert writer is not None
         if writer.producer is None:
             return WindowOutcome(error=BrokerUnavailable("the owner is rebuilding its Kafka producer"))
-        outcome = writer.write(window, skip, membership)
+        self._writing_since = time.monotonic()
+        try:
+            outcome = writer.write(window, skip, membership)
+        finally:
+            self._writing_since = None
         self.stats["windows"] += 1
         self.stats["window_records"] += len(window.records)
         if outcome.producer_broken:
-            self._rebuild_producer(outcome.error)
+            self._rebuild_producer(outcome.error, wedged=outcome.producer_wedged)
         return outcome
 
-    def _rebuild_producer(self, why: SluiceError | None) -> None:
+    def _rebuild_producer(self, why: SluiceError | None, wedged: bool = False) -> None:
         """A fatal producer (fenced, or its transaction timed out at the coordinator): a new one
-        under the same transactional.id, asked again until it comes or the engine stops."""
+        under the same transactional.id, asked again until it comes or the engine stops.  A wedged
+        one (a call that never returned: fanout.WindowWriter) is not closed, as closing it would wait
+        on that call; it is kept, fenced by the new one, and more than WEDGED_PRODUCERS_MAX of them
+        stop the engine as crashed, for a clean start of the process."""
         writer = self._writer
         assert writer is not None
         log.warning("transactional producer %s unusable (%s); building a new one", self.transactional_id, why)
-        close_producer(writer.producer, 1.0)
+        if wedged:
+            self._wedged_producers.append(writer.producer)
+            self.stats["producers_wedged"] += 1
+            if len(self._wedged_producers) > WEDGED_PRODUCERS_MAX:
+                raise BrokerUnavailable(f"{len(self._wedged_producers)} transactional producers wedged in calls "
+                                        "that never returned")
+        else:
+            close_producer(writer.producer, 1.0)
+        writer.replace_producer(None, wedged)
         while not self._stopping.is_set():
             try:
-                writer.producer = self._new_producer()
+                writer.replace_producer(self._new_producer(), wedged=False)
                 self.stats["producers_rebuilt"] += 1
                 return
             except SluiceError as exc:
                 log.warning("building the transactional producer again failed (%s); retrying", exc)
                 self._stopping.wait(PRODUCER_RETRY_S)
-        writer.producer = None  # type: ignore[assignment]
 
     def _finish_window(self, window: Window, skip: set[Slot], outcome: WindowOutcome) -> None:
         """Step 3 or 4 of fanout.py: answer the window's requests; a failed window's buckets reload."""
@@ -697,6 +721,7 @@ class RegionEngine:
                 if time.monotonic() >= next_expiry:
                     self._expire_streams()
                     next_expiry = time.monotonic() + 30.0
+                self._check_committer()
         finally:
             # Leaving the group revokes every bucket through _on_revoke,
             # which waits for the windows holding their records.
@@ -706,6 +731,19 @@ class RegionEngine:
                 log.warning("closing the group consumer: %s", exc)
             with self._lock:
                 self._membership = None
+
+    def _check_committer(self) -> None:
+        """Every Kafka call of a window is bounded by the transaction timeout; a committer still in
+        one long past it (a client library call that never returns) holds every bucket's writes for
+        ever.  The engine then stops as crashed, so the process exits and is started again, rather
+        than answering nothing while it looks alive."""
+        since = self._writing_since
+        if since is None:
+            return
+        waited_s = time.monotonic() - since
+        if waited_s > WEDGED_AFTER_FACTOR * self._transaction_timeout_ms / 1000:
+            raise BrokerUnavailable(f"the committer has been writing one window for {waited_s:.0f} s, "
+                                    f"{WEDGED_AFTER_FACTOR}× the transaction timeout: a Kafka call never returned")
 
     def _expire_streams(self) -> None:
         now_ms = int(time.time() * 1000)

@@ -15,10 +15,10 @@ The story of one write, step by step:
    it is committed (group commit: whatever arrived while a transaction was
    being committed goes into the next one) and writes it as one Kafka
    transaction (``WindowWriter``): begin; produce every record, without
-   delivery callbacks; send each bucket's checkpoint as the region consumer
-   group's offset of its changelog partition, with the group metadata of the
-   generation that assigned the buckets (``send_offsets_to_transaction``,
-   KIP-447); commit (which waits for every record to be acknowledged).
+   delivery callbacks; flush; send each bucket's checkpoint as the region
+   consumer group's offset of its changelog partition, with the group
+   metadata of the generation that assigned the buckets
+   (``send_offsets_to_transaction``, KIP-447); commit.
 3. Committed: the window's changelog records, their queue records and the
    offsets become visible to read_committed readers together.  Each
    request's ``Pending`` counts its window done; the caller is answered when
@@ -56,6 +56,8 @@ identifies the write; a re-enqueued record carries its changelog offset.
 
 from __future__ import annotations
 
+import concurrent.futures
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -91,6 +93,9 @@ Slot = tuple[str, int, int]
 #: The metadata of a changelog partition's committed offset from which its records and their queue
 #: records were written in transactions (the module docstring's "checkpoint").
 TRANSACTIONAL_CHECKPOINT = "sluice:transactional"
+#: How long past its own timeout a coordinator call of the producer may take before it is taken for
+#: wedged (``WindowWriter``).
+CALL_GRACE_S = 5.0
 #: One record to produce: topic, partition, key, value, headers.
 Record = tuple[str, int, bytes, bytes, "list[tuple[str, bytes]] | None"]
 
@@ -302,6 +307,41 @@ class WindowOutcome:
     error: SluiceError | None = None
     #: The producer is unusable (fenced, or its transaction timed out): build a new one.
     producer_broken: bool = False
+    #: ... and one of its calls never returned: it cannot even be closed (``WindowWriter``).
+    producer_wedged: bool = False
+
+
+class _Wedged(Exception):
+    """A transactional call of the producer did not return within its timeout and a grace."""
+
+
+class _Caller:
+    """One daemon thread making the calls it is handed, in order (a thread pool's workers are joined
+    when the interpreter exits, and one blocked for ever would keep the process from exiting)."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...]] | None] \
+            = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, call: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._calls.put((future, call, args))
+        return future
+
+    def stop(self) -> None:
+        self._calls.put(None)
+
+    def _run(self) -> None:
+        while True:
+            item = self._calls.get()
+            if item is None:
+                return
+            future, call, args = item
+            try:
+                future.set_result(call(*args))
+            except BaseException as exc:  # handed to the caller, which raises it
+                future.set_exception(exc)
 
 
 class WindowWriter:
@@ -309,12 +349,48 @@ class WindowWriter:
 
     Owned by the committer thread: the producer's transactional calls
     block, and only one transaction of a producer may be open at a time.
+
+    The calls that wait on a coordinator (``send_offsets_to_transaction``,
+    ``commit_transaction``, ``abort_transaction``) are made from a thread of
+    the writer's and waited for with their timeout and ``CALL_GRACE_S``:
+    librdkafka 2.x may not return from them at all when the group
+    coordinator it cached is gone (a broker restarted: librdkafka issues
+    5456 and 5511).  Such a window fails, and its outcome says the producer
+    is wedged: the engine leaves it as it is (closing it would wait on the
+    same call) and builds a new one under the same transactional.id, whose
+    ``init_transactions`` fences the wedged one and aborts its transaction.
     """
 
     def __init__(self, producer: Producer, changelog_topics: dict[str, str], timeout_s: float) -> None:
         self.producer = producer
         self._changelog_topics = changelog_topics
         self._timeout_s = timeout_s
+        self._calls = self._new_caller()
+
+    @staticmethod
+    def _new_caller() -> _Caller:
+        return _Caller("region-txn-call")
+
+    def replace_producer(self, producer: Producer | None, wedged: bool) -> None:
+        """Write with ``producer`` from now on; after a wedged call, from a new calling thread too (the
+        old one stays blocked in the wedged producer)."""
+        if wedged:
+            self._calls.stop()
+            self._calls = self._new_caller()
+        self.producer = producer  # type: ignore[assignment]
+
+    def close(self) -> None:
+        self._calls.stop()
+
+    def _bounded(self, call: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
+        """``call(*args, timeout_s)`` from the calling thread, its exceptions raised here; ``_Wedged``
+        when it has not returned ``CALL_GRACE_S`` after its timeout."""
+        future = self._calls.submit(call, *args, timeout_s)
+        try:
+            return future.result(timeout=timeout_s + CALL_GRACE_S)
+        except concurrent.futures.TimeoutError:
+            raise _Wedged(f"{getattr(call, '__name__', 'a transactional call')} did not return "
+                          f"{CALL_GRACE_S:g} s after its timeout of {timeout_s:.1f} s") from None
 
     def write(self, window: Window, skip: set[Slot], group_metadata: bytes | None) -> WindowOutcome:
         """Write the window's records of every slot but those in ``skip`` (ownerships that ended
@@ -342,13 +418,23 @@ class WindowWriter:
             for record, slot in window.records:
                 if slot not in skip:
                     produce(record, deadline)
+            # Every record acknowledged before the offsets go: send_offsets_to_transaction with records
+            # still in flight after a broker restart was seen to wait far past its timeout.
+            remaining = producer.flush(max(0.0, deadline - time.monotonic()))
+            if remaining:
+                return self._abort(BrokerUnavailable(
+                    f"{remaining} records of the window not acknowledged in {self._timeout_s:g} s"))
             committed = {slot: window.checkpoints[slot] for slot in slots}
             offsets = [TopicPartition(self._changelog_topics[region], bucket, checkpoint,
                                       metadata=TRANSACTIONAL_CHECKPOINT)
                        for (region, bucket, _), checkpoint in committed.items()]
-            producer.send_offsets_to_transaction(offsets, group_metadata, max(0.1, deadline - time.monotonic()))
+            self._bounded(producer.send_offsets_to_transaction, offsets, group_metadata,
+                          timeout_s=max(0.1, deadline - time.monotonic()))
             self._commit(deadline)
             return WindowOutcome(committed=committed)
+        except _Wedged as exc:
+            return WindowOutcome(error=BrokerUnavailable(f"writing a window of the region's records: {exc}"),
+                                 producer_broken=True, producer_wedged=True)
         except KafkaException as exc:
             if is_group_fencing(exc):
                 error: SluiceError = OwnershipUnconfirmed(
@@ -383,7 +469,7 @@ class WindowWriter:
         """commit_transaction, asked again while librdkafka says a retry may succeed and time is left."""
         while True:
             try:
-                self.producer.commit_transaction(max(0.1, deadline - time.monotonic()))
+                self._bounded(self.producer.commit_transaction, timeout_s=max(0.1, deadline - time.monotonic()))
                 return
             except KafkaException as exc:
                 if requires_abort(exc) or is_fatal(exc) or not is_retriable(exc) or time.monotonic() >= deadline:
@@ -391,12 +477,14 @@ class WindowWriter:
 
     def _abort(self, error: SluiceError) -> WindowOutcome:
         try:
-            self.producer.abort_transaction(self._timeout_s)
+            self._bounded(self.producer.abort_transaction, timeout_s=self._timeout_s)
         except KafkaException as exc:
             # An abort that fails leaves the transaction to the new producer's
             # init_transactions, which aborts it.
             error.__context__ = exc
             return WindowOutcome(error=error, producer_broken=True)
+        except _Wedged:
+            return WindowOutcome(error=error, producer_broken=True, producer_wedged=True)
         return WindowOutcome(error=error)
 
 

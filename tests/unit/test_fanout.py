@@ -26,6 +26,7 @@ from __future__ import annotations
 import io
 import sys
 import threading
+import time
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -570,6 +571,7 @@ class FakeTransactionalProducer:
         self.fail = fail or {}
         self.buffer_errors = buffer_errors
         self.polls = 0
+        self.unflushed = 0
 
     def _step(self, name: str) -> None:
         self.calls.append(name)
@@ -588,6 +590,10 @@ class FakeTransactionalProducer:
     def poll(self, timeout: float) -> int:
         self.polls += 1
         return 0
+
+    def flush(self, timeout: float) -> int:
+        self._step("flush")
+        return self.unflushed
 
     def send_offsets_to_transaction(self, offsets: list[Any], metadata: bytes, timeout: float) -> None:
         self._step("send_offsets")
@@ -618,11 +624,11 @@ def write(producer: FakeTransactionalProducer, window: Window, skip: set[Any] | 
 
 
 def test_a_window_is_one_transaction_whose_offsets_are_the_marked_checkpoints() -> None:
-    """begin, every record in acceptance order (no delivery callbacks), each bucket's checkpoint as the
+    """begin, every record in acceptance order (no delivery callbacks), flush, each bucket's checkpoint as the
     group's offset marked transactional, with the generation's metadata, commit."""
     producer = FakeTransactionalProducer()
     outcome = write(producer, a_window())
-    assert producer.calls == ["begin", "send_offsets", "commit"]
+    assert producer.calls == ["begin", "flush", "send_offsets", "commit"]
     assert [v for _, _, v in producer.produced] == [b"a1", b"qa1", b"b1", b"a2", b"qa2"]
     assert producer.offsets == [("sluice.changelog.orders", 5, 40, TRANSACTIONAL_CHECKPOINT),
                                 ("sluice.changelog.orders", 2, 0, TRANSACTIONAL_CHECKPOINT)]
@@ -659,7 +665,7 @@ def test_offsets_refused_by_the_group_abort_the_window(code: int) -> None:
     offsets refused; the window is aborted and its callers told to retry (OwnershipUnconfirmed)."""
     producer = FakeTransactionalProducer(fail={"send_offsets": kafka_error(code, abortable=True)})
     outcome = write(producer, a_window())
-    assert producer.calls == ["begin", "send_offsets", "abort"]
+    assert producer.calls == ["begin", "flush", "send_offsets", "abort"]
     assert outcome.committed is None and not outcome.producer_broken
     assert isinstance(outcome.error, OwnershipUnconfirmed) and outcome.error.retriable
 
@@ -676,7 +682,7 @@ def test_a_retriable_commit_failure_is_committed_again() -> None:
     """librdkafka says a timed-out commit may be asked again: it is, and the window commits."""
     producer = FakeTransactionalProducer(fail={"commit": kafka_error(KafkaError._TIMED_OUT, retriable=True)})
     outcome = write(producer, a_window())
-    assert producer.calls == ["begin", "send_offsets", "commit", "commit"]
+    assert producer.calls == ["begin", "flush", "send_offsets", "commit", "commit"]
     assert outcome.committed is not None
 
 
@@ -687,6 +693,15 @@ def test_a_fenced_producer_is_rebuilt_without_an_abort() -> None:
     outcome = write(producer, a_window())
     assert outcome.producer_broken and outcome.committed is None
     assert "abort" not in producer.calls
+
+
+def test_records_not_acknowledged_in_time_abort_the_window() -> None:
+    """A flush that leaves records unacknowledged at the window's deadline aborts it before any offset is sent."""
+    producer = FakeTransactionalProducer()
+    producer.unflushed = 2
+    outcome = write(producer, a_window())
+    assert producer.calls == ["begin", "flush", "abort"]
+    assert isinstance(outcome.error, BrokerUnavailable) and outcome.committed is None
 
 
 def test_an_abort_that_fails_asks_for_a_new_producer() -> None:
@@ -702,3 +717,31 @@ def test_a_full_local_queue_is_waited_out() -> None:
     producer = FakeTransactionalProducer(buffer_errors=3)
     outcome = write(producer, a_window())
     assert outcome.committed is not None and len(producer.produced) == 5 and producer.polls == 3
+
+
+def test_a_coordinator_call_that_never_returns_fails_the_window_as_wedged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """send_offsets_to_transaction that does not return (librdkafka with a gone group coordinator) fails
+    the window within its timeout and the grace, with the producer marked wedged, not closed or aborted;
+    a new producer then writes through a new calling thread."""
+    monkeypatch.setattr(fanout, "CALL_GRACE_S", 0.1)
+    release = threading.Event()
+
+    class Hanging(FakeTransactionalProducer):
+        def send_offsets_to_transaction(self, offsets: list[Any], metadata: bytes, timeout: float) -> None:
+            self._step("send_offsets")
+            release.wait(30)
+
+    hanging = Hanging()
+    writer = WindowWriter(hanging, {"orders": "sluice.changelog.orders"}, timeout_s=0.2)
+    started = time.monotonic()
+    outcome = writer.write(a_window(), set(), GENERATION_3)
+    assert time.monotonic() - started < 5
+    assert outcome.producer_broken and outcome.producer_wedged and outcome.committed is None
+    assert isinstance(outcome.error, BrokerUnavailable) and "did not return" in str(outcome.error)
+    assert hanging.calls == ["begin", "flush", "send_offsets"]
+    fresh = FakeTransactionalProducer()
+    writer.replace_producer(fresh, wedged=True)
+    assert writer.write(a_window(), set(), GENERATION_3).committed is not None
+    assert fresh.calls == ["begin", "flush", "send_offsets", "commit"]
+    release.set()
+    writer.close()
