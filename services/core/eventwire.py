@@ -97,6 +97,12 @@ def _cached_string(s: str) -> bytes:
     return string(s)
 
 
+@lru_cache(maxsize=4096)
+def _cached_int_array(items: tuple[int, ...]) -> bytes:
+    """Visited-site lists: few distinct values, encoded once."""
+    return _int_array(items)
+
+
 def _int_array(items: tuple[int, ...] | list[int]) -> bytes:
     if not items:
         return b"\x00"
@@ -304,7 +310,7 @@ def splice_entry(body: bytes, layout: EntryLayout, *, possible_duplicate: bool |
         parts.append(body[layout.visited_start:])
         return b"".join(parts)
     parts.append(body[layout.visited_start:layout.visited_end] if visited_dsids is None
-                 else _int_array(visited_dsids))
+                 else _cached_int_array(tuple(visited_dsids)))
     parts.append(body[layout.visited_end:layout.bucket_end] if bucket is None else varint32(bucket))
     parts.append(body[layout.bucket_end:])
     return b"".join(parts)
@@ -441,12 +447,19 @@ def batch_event_body(view: BatchView, index: int) -> tuple[EntryEvent, bytes]:
     body = view.bodies[index]
     event, layout = decode_entry(body)
     added = view.visited_added.get(event.region)
-    visited = visited_after(event.visited_dsids, (view.source_dsid,) if added is None else added, event.origin_dsid)
+    visited = _visited_after(event.visited_dsids, (view.source_dsid,) if added is None else tuple(added),
+                             event.origin_dsid)
     duplicate = event.possible_duplicate or view.possible_duplicate or index in view.duplicate_events
     if visited == event.visited_dsids and duplicate == event.possible_duplicate:
         return event, body
     return (replace(event, visited_dsids=visited, possible_duplicate=duplicate),
             splice_entry(body, layout, possible_duplicate=duplicate, visited_dsids=visited))
+
+
+@lru_cache(maxsize=4096)
+def _visited_after(visited: tuple[int, ...], added: tuple[int, ...], origin: int) -> tuple[int, ...]:
+    """``visited_after`` of hashable arguments, remembered: a batch's events share a few of them."""
+    return visited_after(visited, added, origin)
 
 
 def visited_after(visited: Sequence[int], added: Iterable[int], origin: int) -> tuple[int, ...]:

@@ -44,11 +44,11 @@ from ..core.errors import CodecError, InvalidRequest, MalformedRecord, RejectedB
 from ..core.eventchecks import remote_problem
 from ..core.events import EventID
 from ..core.eventwire import batch_event_body, entry_event_id, read_gateway_batch
-from .engine import Operation
+from .engine import OpResult, Operation
 from .state import Op
 
 if TYPE_CHECKING:
-    from .service import Outcome, RegionService
+    from .service import RegionService
 
 #: The media types the route takes (the guard lets them through as it lets JSON through).
 BATCH_MEDIA_TYPES = ("application/avro", "application/octet-stream")
@@ -91,43 +91,43 @@ async def apply_batch(service: RegionService, data: bytes) -> dict[str, Any]:
         ops.append(Operation(Op.REMOTE, event.region, event.key, remote=event, remote_body=body,
                              trace=[(telemetry.TRACEPARENT, trace.encode())] if trace else None))
         where.append(i)
-    counts = {"ok": 0, "duplicate": 0, "conflict": 0, "skipped": 0}
+    applied = duplicates = conflicts = skipped = 0
     last: tuple[int, EventID] | None = None
     if ops:
-        for i, op, outcome in zip(where, ops, await _execute(service, ops)):
-            status = outcome.status
-            if status == "error":
-                refused.append(_outcome_refusal(i, outcome, op))
+        for i, op, result in zip(where, ops, await _apply(service, ops)):
+            error = result.error
+            if error is not None:
+                assert op.remote is not None
+                refused.append(_refusal(i, error, op.remote.event_id))
                 continue
-            counts[status] += 1
-            assert op.remote is not None
-            last = (i, op.remote.event_id)
+            if result.duplicate:
+                duplicates += 1
+            elif result.conflict_lost:
+                conflicts += 1
+            elif result.skipped:
+                skipped += 1
+            else:
+                applied += 1
+            last = (i, op.remote.event_id)  # type: ignore[union-attr]
     refused.sort(key=lambda r: r["index"])
-    return {"count": len(view.bodies), "applied": counts["ok"], "duplicates": counts["duplicate"],
-            "conflicts": counts["conflict"], "skipped": counts["skipped"], "refused": refused,
+    return {"count": len(view.bodies), "applied": applied, "duplicates": duplicates,
+            "conflicts": conflicts, "skipped": skipped, "refused": refused,
             "last_applied": None if last is None else {"index": last[0], "event_id": last[1].to_record()}}
 
 
-async def _execute(service: RegionService, ops: list[Operation]) -> list[Outcome]:
-    """The operations applied in the buckets this instance owns, never forwarded (``forwarded=True``):
-    each of another owner's bucket comes back NotOwner.  With tracing on, each event that came with a
-    trace context gets its ``region.apply_remote`` span, as ``execute`` makes them for a request it may
-    route (it makes none for one it may not)."""
+async def _apply(service: RegionService, ops: list[Operation]) -> list[OpResult]:
+    """The operations applied in the buckets this instance owns, never forwarded: each of another
+    owner's bucket comes back NotOwner.  With tracing on, each event that came with a trace context
+    gets its ``region.apply_remote`` span, as ``execute`` makes them for a request it may route (it
+    makes none for one it may not)."""
     if not telemetry.tracing():
-        return await service.execute(ops, forwarded=True)
+        return await service.apply_owned(ops)
     spans = service._start_spans(ops)  # noqa: SLF001 - the service's span rule, not a copy of it
     try:
-        return await service.execute(ops, forwarded=True)
+        return await service.apply_owned(ops)
     finally:
         for span in spans:
             span.end()
-
-
-def _outcome_refusal(index: int, outcome: Outcome, op: Operation) -> dict[str, Any]:
-    error = outcome.error or {}
-    assert op.remote is not None
-    return {"index": index, "error": error.get("error", "Error"), "message": error.get("message", ""),
-            "retriable": bool(error.get("retriable", False)), "event_id": op.remote.event_id.to_record()}
 
 
 def _event_id_or_none(body: bytes) -> EventID | None:

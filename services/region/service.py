@@ -639,6 +639,13 @@ class RegionService:
         await asyncio.gather(*tasks)
 
     async def _apply_local(self, ops: list[Operation], idx: list[int], outcomes: list[Outcome | None]) -> None:
+        results = await self._submit_local(ops, idx)
+        for i, res in zip(idx, results):
+            outcomes[i] = outcome_of(ops[i], res)
+
+    async def _submit_local(self, ops: list[Operation], idx: list[int]) -> list[OpResult]:
+        """``ops[i]`` for each ``i`` of ``idx`` handed to this instance's engine, waiting (bounded) for
+        buckets still loading; their results, in the order of ``idx``."""
         engine = self.engine
         assert engine is not None
         # Wait (bounded) for buckets that are loading rather than bouncing the caller.
@@ -658,8 +665,18 @@ class RegionService:
         except asyncio.TimeoutError:
             err = BrokerUnavailable("the write was not acknowledged by Kafka in time; retry with the same EventID")
             results = [OpResult(error=err) for _ in mine]
-        for i, op, res in zip(idx, mine, results):
-            outcomes[i] = outcome_of(op, res)
+        return results
+
+    async def apply_owned(self, ops: list[Operation]) -> list[OpResult]:
+        """``ops`` applied in the buckets this instance owns, never forwarded: the engine's result of
+        each, in order (a bucket another instance owns: NotOwner).  For a caller that answers for a
+        whole batch at once (``remote.apply_batch``), without an ``Outcome`` per operation."""
+        engine = self.engine
+        assert engine is not None
+        for op in ops:
+            if op.bucket < 0:
+                op.bucket = engine.bucket_of(op.region, op.key)
+        return await self._submit_local(ops, list(range(len(ops)))) if ops else []
 
     async def _forward(self, url: str, ops: list[Operation], idx: list[int], outcomes: list[Outcome | None]) -> None:
         body = {"ops": [_op_to_json(ops[i]) for i in idx]}

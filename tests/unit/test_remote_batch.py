@@ -29,10 +29,10 @@ from sluice.core.eventwire import entry_event_body, gateway_batch, gateway_batch
 from sluice.core.kafka import partition_for_key
 from sluice.receiver import service as receiver_module
 from sluice.receiver.service import ReceiverService
+from sluice.region.engine import OpResult
 from sluice.region.engine import Operation as EngineOperation
 from sluice.region.guard import Guard
 from sluice.region.remote import apply_batch
-from sluice.region.service import Outcome, error_outcome
 from sluice.region.state import Op
 
 NOW_MS = int(time.time() * 1000)
@@ -59,22 +59,25 @@ def batch(events: list[EntryEvent], *, target: int = 2, duplicates: tuple[int, .
 
 
 class Service:
-    """What apply_batch uses of a RegionService: its config and ``execute``, which answers each op with the
-    status ``answer`` gives it and records what it was handed."""
+    """What apply_batch uses of a RegionService: its config and ``apply_owned``, which answers each op with
+    the engine result ``answer`` gives it (a status, or an error) and records what it was handed."""
 
     def __init__(self, answer: Any = lambda op: "ok") -> None:
         self.cfg = CFG
         self.answer = answer
         self.handed: list[EngineOperation] = []
 
-    async def execute(self, ops: list[EngineOperation], forwarded: bool) -> list[Outcome]:
-        assert forwarded, "an owner applying a batch must never forward it"
+    async def apply_owned(self, ops: list[EngineOperation]) -> list[OpResult]:
         self.handed += ops
-        outcomes = []
+        results = []
         for op in ops:
             status = self.answer(op)
-            outcomes.append(status if isinstance(status, Outcome) else Outcome(op.key, status))
-        return outcomes
+            if isinstance(status, SluiceError):
+                results.append(OpResult(error=status))
+            else:
+                results.append(OpResult(duplicate=status == "duplicate", conflict_lost=status == "conflict",
+                                        skipped=status == "skipped"))
+        return results
 
     def _start_spans(self, ops: list[EngineOperation]) -> list[Any]:
         return []
@@ -107,10 +110,10 @@ def test_refused_events_are_listed_alone_and_never_stop_the_others() -> None:
     very site and one the service refuses for good are each a refusal, in index order; a bucket owned
     elsewhere is refused as retriable; the others apply."""
     damaged = entry_event_body(event("k3", 4))[:-3]
-    refused_by_engine = error_outcome("k5", InvalidRequest("key", "k5", "refused by the engine"))
+    refused_by_engine = InvalidRequest("key", "k5", "refused by the engine")
 
     def answer(op: EngineOperation) -> Any:
-        return {"k5": refused_by_engine, "k6": error_outcome("k6", NotOwner("orders", 3, None))}.get(op.key, "ok")
+        return {"k5": refused_by_engine, "k6": NotOwner("orders", 3, None)}.get(op.key, "ok")
 
     service = Service(answer)
     events = [event("k0", 1), event("x" * 17, 2), event("k2", 3), event("k3", 4), event("k4", 5, origin=2),
