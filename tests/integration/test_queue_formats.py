@@ -8,6 +8,7 @@ import json
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import fastavro
 import pytest
@@ -47,18 +48,24 @@ def _v3_record(event: EntryEvent, partition: int, offset: int) -> bytes:
                         entry_event_body(event))
 
 
+def _recording_queue_site(site_a: Any, unique_prefix: str, tmp_path: Path, batch_size: int) -> tuple[Path, Any]:
+    """A site with queue "q" of PARTITIONS partitions, its listener recording offers to the returned log."""
+    log = tmp_path / "offers.jsonl"
+    queue = {"id": "q", "parallel": False, "dispatcher_threads": PARTITIONS, "batch_size": batch_size,
+             "listener": {"type": "python", "class_path": "recording_listener:RecordingListener",
+                          "settings": {"path": str(log)}}}
+    cfg = write_aeq_site(tmp_path / "site.yaml", site="a", bootstrap=site_a.bootstrap,
+                         prefix=site_a.topic_prefix(unique_prefix), queue=queue)
+    return log, cfg
+
+
 def test_a_queue_of_previous_version_records_then_current_ones_is_delivered_once_in_order(
     site_a, unique_prefix, tmp_path: Path
 ) -> None:
     """Each partition holds QueuedEvent v2 records (no flags), then v3 ones; a dispatcher started on it
     delivers every event once, in offset order, with possibleDuplicate as each record says it (v2: its
     event's own flag; v3: the flags field), and the queue drains."""
-    log = tmp_path / "offers.jsonl"
-    queue = {"id": "q", "parallel": False, "dispatcher_threads": PARTITIONS, "batch_size": 7,
-             "listener": {"type": "python", "class_path": "recording_listener:RecordingListener",
-                          "settings": {"path": str(log)}}}
-    cfg = write_aeq_site(tmp_path / "site.yaml", site="a", bootstrap=site_a.bootstrap,
-                         prefix=site_a.topic_prefix(unique_prefix), queue=queue)
+    log, cfg = _recording_queue_site(site_a, unique_prefix, tmp_path, batch_size=7)
     member = f"w-{uuid.uuid4().hex[:6]}"
     now_ms = int(time.time() * 1000)
     expected: dict[int, list[tuple[str, int, bool]]] = {p: [] for p in range(PARTITIONS)}
@@ -107,12 +114,7 @@ def test_a_queue_written_in_transactions_is_delivered_once_and_drains_past_its_c
     """Queue records written in Kafka transactions, a commit marker after each and one transaction aborted:
     the dispatcher delivers every committed event once, in order, never an aborted one, and the queue's size
     reaches 0 although the last offset of each partition is a marker, not an event."""
-    log = tmp_path / "offers.jsonl"
-    queue = {"id": "q", "parallel": False, "dispatcher_threads": PARTITIONS, "batch_size": 4,
-             "listener": {"type": "python", "class_path": "recording_listener:RecordingListener",
-                          "settings": {"path": str(log)}}}
-    cfg = write_aeq_site(tmp_path / "site.yaml", site="a", bootstrap=site_a.bootstrap,
-                         prefix=site_a.topic_prefix(unique_prefix), queue=queue)
+    log, cfg = _recording_queue_site(site_a, unique_prefix, tmp_path, batch_size=4)
     member = f"w-{uuid.uuid4().hex[:6]}"
     now_ms = int(time.time() * 1000)
     producer = Producer({"bootstrap.servers": site_a.bootstrap, "transactional.id": f"test-{member}"})
