@@ -19,7 +19,8 @@ PYTEST_ARGS ?=
 help:
 	@echo "make demo | make test | make bench [ONLY=name] | make soak [SEED=1] [MINUTES=10] | make helm | make docs | make clean"
 
-$(STAMP): pyproject.toml
+# The compiled codec is built by the same install (pip builds services/core/_eventwire.pyx).
+$(STAMP): pyproject.toml services/core/_eventwire.pyx
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "make: $(PYTHON) not found (Python 3.11 is required)"; exit 2; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -e '.[test]'

@@ -889,7 +889,8 @@ def measure_sluice_drain(ctx: Context, sites: Sites, expected: dict[str, Any]) -
         with ctx.counting("applied on B", events) as advance:
             watcher = TopicWatcher(sites.bootstrap_b, sites.changelog_b, events, advance=advance).start()
             try:
-                with ctx.profiling(sender.pid, "sender"), ctx.cpu_use("Sluice A→B", {
+                with ctx.profiling(sender.pid, "sender"), ctx.profiling(receiver.pid, "receiver"), \
+                        ctx.profiling(region_b.pid, "region-b"), ctx.cpu_use("Sluice A→B", {
                         "sender": sender.pid, "receiver": receiver.pid, "region-b": region_b.pid,
                         "broker-b": sites.broker_b.pid}, broker="broker-a") as cpu:
                     t0 = time.monotonic()

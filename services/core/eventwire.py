@@ -35,6 +35,7 @@ enum symbol, invalid UTF-8, trailing bytes) with ``MalformedRecord``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -234,6 +235,16 @@ class EntryLayout:
 def decode_entry(body: bytes, pos: int = 0) -> tuple[EntryEvent, EntryLayout]:
     """The ``EntryEvent`` whose body is ``body[pos:]`` (to its very end), and its ``EntryLayout``
     (offsets relative to ``body``).  ``MalformedRecord`` for anything fastavro would refuse."""
+    if pos == 0 and _compiled is not None:
+        decoded = _compiled.decode_entry(body)
+        if decoded is not None:
+            return decoded  # type: ignore[no-any-return]
+    return decode_entry_py(body, pos)
+
+
+def decode_entry_py(body: bytes, pos: int = 0) -> tuple[EntryEvent, EntryLayout]:
+    """``decode_entry`` in Python: the reference of the compiled reader, and the reason for every
+    body it refuses."""
     try:
         event, layout, end = _decode_entry(body, pos)
     except IndexError:
@@ -444,8 +455,17 @@ def batch_event(view: BatchView, index: int) -> EntryEvent:
 def batch_event_body(view: BatchView, index: int) -> tuple[EntryEvent, bytes]:
     """``batch_event`` and its body: the body received, the sender's changes spliced in where they
     change it (``splice_entry``), byte for byte ``entry_event_body`` of the event."""
+    if _compiled is not None:
+        made = _compiled.batch_event_body(view, index)
+        if made is not None:
+            return made  # type: ignore[no-any-return]
+    return batch_event_body_py(view, index)
+
+
+def batch_event_body_py(view: BatchView, index: int) -> tuple[EntryEvent, bytes]:
+    """``batch_event_body`` in Python: the reference of the compiled one."""
     body = view.bodies[index]
-    event, layout = decode_entry(body)
+    event, layout = decode_entry_py(body)
     added = view.visited_added.get(event.region)
     visited = _visited_after(event.visited_dsids, (view.source_dsid,) if added is None else tuple(added),
                              event.origin_dsid)
@@ -757,6 +777,7 @@ def client_event_message(header: bytes, event_body: bytes, *, receive_values: bo
                      b"\x01" if possible_duplicate else b"\x00", varint(filled_at), b"\x00"))
 
 
+__all__ += ["COMPILED", "batch_event_body_py", "decode_entry_py"]
 __all__ += ["EntryHead", "check_entry_tail", "client_event_message", "entry_without_value", "read_entry_head"]
 
 
@@ -834,3 +855,22 @@ def removal_record(header: bytes, queue_id: str, queue_partition: int, batch_id:
 
 
 __all__ += ["removal_record"]
+
+
+def _load_compiled() -> Any:
+    """The compiled twin of this module's per-event readers (``_eventwire.pyx``), bound to this
+    module's pieces; None where it is not built or ``SLUICE_PURE_PYTHON`` is set (the Python readers
+    then do everything, as fast as Python goes)."""
+    if os.environ.get("SLUICE_PURE_PYTHON", "") not in ("", "0"):
+        return None
+    try:
+        from . import _eventwire  # type: ignore[attr-defined]  # noqa: PLC0415 - optional, compiled
+    except ImportError:
+        return None
+    _eventwire.bind(EntryLayout, _visited_after, splice_entry)
+    return _eventwire
+
+
+_compiled = _load_compiled()
+#: Whether the compiled readers are in use (tests/unit/test_eventwire_compiled.py checks that ``make`` built them).
+COMPILED = _compiled is not None

@@ -340,6 +340,15 @@ _MASK = 0xFFFFFFFF
 
 def murmur2(data: bytes) -> int:
     """Kafka's ``Utils.murmur2`` (seed 0x9747b28c), as a signed 32-bit int."""
+    if _compiled_murmur2 is not None:
+        h = _compiled_murmur2(data)
+        if h is not None:
+            return h  # type: ignore[no-any-return]
+    return murmur2_py(data)
+
+
+def murmur2_py(data: bytes) -> int:
+    """``murmur2`` in Python: the reference of the compiled one (``core/_eventwire.pyx``)."""
     length = len(data)
     h = (0x9747B28C ^ length) & _MASK
     n4 = length // 4
@@ -363,6 +372,15 @@ def murmur2(data: bytes) -> int:
     h = (h * _M) & _MASK
     h ^= h >> 15
     return h - (1 << 32) if h & 0x80000000 else h
+
+
+def _load_compiled_murmur2() -> Callable[[bytes], int | None] | None:
+    from . import eventwire  # noqa: PLC0415 - it decides whether the compiled module is used
+
+    return eventwire._compiled.murmur2 if eventwire._compiled is not None else None  # noqa: SLF001
+
+
+_compiled_murmur2 = _load_compiled_murmur2()
 
 
 def partition_for_key(key: bytes, partitions: int) -> int:

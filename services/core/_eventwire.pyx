@@ -1,0 +1,283 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""The compiled twin of the per-event readers of ``eventwire`` and ``kafka.murmur2``.
+
+``eventwire`` and ``kafka`` use these when the module is built (``make``
+builds it; ``SLUICE_PURE_PYTHON=1`` turns it off) and their own Python
+functions otherwise; those stay the reference the unit tests compare these
+with (tests/unit/test_eventwire_compiled.py).  Every function here either
+returns exactly what its Python twin returns or returns ``None``: on a body
+the Python reader would refuse, the caller runs the Python reader, which
+raises ``MalformedRecord`` with its reason.  Nothing here decides what is an
+error.
+"""
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.unicode cimport PyUnicode_DecodeUTF8
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+
+from .events import EntryEvent, EventID, Operation, VersionTag
+
+cdef tuple _OPERATIONS = tuple(Operation)
+cdef Py_ssize_t _N_OPERATIONS = len(_OPERATIONS)
+cdef object _EntryEvent = EntryEvent
+cdef object _EventID = EventID
+cdef object _VersionTag = VersionTag
+
+# Set by ``eventwire`` once it is imported (it imports this module): its EntryLayout, its
+# ``_visited_after`` (remembered) and its ``splice_entry``, so that neither is written twice.
+cdef object _EntryLayout = None
+cdef object _visited_after = None
+cdef object _splice_entry = None
+
+
+def bind(entry_layout, visited_after, splice_entry):
+    """Called once by ``eventwire``: the Python pieces this module builds its answers with."""
+    global _EntryLayout, _visited_after, _splice_entry
+    _EntryLayout = entry_layout
+    _visited_after = visited_after
+    _splice_entry = splice_entry
+
+
+cdef struct Cursor:
+    const unsigned char* buf
+    Py_ssize_t size
+    Py_ssize_t pos
+    bint bad
+
+
+cdef inline int64_t _long(Cursor* c) noexcept:
+    """The zig-zag varint at the cursor; ``bad`` set where ``eventwire.read_long`` would fail."""
+    cdef uint64_t n = 0
+    cdef uint64_t b
+    cdef int shift = 0
+    while True:
+        if c.pos >= c.size:
+            c.bad = True
+            return 0
+        b = c.buf[c.pos]
+        c.pos += 1
+        if shift == 63 and (b & 0x7F) > 1:
+            c.bad = True  # beyond 64 bits
+            return 0
+        n |= (b & 0x7F) << shift
+        if b < 0x80:
+            return <int64_t>((n >> 1) ^ (-(n & 1)))
+        shift += 7
+        if shift > 63:
+            c.bad = True  # more than 10 bytes
+            return 0
+
+
+cdef inline int64_t _int(Cursor* c) noexcept:
+    cdef int64_t n = _long(c)
+    if n < -2147483648 or n > 2147483647:
+        c.bad = True
+    return n
+
+
+cdef inline Py_ssize_t _span(Cursor* c) noexcept:
+    """A length-prefixed value: its length, the cursor left at its first byte; -1 when bad."""
+    cdef int64_t n = _long(c)
+    if c.bad or n < 0 or n > c.size - c.pos:
+        c.bad = True
+        return -1
+    return <Py_ssize_t>n
+
+
+cdef object _string(Cursor* c):
+    """A UTF-8 string, or None with ``bad`` set (a truncated or invalid one)."""
+    cdef Py_ssize_t n = _span(c)
+    if c.bad:
+        return None
+    cdef Py_ssize_t start = c.pos
+    c.pos += n
+    try:
+        return PyUnicode_DecodeUTF8(<const char*>c.buf + start, n, NULL)
+    except UnicodeDecodeError:
+        c.bad = True
+        return None
+
+
+cdef object _bytes(Cursor* c, bytes body):
+    cdef Py_ssize_t n = _span(c)
+    if c.bad:
+        return None
+    cdef Py_ssize_t start = c.pos
+    c.pos += n
+    return body[start:start + n]
+
+
+cdef inline int64_t _branch(Cursor* c) noexcept:
+    cdef int64_t b = _long(c)
+    if b != 0 and b != 1:
+        c.bad = True
+    return b
+
+
+cdef tuple _int_array(Cursor* c):
+    cdef list items = []
+    cdef int64_t count, i
+    while True:
+        count = _long(c)
+        if c.bad:
+            return None
+        if count == 0:
+            return tuple(items)
+        if count < 0:
+            count = -count
+            _long(c)
+            if c.bad:
+                return None
+        if count > c.size - c.pos:  # each item takes a byte at least
+            c.bad = True
+            return None
+        for i in range(count):
+            items.append(_int(c))
+            if c.bad:
+                return None
+
+
+cdef tuple _decode(bytes body, object visited_added, int64_t source_dsid, bint force_duplicate):
+    """(event, layout) of a whole body, or None.  With ``visited_added`` not None (a gateway
+    batch's event): the event as ``eventwire.batch_event_body`` makes it, the sender's changes
+    merged in, and a third item: whether they changed it."""
+    cdef Cursor c
+    c.buf = <const unsigned char*>PyBytes_AS_STRING(body)
+    c.size = PyBytes_GET_SIZE(body)
+    c.pos = 0
+    c.bad = False
+    region = _string(&c)
+    if c.bad:
+        return None
+    key = _string(&c)
+    if c.bad:
+        return None
+    cdef int64_t op_index = _long(&c)
+    if c.bad or op_index < 0 or op_index >= _N_OPERATIONS:
+        return None
+    value = None
+    if _branch(&c):
+        value = _bytes(&c, body)
+    if c.bad:
+        return None
+    encoding = _string(&c)
+    if c.bad:
+        return None
+    callback = None
+    if _branch(&c):
+        callback = _string(&c)
+    if c.bad or c.pos >= c.size:
+        return None
+    cdef Py_ssize_t duplicate_at = c.pos
+    cdef bint duplicate = c.buf[c.pos] != 0
+    c.pos += 1
+    member = _string(&c)
+    cdef int64_t thread = _long(&c)
+    cdef int64_t sequence = _long(&c)
+    cdef int64_t dsid = _int(&c)
+    cdef int64_t timestamp = _long(&c)
+    cdef int64_t entry_version = _long(&c)
+    if c.bad:
+        return None
+    version_member = _string(&c)
+    cdef int64_t origin = _int(&c)
+    if c.bad:
+        return None
+    cdef Py_ssize_t visited_start = c.pos
+    visited = _int_array(&c)
+    if c.bad:
+        return None
+    cdef Py_ssize_t visited_end = c.pos
+    cdef int64_t bucket = _int(&c)
+    cdef Py_ssize_t bucket_end = c.pos
+    cdef int64_t event_time = _long(&c)
+    transaction = None
+    if c.bad:
+        return None
+    if _branch(&c):
+        tx_id = _string(&c)
+        if c.bad or c.pos >= c.size:
+            return None
+        transaction = (tx_id, c.buf[c.pos] != 0)
+        c.pos += 1
+    if c.bad or c.pos != c.size:
+        return None
+    layout = _EntryLayout(duplicate_at, visited_start, visited_end, bucket_end)
+    if visited_added is None:
+        return (_EntryEvent(region, key, _OPERATIONS[op_index], value, _EventID(member, thread, sequence),
+                            _VersionTag(dsid, timestamp, entry_version, version_member), origin, bucket,
+                            event_time, callback, duplicate, visited, encoding, transaction), layout)
+    merged = _visited_after(visited, visited_added, origin)
+    cdef bint merged_duplicate = duplicate or force_duplicate
+    changed = merged != visited or merged_duplicate != duplicate
+    return (_EntryEvent(region, key, _OPERATIONS[op_index], value, _EventID(member, thread, sequence),
+                        _VersionTag(dsid, timestamp, entry_version, version_member), origin, bucket,
+                        event_time, callback, merged_duplicate, merged, encoding, transaction), layout, changed)
+
+
+def decode_entry(body):
+    """``eventwire.decode_entry(body)``, or None for a body it refuses (run it for the reason)."""
+    if type(body) is not bytes:
+        return None
+    return _decode(<bytes>body, None, 0, False)
+
+
+def batch_event_body(view, Py_ssize_t index):
+    """``eventwire.batch_event_body(view, index)``, or None for a body it refuses."""
+    body = view.bodies[index]
+    if type(body) is not bytes:
+        return None
+    event_region = None
+    # The region comes first: read it to find the sites the sender adds for it.
+    cdef Cursor c
+    c.buf = <const unsigned char*>PyBytes_AS_STRING(body)
+    c.size = PyBytes_GET_SIZE(body)
+    c.pos = 0
+    c.bad = False
+    event_region = _string(&c)
+    if c.bad:
+        return None
+    added = view.visited_added.get(event_region)
+    added = (view.source_dsid,) if added is None else tuple(added)
+    force = bool(view.possible_duplicate) or index in view.duplicate_events
+    decoded = _decode(<bytes>body, added, 0, force)
+    if decoded is None:
+        return None
+    event, layout, changed = decoded
+    if not changed:
+        return event, body
+    return event, _splice_entry(body, layout, possible_duplicate=event.possible_duplicate,
+                                visited_dsids=event.visited_dsids)
+
+
+def murmur2(data):
+    """``kafka.murmur2(data)``: Kafka's murmur2 (seed 0x9747b28c) as a signed 32-bit int; None when
+    ``data`` is not bytes."""
+    if type(data) is not bytes:
+        return None
+    cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(data)
+    cdef Py_ssize_t length = PyBytes_GET_SIZE(data)
+    cdef uint32_t m = 0x5BD1E995
+    cdef uint32_t h = 0x9747B28C ^ <uint32_t>length
+    cdef uint32_t k
+    cdef Py_ssize_t i, n4 = length // 4
+    for i in range(n4):
+        k = (<uint32_t>p[4 * i]) | (<uint32_t>p[4 * i + 1] << 8) | (<uint32_t>p[4 * i + 2] << 16) \
+            | (<uint32_t>p[4 * i + 3] << 24)
+        k *= m
+        k ^= k >> 24
+        k *= m
+        h *= m
+        h ^= k
+    cdef Py_ssize_t rest = length % 4, tail = 4 * n4
+    if rest == 3:
+        h ^= <uint32_t>p[tail + 2] << 16
+    if rest >= 2:
+        h ^= <uint32_t>p[tail + 1] << 8
+    if rest >= 1:
+        h ^= <uint32_t>p[tail]
+        h *= m
+    h ^= h >> 13
+    h *= m
+    h ^= h >> 15
+    return <int32_t>h

@@ -1,0 +1,108 @@
+"""The compiled per-event readers (core/_eventwire.pyx) against their Python reference (core/eventwire.py).
+
+The Python readers are themselves checked against fastavro (test_eventwire.py); here every answer of
+the compiled twin must equal theirs, for bodies that read and for damaged ones (where the compiled
+reader must give up, so the Python reader can refuse them with its reason).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sluice.core import eventwire as wire
+from sluice.core import kafka
+from sluice.core.codec import get_codec
+from sluice.core.errors import MalformedRecord
+from sluice.core.events import EntryEvent
+
+sys.path.insert(0, str(Path(__file__).parent))
+from eventstrategies import events  # noqa: E402
+from test_eventwire import damaged_body  # noqa: E402
+
+compiled = wire._compiled  # noqa: SLF001 - the module under test
+needs_compiled = pytest.mark.skipif(compiled is None, reason="SLUICE_PURE_PYTHON is set")
+
+
+def test_make_built_the_compiled_module() -> None:
+    """`make` (pip install -e .) builds the module; only SLUICE_PURE_PYTHON turns it off."""
+    if os.environ.get("SLUICE_PURE_PYTHON", "") not in ("", "0"):
+        assert not wire.COMPILED
+        return
+    assert wire.COMPILED, "services/core/_eventwire.pyx is not built: run `make install` (pip install -e .)"
+
+
+@needs_compiled
+@settings(max_examples=300, deadline=None, database=None)
+@given(events)
+def test_a_body_reads_the_same(event: EntryEvent) -> None:
+    body = wire.entry_event_body(event)
+    assert compiled.decode_entry(body) == wire.decode_entry_py(body)
+    assert compiled.decode_entry(body)[0] == event
+
+
+@needs_compiled
+@settings(max_examples=800, deadline=None, database=None)
+@given(events, st.data())
+def test_a_damaged_body_reads_the_same_or_is_left_to_the_python_reader(event: EntryEvent,
+                                                                      data: st.DataObject) -> None:
+    damaged = damaged_body(event, data)
+    try:
+        expected = wire.decode_entry_py(damaged)
+    except MalformedRecord:
+        expected = None
+    assert compiled.decode_entry(damaged) == expected
+
+
+@needs_compiled
+@pytest.mark.parametrize("body", [b"", b"\x02", b"\x80" * 12, b"\x02a\x02b" + b"\xff" * 11,
+                                  b"\x04\xff\xfe\x02b\x00\x00"])
+def test_bodies_that_are_not_events_are_left_to_the_python_reader(body: bytes) -> None:
+    assert compiled.decode_entry(body) is None
+    with pytest.raises(MalformedRecord):
+        wire.decode_entry(body)
+
+
+DSIDS = st.integers(min_value=1, max_value=255)
+
+
+@needs_compiled
+@settings(max_examples=300, deadline=None, database=None)
+@given(st.lists(events, min_size=1, max_size=4), st.data())
+def test_a_batch_event_reads_the_same(evs: list[EntryEvent], data: st.DataObject) -> None:
+    """The sender's changes (visited sites per region, the batch's and each event's duplicate flag) merge
+    into event and body as the Python reference merges them."""
+    bodies = [wire.entry_event_body(e) for e in evs]
+    regions = sorted({e.region for e in evs})
+    added = data.draw(st.dictionaries(st.sampled_from(regions), st.lists(DSIDS, max_size=4), max_size=len(regions)))
+    flags = sorted(data.draw(st.sets(st.integers(min_value=0, max_value=len(evs) - 1))))
+    value = wire.gateway_batch(get_codec().header("GatewayBatch"), sender_id="to-b", source_dsid=data.draw(DSIDS),
+                               target_dsid=2, queue_partition=0, batch_id=1, first_offset=0, last_offset=1,
+                               possible_duplicate=data.draw(st.booleans()), created_at=0, bodies=bodies,
+                               duplicate_events=flags, visited_added=added, traceparents=[])
+    view = wire.read_gateway_batch(get_codec(), value)
+    for i in range(len(evs)):
+        assert compiled.batch_event_body(view, i) == wire.batch_event_body_py(view, i)
+
+
+@needs_compiled
+@settings(max_examples=500, deadline=None, database=None)
+@given(st.binary(max_size=40))
+def test_murmur2_is_kafkas(data: bytes) -> None:
+    assert compiled.murmur2(data) == kafka.murmur2_py(data)
+    assert kafka.murmur2(data) == kafka.murmur2_py(data)
+
+
+def test_murmur2_of_known_keys() -> None:
+    """Kafka's own values (its ``UtilsTest.testMurmur2``), whichever implementation is in use."""
+    assert kafka.murmur2(b"21") == -973932308
+    assert kafka.murmur2(b"foobar") == -790332482
+    assert kafka.murmur2(b"a-little-bit-long-string") == -985981536
+    assert kafka.murmur2(b"a-little-bit-longer-string") == -1486304829
+    assert kafka.murmur2(b"lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8") == -58897971
+    assert kafka.murmur2(b"abc") == 479470107
