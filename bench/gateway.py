@@ -29,9 +29,12 @@ README.md says what each figure means.
     4. Sluice: start B's region service, B's receiver and A's sender with
        ``manual_start`` (it joins its group and reads, but sends nothing);
        once all 8 queue partitions have a primary, ``sluice admin start``
-       (``set_state RUNNING``) starts the clock, which stops when B's
-       changelog holds ``events`` records.  The CPU each process used on
-       that clock, per event, is a figure of its own; the sum over the
+       (``set_state RUNNING``); the figure is the rate from the first
+       event applied on B to the last (MirrorMaker's clock), and the rate
+       from the start command and the seconds from it to the first event
+       applied are figures of their own (``.from_start``, ``.startup``).
+       The CPU each process used from the start command to the last event,
+       per event, is a figure of its own; the sum over the
        sender, the receiver, B's region and B's broker is compared with the
        raw mirror's (its copy loop and B's broker) per record.
     5. Verify: B's region holds exactly the keys written, a sample holds the
@@ -747,7 +750,7 @@ def rss_mb(pid: int | None) -> str:
 
 @benchmark("gateway.throughput", "parallel sender A→B (8 buckets), events/s vs a raw mirror and MirrorMaker 2")
 def gateway_throughput(ctx: Context) -> list[Result]:
-    events = ctx.sized(100_000, 10_000)
+    events = ctx.sized(200_000, 10_000)
     # MirrorMaker first: a missing jar fails the benchmark before anything else runs.
     libs, mm2_version = ensure_mirror_jars(ctx)
     with second_broker(ctx) as broker_b:
@@ -759,13 +762,16 @@ def gateway_throughput(ctx: Context) -> list[Result]:
         # A parallel sender's queue partition is the entry's bucket.
         counts = Counter(partition_for_key(k.encode(), BUCKETS) for k in expected)
         raw_rate, raw_cpu = measure_raw_mirror(ctx, sites, dict(counts), events)
-        mm2_rate = measure_mirrormaker(ctx, sites, libs, mm2_version, events)
-        rate, cpu_s = measure_sluice_drain(ctx, sites, expected)
-    ctx.note(f"events/s: Sluice {rate:,.0f}, raw mirror {raw_rate:,.0f}, MirrorMaker 2 {mm2_version} {mm2_rate:,.0f}")
+        mm2_rate, mm2_startup = measure_mirrormaker(ctx, sites, libs, mm2_version, events)
+        drain = measure_sluice_drain(ctx, sites, expected)
+    ctx.note(f"events/s, from the first on B to the last: Sluice {drain.rate:,.0f}, raw mirror {raw_rate:,.0f}, "
+             f"MirrorMaker 2 {mm2_version} {mm2_rate:,.0f}; Sluice from the start command {drain.from_start:,.0f}")
     return [
-        Result("gateway.throughput", rate, "events/s", RAW_MIRROR, raw_rate),
-        Result("gateway.throughput", rate, "events/s", MIRRORMAKER2, mm2_rate),
-        *gateway_cpu_results(ctx, "gateway.throughput", cpu_s, events, raw_cpu),
+        Result("gateway.throughput", drain.rate, "events/s", RAW_MIRROR, raw_rate),
+        Result("gateway.throughput", drain.rate, "events/s", MIRRORMAKER2, mm2_rate),
+        Result("gateway.throughput.from_start", drain.from_start, "events/s", MIRRORMAKER2, mm2_rate),
+        Result("gateway.throughput.startup", drain.startup_s, "s", f"{MIRRORMAKER2}.startup", mm2_startup),
+        *gateway_cpu_results(ctx, "gateway.throughput", drain.cpu_s, events, raw_cpu),
     ]
 
 
@@ -819,8 +825,9 @@ def measure_raw_mirror(ctx: Context, sites: Sites, counts: dict[int, int],
     return rate, raw_cpu_per_record(ctx, used, events * passes)
 
 
-def measure_mirrormaker(ctx: Context, sites: Sites, libs: Path, version: str, events: int) -> float:
-    """MirrorMaker 2 copies the queue topic to B; records/s from the first record on B to the last."""
+def measure_mirrormaker(ctx: Context, sites: Sites, libs: Path, version: str, events: int) -> tuple[float, float]:
+    """MirrorMaker 2 copies the queue topic to B: records/s from the first record on B to the last, and
+    the seconds from its JVM's spawn to that first record."""
     ctx.step(f"MirrorMaker 2 {version} (dedicated mode, 1 task) mirroring {sites.queue_topic} A→B")
     mm2 = MirrorMakerProcess(libs, mm2_properties(sites.bootstrap_a, sites.bootstrap_b, sites.queue_topic),
                              ctx.workdir)
@@ -852,7 +859,7 @@ def measure_mirrormaker(ctx: Context, sites: Sites, libs: Path, version: str, ev
                                                           if n != "bench"))
         if watcher.count != events:
             raise RuntimeError(f"MirrorMaker 2's copy holds {watcher.count} records, expected {events}")
-        return rate
+        return rate, startup
     except BaseException:
         ctx.step(f"MirrorMaker 2 log (end):\n{mm2.log_tail(1500)}")
         raise
@@ -868,11 +875,22 @@ def _mm2_alive(mm2: MirrorMakerProcess) -> Callable[[], str | None]:
     return check
 
 
-def measure_sluice_drain(ctx: Context, sites: Sites, expected: dict[str, Any]) -> tuple[float, dict[str, float]]:
-    """B's services and A's (stopped) sender; ``sluice admin start``; events/s until all are applied on B.
+@dataclass(frozen=True)
+class Drain:
+    """What ``measure_sluice_drain`` measured."""
 
-    Returns the rate and the CPU seconds each process used on the clock.
-    """
+    #: Events/s from the first event applied on B to the last: MirrorMaker's clock.
+    rate: float
+    #: Events/s from ``sluice admin start`` to the last event applied on B.
+    from_start: float
+    #: Seconds from ``sluice admin start`` to the first event applied on B.
+    startup_s: float
+    #: CPU seconds of each process from the start command to the last event.
+    cpu_s: dict[str, float]
+
+
+def measure_sluice_drain(ctx: Context, sites: Sites, expected: dict[str, Any]) -> Drain:
+    """B's services and A's (stopped) sender; ``sluice admin start``; events/s until all are applied on B."""
     events = len(expected)
     procs: list[Any] = []
     try:
@@ -898,7 +916,6 @@ def measure_sluice_drain(ctx: Context, sites: Sites, expected: dict[str, Any]) -
                     with logs_on_timeout(sender, receiver):
                         reached = watcher.wait_reached(DRAIN_TIMEOUT_S, alive=process_gone(sender, receiver, region_b))
                 seconds = reached - t0
-                rate = events / seconds
                 assert watcher.first_at is not None
                 first_to_last = (events - watcher.first_count) / max(1e-9, reached - watcher.first_at)
                 ctx.note(f"Sluice: {events:,} events applied on B in {seconds:.2f}s from `sluice admin start`; "
@@ -909,7 +926,7 @@ def measure_sluice_drain(ctx: Context, sites: Sites, expected: dict[str, Any]) -
                 watcher.stop()
         ctx.note(f"resident: sender {rss_mb(sender.pid)}, receiver {rss_mb(receiver.pid)}, "
                  f"region B {rss_mb(region_b.pid)}, broker B {rss_mb(sites.broker_b.pid)}")
-        return rate, cpu.seconds()
+        return Drain(first_to_last, events / seconds, watcher.first_at - t0, cpu.seconds())
     finally:
         for proc in reversed(procs):
             proc.stop()

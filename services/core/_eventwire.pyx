@@ -11,7 +11,9 @@ raises ``MalformedRecord`` with its reason.  Nothing here decides what is an
 error.
 """
 
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.object cimport PyObject_GenericSetAttr
+from libc.string cimport memcpy
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 
@@ -24,18 +26,61 @@ cdef object _EventID = EventID
 cdef object _VersionTag = VersionTag
 
 # Set by ``eventwire`` once it is imported (it imports this module): its EntryLayout, its
-# ``_visited_after`` (remembered) and its ``splice_entry``, so that neither is written twice.
+# ``_visited_after`` and its ``_cached_int_array`` (both remembered), so that neither is written twice.
 cdef object _EntryLayout = None
 cdef object _visited_after = None
-cdef object _splice_entry = None
+cdef object _int_array_bytes = None
 
 
-def bind(entry_layout, visited_after, splice_entry):
+def bind(entry_layout, visited_after, cached_int_array):
     """Called once by ``eventwire``: the Python pieces this module builds its answers with."""
-    global _EntryLayout, _visited_after, _splice_entry
+    global _EntryLayout, _visited_after, _int_array_bytes
     _EntryLayout = entry_layout
     _visited_after = visited_after
-    _splice_entry = splice_entry
+    _int_array_bytes = cached_int_array
+
+
+# The event's values are frozen dataclasses: their __init__ sets each field through
+# ``object.__setattr__``.  These fill the slots of a new instance directly (the generic setattr, which
+# the frozen classes' own __setattr__ would refuse), the same fields in the same order; the unit tests
+# compare every event made here with the Python reader's.
+
+cdef inline object _event_id(object member, int64_t thread, int64_t sequence):
+    obj = _EventID.__new__(_EventID)
+    PyObject_GenericSetAttr(obj, "member_id", member)
+    PyObject_GenericSetAttr(obj, "thread_id", thread)
+    PyObject_GenericSetAttr(obj, "sequence_id", sequence)
+    return obj
+
+
+cdef inline object _version(int64_t dsid, int64_t timestamp, int64_t entry_version, object member):
+    obj = _VersionTag.__new__(_VersionTag)
+    PyObject_GenericSetAttr(obj, "dsid", dsid)
+    PyObject_GenericSetAttr(obj, "timestamp", timestamp)
+    PyObject_GenericSetAttr(obj, "entry_version", entry_version)
+    PyObject_GenericSetAttr(obj, "member_id", member)
+    return obj
+
+
+cdef object _entry_event(object region, object key, object operation, object value, object event_id,
+                         object version, int64_t origin, int64_t bucket, int64_t event_time, object callback,
+                         bint duplicate, object visited, object encoding, object transaction):
+    obj = _EntryEvent.__new__(_EntryEvent)
+    PyObject_GenericSetAttr(obj, "region", region)
+    PyObject_GenericSetAttr(obj, "key", key)
+    PyObject_GenericSetAttr(obj, "operation", operation)
+    PyObject_GenericSetAttr(obj, "value", value)
+    PyObject_GenericSetAttr(obj, "event_id", event_id)
+    PyObject_GenericSetAttr(obj, "version", version)
+    PyObject_GenericSetAttr(obj, "origin_dsid", origin)
+    PyObject_GenericSetAttr(obj, "bucket", bucket)
+    PyObject_GenericSetAttr(obj, "event_time", event_time)
+    PyObject_GenericSetAttr(obj, "callback_argument", callback)
+    PyObject_GenericSetAttr(obj, "possible_duplicate", True if duplicate else False)
+    PyObject_GenericSetAttr(obj, "visited_dsids", visited)
+    PyObject_GenericSetAttr(obj, "value_encoding", encoding)
+    PyObject_GenericSetAttr(obj, "transaction", transaction)
+    return obj
 
 
 cdef struct Cursor:
@@ -137,10 +182,10 @@ cdef tuple _int_array(Cursor* c):
                 return None
 
 
-cdef tuple _decode(bytes body, object visited_added, int64_t source_dsid, bint force_duplicate):
+cdef tuple _decode(bytes body, object visited_added, bint force_duplicate):
     """(event, layout) of a whole body, or None.  With ``visited_added`` not None (a gateway
-    batch's event): the event as ``eventwire.batch_event_body`` makes it, the sender's changes
-    merged in, and a third item: whether they changed it."""
+    batch's event): (event, body) as ``eventwire.batch_event_body`` makes them, the sender's
+    changes merged into both."""
     cdef Cursor c
     c.buf = <const unsigned char*>PyBytes_AS_STRING(body)
     c.size = PyBytes_GET_SIZE(body)
@@ -202,24 +247,44 @@ cdef tuple _decode(bytes body, object visited_added, int64_t source_dsid, bint f
         c.pos += 1
     if c.bad or c.pos != c.size:
         return None
-    layout = _EntryLayout(duplicate_at, visited_start, visited_end, bucket_end)
+    event_id = _event_id(member, thread, sequence)
+    version = _version(dsid, timestamp, entry_version, version_member)
+    operation = _OPERATIONS[op_index]
     if visited_added is None:
-        return (_EntryEvent(region, key, _OPERATIONS[op_index], value, _EventID(member, thread, sequence),
-                            _VersionTag(dsid, timestamp, entry_version, version_member), origin, bucket,
-                            event_time, callback, duplicate, visited, encoding, transaction), layout)
+        return (_entry_event(region, key, operation, value, event_id, version, origin, bucket, event_time,
+                             callback, duplicate, visited, encoding, transaction),
+                _EntryLayout(duplicate_at, visited_start, visited_end, bucket_end))
     merged = _visited_after(visited, visited_added, origin)
     cdef bint merged_duplicate = duplicate or force_duplicate
-    changed = merged != visited or merged_duplicate != duplicate
-    return (_EntryEvent(region, key, _OPERATIONS[op_index], value, _EventID(member, thread, sequence),
-                        _VersionTag(dsid, timestamp, entry_version, version_member), origin, bucket,
-                        event_time, callback, merged_duplicate, merged, encoding, transaction), layout, changed)
+    event = _entry_event(region, key, operation, value, event_id, version, origin, bucket, event_time,
+                         callback, merged_duplicate, merged, encoding, transaction)
+    if merged == visited and merged_duplicate == duplicate:
+        return (event, body)
+    return (event, _spliced(body, duplicate_at, merged_duplicate, visited_start, visited_end, merged))
+
+
+cdef bytes _spliced(bytes body, Py_ssize_t duplicate_at, bint duplicate, Py_ssize_t visited_start,
+                    Py_ssize_t visited_end, tuple visited):
+    """``eventwire.splice_entry(body, layout, possible_duplicate=duplicate, visited_dsids=visited)``."""
+    cdef bytes array = _int_array_bytes(visited)
+    cdef Py_ssize_t size = PyBytes_GET_SIZE(body)
+    cdef Py_ssize_t n_array = PyBytes_GET_SIZE(array)
+    cdef Py_ssize_t total = size - (visited_end - visited_start) + n_array
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, total)
+    cdef char* dst = PyBytes_AS_STRING(out)
+    cdef const char* src = PyBytes_AS_STRING(body)
+    memcpy(dst, src, visited_start)
+    dst[duplicate_at] = 1 if duplicate else 0
+    memcpy(dst + visited_start, PyBytes_AS_STRING(array), n_array)
+    memcpy(dst + visited_start + n_array, src + visited_end, size - visited_end)
+    return out
 
 
 def decode_entry(body):
     """``eventwire.decode_entry(body)``, or None for a body it refuses (run it for the reason)."""
     if type(body) is not bytes:
         return None
-    return _decode(<bytes>body, None, 0, False)
+    return _decode(<bytes>body, None, False)
 
 
 def batch_event_body(view, Py_ssize_t index):
@@ -240,14 +305,7 @@ def batch_event_body(view, Py_ssize_t index):
     added = view.visited_added.get(event_region)
     added = (view.source_dsid,) if added is None else tuple(added)
     force = bool(view.possible_duplicate) or index in view.duplicate_events
-    decoded = _decode(<bytes>body, added, 0, force)
-    if decoded is None:
-        return None
-    event, layout, changed = decoded
-    if not changed:
-        return event, body
-    return event, _splice_entry(body, layout, possible_duplicate=event.possible_duplicate,
-                                visited_dsids=event.visited_dsids)
+    return _decode(<bytes>body, added, force)
 
 
 def murmur2(data):

@@ -111,8 +111,8 @@ def value_problem(cfg: SiteConfig, region: str, value: bytes | None, encoding: s
     if encoding != "json":
         return InvalidRequest(f"{field}_encoding", encoding, "a region stores JSON values: the encoding must be json")
     try:
-        # jsonvalue.loads refuses NaN, Infinity and numbers beyond a double, which JSON cannot hold.
-        jsonvalue.loads(value)
+        # jsonvalue refuses NaN, Infinity and numbers beyond a double, which JSON cannot hold.
+        jsonvalue.check(value)
     except ValueError as exc:
         return InvalidRequest(field, bytes(value[:80]).decode("utf-8", "replace"), f"not JSON: {exc}")
     return None

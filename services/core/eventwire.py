@@ -867,7 +867,7 @@ def _load_compiled() -> Any:
         from . import _eventwire  # type: ignore[attr-defined]  # noqa: PLC0415 - optional, compiled
     except ImportError:
         return None
-    _eventwire.bind(EntryLayout, _visited_after, splice_entry)
+    _eventwire.bind(EntryLayout, _visited_after, _cached_int_array)
     return _eventwire
 
 

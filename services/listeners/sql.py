@@ -119,6 +119,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 
+from ..core import jsonvalue
 from ..core.asyncevent import Accepted, AsyncEvent, DeadLetter
 from ..core.errors import ClosedError, ConfigError
 from ..core.events import CREATES, UPDATES, Operation, VersionTag
@@ -447,8 +448,8 @@ def _extract(value: Any, path: tuple[str, ...]) -> Any:
 
 
 # orjson 3.13 reads an integer beyond 64 bits as a float, silently; the
-# stdlib reads it exactly.  Only a run of 19 or more digits can be one.
-_LONG_DIGITS = re.compile(rb"[0-9]{19,}")
+# stdlib reads it exactly.  Only a run of 19 or more digits can be one
+# (jsonvalue.has_long_digits).
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -457,7 +458,7 @@ def _decode_value(event: AsyncEvent) -> Any:
     if raw is None or event.event.value_encoding != "json":
         return event.value
     try:
-        return json.loads(raw) if _LONG_DIGITS.search(raw) else orjson.loads(raw)
+        return json.loads(raw) if jsonvalue.has_long_digits(raw) else orjson.loads(raw)
     except ValueError as exc:  # orjson.JSONDecodeError, json.JSONDecodeError, UnicodeDecodeError
         raise _PoisonEvent(event, f"value is not JSON: {exc}") from exc
 

@@ -21,6 +21,7 @@ from ..core.servicecli import (
     setup_logging,
     stop_telemetry,
     telemetry_options,
+    tune_gc,
 )
 from ..core.errors import ConfigError, SluiceError
 from .http import create_app
@@ -65,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     fmt, metrics_port = options
     setup_logging(args.log_level, fmt)
+    tune_gc()
     try:
         cfg = load_site(args)
     except ConfigError as exc:
