@@ -339,3 +339,144 @@ def murmur2(data):
     h *= m
     h ^= h >> 15
     return <int32_t>h
+
+
+# --- writing ---------------------------------------------------------------------------------------
+
+cdef extern from "Python.h":
+    const char* PyUnicode_AsUTF8AndSize(object text, Py_ssize_t* size) except NULL
+
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+
+cdef dict _OPERATION_INDEX = {op: i for i, op in enumerate(_OPERATIONS)}
+
+
+cdef inline unsigned char* _put_long(unsigned char* p, int64_t n) noexcept:
+    cdef uint64_t z = (<uint64_t>n << 1) ^ <uint64_t>(n >> 63)
+    while z > 0x7F:
+        p[0] = <unsigned char>((z & 0x7F) | 0x80)
+        p += 1
+        z >>= 7
+    p[0] = <unsigned char>z
+    return p + 1
+
+
+cdef inline unsigned char* _put_span(unsigned char* p, const char* data, Py_ssize_t n) noexcept:
+    p = _put_long(p, n)
+    memcpy(p, data, n)
+    return p + n
+
+
+cdef inline bint _is_int32(int64_t n) noexcept:
+    return -2147483648 <= n <= 2147483647
+
+
+def entry_event_body(ev):
+    """``eventwire.entry_event_body(ev)``, or None where the Python writer must run: a field of an
+    unexpected type, or a number beyond its Avro type (the Python writer says which)."""
+    cdef Py_ssize_t n_region, n_key, n_encoding, n_callback = 0, n_member, n_version_member, n_tx = 0
+    cdef Py_ssize_t n_value = 0, n_visited, i
+    cdef const char* region
+    cdef const char* key
+    cdef const char* encoding
+    cdef const char* callback = NULL
+    cdef const char* member
+    cdef const char* version_member
+    cdef const char* tx_id = NULL
+    cdef int64_t thread, sequence, dsid, timestamp, entry_version, origin, bucket, event_time, d
+    cdef int64_t op_index
+    try:
+        region = PyUnicode_AsUTF8AndSize(ev.region, &n_region)
+        key = PyUnicode_AsUTF8AndSize(ev.key, &n_key)
+        encoding = PyUnicode_AsUTF8AndSize(ev.value_encoding, &n_encoding)
+        callback_argument = ev.callback_argument
+        if callback_argument is not None:
+            callback = PyUnicode_AsUTF8AndSize(callback_argument, &n_callback)
+        event_id = ev.event_id
+        member = PyUnicode_AsUTF8AndSize(event_id.member_id, &n_member)
+        thread = event_id.thread_id
+        sequence = event_id.sequence_id
+        version = ev.version
+        dsid = version.dsid
+        timestamp = version.timestamp
+        entry_version = version.entry_version
+        version_member = PyUnicode_AsUTF8AndSize(version.member_id, &n_version_member)
+        origin = ev.origin_dsid
+        bucket = ev.bucket
+        event_time = ev.event_time
+        transaction = ev.transaction
+        if transaction is not None:
+            tx_id = PyUnicode_AsUTF8AndSize(transaction[0], &n_tx)
+            tx_last = bool(transaction[1])
+        op_index = _OPERATION_INDEX[ev.operation]
+    except (TypeError, OverflowError, UnicodeEncodeError, KeyError, IndexError, AttributeError):
+        return None
+    value = ev.value
+    if value is not None:
+        if type(value) is not bytes:
+            return None
+        n_value = PyBytes_GET_SIZE(value)
+    visited = ev.visited_dsids
+    if type(visited) is not tuple:
+        return None
+    n_visited = len(<tuple>visited)
+    if not (_is_int32(dsid) and _is_int32(origin) and _is_int32(bucket)):
+        return None
+    cdef Py_ssize_t bound = (n_region + n_key + n_value + n_encoding + n_callback + n_member + n_version_member
+                             + n_tx + 10 * (20 + n_visited))
+    cdef unsigned char* buf = <unsigned char*>PyMem_Malloc(bound)
+    if buf == NULL:
+        raise MemoryError()
+    cdef unsigned char* p = buf
+    try:
+        p = _put_span(p, region, n_region)
+        p = _put_span(p, key, n_key)
+        p = _put_long(p, op_index)
+        if value is None:
+            p[0] = 0
+            p += 1
+        else:
+            p[0] = 2
+            p = _put_span(p + 1, PyBytes_AS_STRING(value), n_value)
+        p = _put_span(p, encoding, n_encoding)
+        if callback == NULL:
+            p[0] = 0
+            p += 1
+        else:
+            p[0] = 2
+            p = _put_span(p + 1, callback, n_callback)
+        p[0] = 1 if ev.possible_duplicate else 0
+        p += 1
+        p = _put_span(p, member, n_member)
+        p = _put_long(p, thread)
+        p = _put_long(p, sequence)
+        p = _put_long(p, dsid)
+        p = _put_long(p, timestamp)
+        p = _put_long(p, entry_version)
+        p = _put_span(p, version_member, n_version_member)
+        p = _put_long(p, origin)
+        if n_visited:
+            p = _put_long(p, n_visited)
+            for i in range(n_visited):
+                try:
+                    d = (<tuple>visited)[i]
+                except (TypeError, OverflowError):
+                    return None
+                if not _is_int32(d):
+                    return None
+                p = _put_long(p, d)
+        p[0] = 0
+        p += 1
+        p = _put_long(p, bucket)
+        p = _put_long(p, event_time)
+        if tx_id == NULL:
+            p[0] = 0
+            p += 1
+        else:
+            p[0] = 2
+            p = _put_span(p + 1, tx_id, n_tx)
+            p[0] = 1 if tx_last else 0
+            p += 1
+        return PyBytes_FromStringAndSize(<char*>buf, p - buf)
+    finally:
+        PyMem_Free(buf)

@@ -112,6 +112,16 @@ def _int_array(items: tuple[int, ...] | list[int]) -> bytes:
 
 def entry_event_body(ev: EntryEvent) -> bytes:
     """The Avro body (no single-object header) of an ``EntryEvent``."""
+    if _compiled is not None:
+        body = _compiled.entry_event_body(ev)
+        if body is not None:
+            return body  # type: ignore[no-any-return]
+    return entry_event_body_py(ev)
+
+
+def entry_event_body_py(ev: EntryEvent) -> bytes:
+    """``entry_event_body`` in Python: the reference of the compiled writer, and the error for every
+    event it leaves to this one."""
     eid = ev.event_id
     ver = ev.version
     tx = ev.transaction
@@ -777,7 +787,7 @@ def client_event_message(header: bytes, event_body: bytes, *, receive_values: bo
                      b"\x01" if possible_duplicate else b"\x00", varint(filled_at), b"\x00"))
 
 
-__all__ += ["COMPILED", "batch_event_body_py", "decode_entry_py"]
+__all__ += ["COMPILED", "batch_event_body_py", "decode_entry_py", "entry_event_body_py"]
 __all__ += ["EntryHead", "check_entry_tail", "client_event_message", "entry_without_value", "read_entry_head"]
 
 

@@ -106,3 +106,36 @@ def test_murmur2_of_known_keys() -> None:
     assert kafka.murmur2(b"a-little-bit-longer-string") == -1486304829
     assert kafka.murmur2(b"lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8") == -58897971
     assert kafka.murmur2(b"abc") == 479470107
+
+
+@needs_compiled
+@settings(max_examples=300, deadline=None, database=None)
+@given(events)
+def test_a_body_is_written_the_same(event: EntryEvent) -> None:
+    assert compiled.entry_event_body(event) == wire.entry_event_body_py(event)
+
+
+@needs_compiled
+@pytest.mark.parametrize("change", [
+    {"bucket": 2**31}, {"origin_dsid": -(2**31) - 1}, {"visited_dsids": (1, 2**40)}, {"visited_dsids": [1, 2]},
+    {"value": bytearray(b"{}")}, {"key": "\ud800"}, {"event_time": 2**63},
+])
+def test_an_event_no_body_holds_is_left_to_the_python_writer(change: dict) -> None:
+    """Numbers beyond their Avro type, and fields of unexpected types: the compiled writer gives up, and
+    the Python writer gives the answer (an error naming what is wrong, or the body of a list)."""
+    from dataclasses import replace
+
+    from sluice.core.events import EventID, Operation, VersionTag
+
+    event = replace(EntryEvent("r", "k", Operation.CREATE, b"1", EventID("m", 1, 2), VersionTag(1, 3, 1, "m"), 1, 0,
+                               4), **change)
+    assert compiled.entry_event_body(event) is None
+    try:
+        expected: object = wire.entry_event_body_py(event)
+    except (MalformedRecord, UnicodeEncodeError, TypeError) as exc:
+        expected = type(exc)
+    try:
+        got: object = wire.entry_event_body(event)
+    except (MalformedRecord, UnicodeEncodeError, TypeError) as exc:
+        got = type(exc)
+    assert got == expected
