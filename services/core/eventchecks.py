@@ -68,15 +68,24 @@ def event_id_problem(event_id: EventID, field: str = "event_id", count: int = 1)
         return InvalidRequest(f"{field}.member_id", member, f"must be 1 to {MEMBER_ID_MAX_CHARS} characters")
     if not is_unicode(member):
         return InvalidRequest(f"{field}.member_id", _shown(member), "must be valid Unicode (it holds a lone surrogate)")
-    for name in ("thread_id", "sequence_id"):
-        value = getattr(event_id, name)
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= ID_MAX:
-            return InvalidRequest(f"{field}.{name}", value, f"must be a whole number from 0 to {ID_MAX}")
-    if count > 1 and event_id.sequence_id + count - 1 > ID_MAX:
-        return InvalidRequest(f"{field}.sequence_id", event_id.sequence_id,
-                              f"with {count} entries the last sequence would be {event_id.sequence_id + count - 1}, "
+    thread, sequence = event_id.thread_id, event_id.sequence_id
+    if type(thread) is not int or not 0 <= thread <= ID_MAX:
+        return _id_problem(field, "thread_id", thread)
+    if type(sequence) is not int or not 0 <= sequence <= ID_MAX:
+        return _id_problem(field, "sequence_id", sequence)
+    if count > 1 and sequence + count - 1 > ID_MAX:
+        return InvalidRequest(f"{field}.sequence_id", sequence,
+                              f"with {count} entries the last sequence would be {sequence + count - 1}, "
                               f"beyond {ID_MAX}")
     return None
+
+
+def _id_problem(field: str, name: str, value: Any) -> InvalidRequest | None:
+    """A thread or sequence id that is not an int from 0 to ID_MAX; an int subclass other than bool
+    (which no JSON or Avro reader makes) is judged by its value."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= ID_MAX:
+        return None
+    return InvalidRequest(f"{field}.{name}", value, f"must be a whole number from 0 to {ID_MAX}")
 
 
 def key_problem(cfg: SiteConfig, region: str, key: Any, field: str = "key") -> InvalidRequest | None:
@@ -85,13 +94,20 @@ def key_problem(cfg: SiteConfig, region: str, key: Any, field: str = "key") -> I
         limit = cfg.region(region).key_max_bytes
     except UnknownRegion as exc:
         return exc
+    return _key_problem(limit, key, field, "")
+
+
+def _key_problem(limit: int, key: Any, field: str, suffix: str) -> InvalidRequest | None:
+    """``key_problem`` within a region whose key_max_bytes is ``limit``; the field named
+    ``field + suffix`` (joined only when there is a problem to name)."""
     if not isinstance(key, str) or key == "":
-        return InvalidRequest(field, key, "must be a non-empty string")
-    if not is_unicode(key):
-        return InvalidRequest(field, _shown(key), "must be valid Unicode (it holds a lone surrogate)")
-    n = len(key.encode("utf-8"))
+        return InvalidRequest(field + suffix, key, "must be a non-empty string")
+    try:
+        n = len(key.encode("utf-8"))
+    except UnicodeEncodeError:
+        return InvalidRequest(field + suffix, _shown(key), "must be valid Unicode (it holds a lone surrogate)")
     if n > limit:
-        return EntryTooLarge(field, key, f"{n} bytes, larger than key_max_bytes={limit}")
+        return EntryTooLarge(field + suffix, key, f"{n} bytes, larger than key_max_bytes={limit}")
     return None
 
 
@@ -104,51 +120,66 @@ def value_problem(cfg: SiteConfig, region: str, value: bytes | None, encoding: s
         limit = cfg.region(region).value_max_bytes
     except UnknownRegion as exc:
         return exc
+    return _value_problem(limit, value, encoding, field, "")
+
+
+def _value_problem(limit: int, value: bytes | None, encoding: str, field: str, suffix: str) -> InvalidRequest | None:
+    """``value_problem`` within a region whose value_max_bytes is ``limit`` (``_key_problem``'s
+    ``field + suffix``)."""
+    if value is None:
+        return None
     if not isinstance(value, (bytes, bytearray)):
-        return InvalidRequest(field, str(value)[:80], "must be the value's JSON text")
+        return InvalidRequest(field + suffix, str(value)[:80], "must be the value's JSON text")
     if len(value) > limit:
-        return EntryTooLarge(field, f"{len(value)} bytes", f"larger than value_max_bytes={limit}")
+        return EntryTooLarge(field + suffix, f"{len(value)} bytes", f"larger than value_max_bytes={limit}")
     if encoding != "json":
-        return InvalidRequest(f"{field}_encoding", encoding, "a region stores JSON values: the encoding must be json")
+        return InvalidRequest(f"{field}{suffix}_encoding", encoding,
+                              "a region stores JSON values: the encoding must be json")
     try:
         # jsonvalue refuses NaN, Infinity and numbers beyond a double, which JSON cannot hold.
         jsonvalue.check(value)
     except ValueError as exc:
-        return InvalidRequest(field, bytes(value[:80]).decode("utf-8", "replace"), f"not JSON: {exc}")
+        return InvalidRequest(field + suffix, bytes(value[:80]).decode("utf-8", "replace"), f"not JSON: {exc}")
     return None
 
 
 def remote_problem(cfg: SiteConfig, event: EntryEvent, now_ms: int, field: str = "event") -> InvalidRequest | None:
     """Why this site refuses an event another site applied, or None."""
-    problem = key_problem(cfg, event.region, event.key, f"{field}.key")
+    try:
+        region = cfg.region(event.region)
+    except UnknownRegion as exc:
+        return exc
+    problem = _key_problem(region.key_max_bytes, event.key, field, ".key")
     if problem is not None:
         return problem
     if not goes_to_gateway(event.operation):
         return InvalidRequest(f"{field}.operation", event.operation.value,
                               "only create, update and destroy cross sites")
-    if event.origin_dsid == cfg.dsid or event.version.dsid == cfg.dsid:
-        return InvalidRequest(f"{field}.origin_dsid", event.origin_dsid,
+    version = event.version
+    origin, version_dsid = event.origin_dsid, version.dsid
+    if origin == cfg.dsid or version_dsid == cfg.dsid:
+        return InvalidRequest(f"{field}.origin_dsid", origin,
                               f"an event of this site (dsid {cfg.dsid}) cannot come back to it")
-    for name, dsid in (("origin_dsid", event.origin_dsid), ("version.dsid", event.version.dsid)):
+    for name, dsid in (("origin_dsid", origin), ("version.dsid", version_dsid)):
         if dsid not in DSID_RANGE:
             return InvalidRequest(f"{field}.{name}", dsid, "must be a dsid from 1 to 255")
     for i, dsid in enumerate(event.visited_dsids):
         if dsid not in DSID_RANGE:
             return InvalidRequest(f"{field}.visited_dsids[{i}]", dsid, "must be a dsid from 1 to 255")
-    if len(event.version.member_id) > MEMBER_ID_MAX_CHARS:
-        return InvalidRequest(f"{field}.version.member_id", event.version.member_id,
+    if len(version.member_id) > MEMBER_ID_MAX_CHARS:
+        return InvalidRequest(f"{field}.version.member_id", version.member_id,
                               f"must be at most {MEMBER_ID_MAX_CHARS} characters")
     skew_ms = cfg.region_service.max_clock_skew_ms
-    if event.version.timestamp > now_ms + skew_ms:
-        return InvalidRequest(f"{field}.version.timestamp", event.version.timestamp,
-                              f"{event.version.timestamp - now_ms} ms in the future, beyond max_clock_skew_ms="
+    if version.timestamp > now_ms + skew_ms:
+        return InvalidRequest(f"{field}.version.timestamp", version.timestamp,
+                              f"{version.timestamp - now_ms} ms in the future, beyond max_clock_skew_ms="
                               f"{skew_ms}: it would win every conflict on its key")
-    if not 0 <= event.version.entry_version <= ID_MAX or event.version.timestamp < 0:
-        return InvalidRequest(f"{field}.version", event.version.to_record(), "entry version or timestamp out of range")
+    if not 0 <= version.entry_version <= ID_MAX or version.timestamp < 0:
+        return InvalidRequest(f"{field}.version", version.to_record(), "entry version or timestamp out of range")
     problem = event_id_problem(event.event_id, f"{field}.event_id")
     if problem is not None:
         return problem
-    return value_problem(cfg, event.region, event.value, event.value_encoding, f"{field}.value")
+    return _value_problem(region.value_max_bytes, event.value, event.value_encoding, field, ".value")
 
 
 __all__ = ["ID_MAX", "event_id_problem", "is_unicode", "key_problem", "remote_problem", "value_problem"]

@@ -465,7 +465,8 @@ class RegionEngine:
                     result.error = BucketUnavailable(op.region, bucket, "the owner's writes wait for Kafka "
                                                      f"({len(window.records)} records not yet committed)")
                     continue
-                event_id = op.event_id
+                remote = op.remote
+                event_id = op.event_id if remote is None else remote.event_id
                 if event_id is None:
                     # A caller may have written with this instance's member id (it is in every entry
                     # the instance stamped): continue past whatever the bucket has seen of the stream.
@@ -474,9 +475,8 @@ class RegionEngine:
                     ob.next_sequence = sequence + 1
                 try:
                     if op.op is Op.REMOTE:
-                        assert op.remote is not None
-                        event_id = op.remote.event_id
-                        outcome = ob.state.prepare_remote(op.remote, self.conflict_resolver)
+                        assert remote is not None
+                        outcome = ob.state.prepare_remote(remote, self.conflict_resolver)
                     elif op.op is Op.CLEAR:
                         outcome = ob.state.prepare_clear(event_id, now_ms)
                     elif op.op is Op.DESTROY_REGION:

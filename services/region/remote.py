@@ -76,14 +76,13 @@ async def apply_batch(service: RegionService, data: bytes) -> dict[str, Any]:
     where: list[int] = []
     traces = view.traceparents
     for i in range(len(view.bodies)):
-        field = f"events[{i}]"
         try:
             event, body = batch_event_body(view, i)
         except MalformedRecord as exc:
-            refused.append(_refusal(i, MalformedRecord(f"{field}: not an EntryEvent: {exc.reason}"),
+            refused.append(_refusal(i, MalformedRecord(f"events[{i}]: not an EntryEvent: {exc.reason}"),
                                     _event_id_or_none(view.bodies[i])))
             continue
-        problem = remote_problem(cfg, event, now_ms, field)
+        problem = remote_problem(cfg, event, now_ms, f"events[{i}]")
         if problem is not None:
             refused.append(_refusal(i, problem, event.event_id))
             continue
