@@ -480,3 +480,56 @@ def entry_event_body(ev):
         return PyBytes_FromStringAndSize(<char*>buf, p - buf)
     finally:
         PyMem_Free(buf)
+
+
+def queued_event(header, flags, queue_id, changelog_partition, changelog_offset, enqueued_at, event_body):
+    """``eventwire.queued_event(...)``, or None where the Python writer must run (a number beyond its
+    Avro type, a field of an unexpected type)."""
+    cdef int64_t f, partition, offset, at
+    cdef Py_ssize_t n_queue, n_header, n_body
+    cdef const char* queue
+    if type(header) is not bytes or type(event_body) is not bytes:
+        return None
+    try:
+        f = flags
+        partition = changelog_partition
+        offset = changelog_offset
+        at = enqueued_at
+        queue = PyUnicode_AsUTF8AndSize(queue_id, &n_queue)
+    except (TypeError, OverflowError, UnicodeEncodeError):
+        return None
+    if not (_is_int32(f) and _is_int32(partition)):
+        return None
+    n_header = PyBytes_GET_SIZE(header)
+    n_body = PyBytes_GET_SIZE(event_body)
+    cdef Py_ssize_t bound = n_header + n_queue + n_body + 50
+    cdef unsigned char* buf = <unsigned char*>PyMem_Malloc(bound)
+    if buf == NULL:
+        raise MemoryError()
+    cdef unsigned char* p = buf
+    try:
+        memcpy(p, PyBytes_AS_STRING(header), n_header)
+        p += n_header
+        p = _put_long(p, f)
+        p = _put_span(p, queue, n_queue)
+        p = _put_long(p, partition)
+        p = _put_long(p, offset)
+        p = _put_long(p, at)
+        memcpy(p, PyBytes_AS_STRING(event_body), n_body)
+        p += n_body
+        return PyBytes_FromStringAndSize(<char*>buf, p - buf)
+    finally:
+        PyMem_Free(buf)
+
+
+def new_entry_event(region, key, operation, value, event_id, version, int64_t origin_dsid, int64_t bucket,
+                    int64_t event_time, callback_argument=None, bint possible_duplicate=False, visited_dsids=(),
+                    value_encoding="json", transaction=None):
+    """``EntryEvent(...)`` of these fields, positional, without its frozen ``__init__`` (``_entry_event``)."""
+    return _entry_event(region, key, operation, value, event_id, version, origin_dsid, bucket, event_time,
+                        callback_argument, possible_duplicate, visited_dsids, value_encoding, transaction)
+
+
+def new_version_tag(int64_t dsid, int64_t timestamp, int64_t entry_version, member_id=""):
+    """``VersionTag(...)`` of these fields, without its frozen ``__init__``."""
+    return _version(dsid, timestamp, entry_version, member_id)

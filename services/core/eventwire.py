@@ -344,6 +344,17 @@ def queued_event(header: bytes, flags: int, queue_id: str, changelog_partition: 
                  enqueued_at: int, event_body: bytes) -> bytes:
     """A ``QueuedEvent`` record (``header``: the marker and the current QueuedEvent fingerprint,
     ``codec.header("QueuedEvent")``) around an event body, as fastavro would write it."""
+    if _compiled is not None:
+        record = _compiled.queued_event(header, flags, queue_id, changelog_partition, changelog_offset,
+                                        enqueued_at, event_body)
+        if record is not None:
+            return record  # type: ignore[no-any-return]
+    return queued_event_py(header, flags, queue_id, changelog_partition, changelog_offset, enqueued_at, event_body)
+
+
+def queued_event_py(header: bytes, flags: int, queue_id: str, changelog_partition: int, changelog_offset: int,
+                    enqueued_at: int, event_body: bytes) -> bytes:
+    """``queued_event`` in Python: the reference of the compiled writer."""
     return b"".join((header, varint32(flags), _cached_string(queue_id), varint32(changelog_partition),
                      varint(changelog_offset), varint(enqueued_at), event_body))
 
@@ -787,7 +798,8 @@ def client_event_message(header: bytes, event_body: bytes, *, receive_values: bo
                      b"\x01" if possible_duplicate else b"\x00", varint(filled_at), b"\x00"))
 
 
-__all__ += ["COMPILED", "batch_event_body_py", "decode_entry_py", "entry_event_body_py"]
+__all__ += ["COMPILED", "batch_event_body_py", "decode_entry_py", "entry_event_body_py", "new_entry_event",
+            "new_version_tag", "queued_event_py"]
 __all__ += ["EntryHead", "check_entry_tail", "client_event_message", "entry_without_value", "read_entry_head"]
 
 
@@ -882,5 +894,9 @@ def _load_compiled() -> Any:
 
 
 _compiled = _load_compiled()
+#: ``EntryEvent(...)`` and ``VersionTag(...)`` with positional fields, built by the compiled module
+#: where it is in use (without the frozen dataclasses' ``__init__``): for the region's write path.
+new_entry_event: Callable[..., EntryEvent] = EntryEvent if _compiled is None else _compiled.new_entry_event
+new_version_tag: Callable[..., VersionTag] = VersionTag if _compiled is None else _compiled.new_version_tag
 #: Whether the compiled readers are in use (tests/unit/test_eventwire_compiled.py checks that ``make`` built them).
 COMPILED = _compiled is not None

@@ -38,6 +38,7 @@ from typing import Iterator
 
 from ..core.errors import EntryExists, EntryNotFound, InvalidRequest
 from ..core.events import DESTROYS, REGION_OPERATIONS, EntryEvent, EventID, Operation, VersionTag
+from ..core.eventwire import new_entry_event, new_version_tag
 from .conflicts import ConflictResolver, resolve
 
 
@@ -177,18 +178,8 @@ class BucketState:
 
         previous = self.entries.get(key)  # includes a tombstone's version
         version = self._next_version(previous, now_ms)
-        event = EntryEvent(
-            region=self.region,
-            key=key,
-            operation=operation,
-            value=value,
-            event_id=event_id,
-            version=version,
-            origin_dsid=self.dsid,
-            bucket=self.bucket,
-            event_time=now_ms,
-            callback_argument=callback_argument,
-        )
+        event = new_entry_event(self.region, key, operation, value, event_id, version, self.dsid, self.bucket,
+                                now_ms, callback_argument)
         self.replay(event)
         return event
 
@@ -204,12 +195,12 @@ class BucketState:
         downstream copies (the SQL write-behind) rely on.
         """
         if previous is None:
-            return VersionTag(self.dsid, now_ms, 1, self.member_id)
+            return new_version_tag(self.dsid, now_ms, 1, self.member_id)
         last = previous.version
         timestamp = max(now_ms, last.timestamp)
         if timestamp == last.timestamp and last.dsid > self.dsid:
             timestamp += 1
-        return VersionTag(self.dsid, timestamp, last.entry_version + 1, self.member_id)
+        return new_version_tag(self.dsid, timestamp, last.entry_version + 1, self.member_id)
 
     def prepare_clear(self, event_id: EventID, now_ms: int,
                       operation: Operation = Operation.REGION_CLEAR) -> list[EntryEvent] | Duplicate:

@@ -139,3 +139,37 @@ def test_an_event_no_body_holds_is_left_to_the_python_writer(change: dict) -> No
     except (MalformedRecord, UnicodeEncodeError, TypeError) as exc:
         got = type(exc)
     assert got == expected
+
+
+@needs_compiled
+@settings(max_examples=300, deadline=None, database=None)
+@given(events, st.integers(min_value=0, max_value=3), st.text(max_size=30), st.integers(-(2**31), 2**31 - 1),
+       st.integers(-(2**63), 2**63 - 1), st.integers(-(2**63), 2**63 - 1))
+def test_a_queue_record_is_written_the_same(event: EntryEvent, flags: int, queue_id: str, partition: int,
+                                            offset: int, at: int) -> None:
+    header = get_codec().header("QueuedEvent")
+    body = wire.entry_event_body(event)
+    assert compiled.queued_event(header, flags, queue_id, partition, offset, at, body) == \
+        wire.queued_event_py(header, flags, queue_id, partition, offset, at, body)
+
+
+@needs_compiled
+def test_a_queue_record_no_record_holds_is_left_to_the_python_writer() -> None:
+    header = get_codec().header("QueuedEvent")
+    assert compiled.queued_event(header, 0, "q", 2**31, 0, 0, b"") is None
+    with pytest.raises(MalformedRecord):
+        wire.queued_event(header, 0, "q", 2**31, 0, 0, b"")
+
+
+@needs_compiled
+@settings(max_examples=200, deadline=None, database=None)
+@given(events)
+def test_an_event_built_without_its_init_equals_the_dataclass(event: EntryEvent) -> None:
+    """Every field set, in order: equal, hashed and shown as the dataclass's own."""
+    from dataclasses import astuple, fields
+
+    made = compiled.new_entry_event(*(getattr(event, f.name) for f in fields(EntryEvent)))
+    assert made == event and astuple(made) == astuple(event) and repr(made) == repr(event)
+    version = compiled.new_version_tag(event.version.dsid, event.version.timestamp, event.version.entry_version,
+                                       event.version.member_id)
+    assert version == event.version and hash(version) == hash(event.version)
