@@ -688,6 +688,7 @@ def fanout(ctx: Context) -> list[Result]:
                     contextlib.ExitStack() as stack:
                 for n, s in enumerate(subs):
                     stack.enter_context(ctx.profiling(s.pid, f"subscriptions-{n}"))
+                stack.enter_context(ctx.profiling(clients[0].pid, "clients-0"))
                 cpu = stack.enter_context(ctx.cpu_use("throughput", measured))
                 t0 = time.time()
                 write_chunks(writer, first, events, BATCH_ENTRIES, stamps)
