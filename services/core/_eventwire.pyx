@@ -90,6 +90,14 @@ cdef struct Cursor:
     bint bad
 
 
+cdef inline void _open(Cursor* c, bytes body) noexcept:
+    """The cursor at the first byte of ``body``."""
+    c.buf = <const unsigned char*>PyBytes_AS_STRING(body)
+    c.size = PyBytes_GET_SIZE(body)
+    c.pos = 0
+    c.bad = False
+
+
 cdef inline int64_t _long(Cursor* c) noexcept:
     """The zig-zag varint at the cursor; ``bad`` set where ``eventwire.read_long`` would fail."""
     cdef uint64_t n = 0
@@ -187,10 +195,7 @@ cdef tuple _decode(bytes body, object visited_added, bint force_duplicate):
     batch's event): (event, body) as ``eventwire.batch_event_body`` makes them, the sender's
     changes merged into both."""
     cdef Cursor c
-    c.buf = <const unsigned char*>PyBytes_AS_STRING(body)
-    c.size = PyBytes_GET_SIZE(body)
-    c.pos = 0
-    c.bad = False
+    _open(&c, body)
     region = _string(&c)
     if c.bad:
         return None
@@ -292,13 +297,9 @@ def batch_event_body(view, Py_ssize_t index):
     body = view.bodies[index]
     if type(body) is not bytes:
         return None
-    event_region = None
     # The region comes first: read it to find the sites the sender adds for it.
     cdef Cursor c
-    c.buf = <const unsigned char*>PyBytes_AS_STRING(body)
-    c.size = PyBytes_GET_SIZE(body)
-    c.pos = 0
-    c.bad = False
+    _open(&c, <bytes>body)
     event_region = _string(&c)
     if c.bad:
         return None
