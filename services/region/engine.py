@@ -151,6 +151,59 @@ WEDGED_PRODUCERS_MAX = 8
 REVOKE_WAIT_S = 10.0
 #: The pause before the committer builds its producer again after failing to.
 PRODUCER_RETRY_S = 1.0
+#: How often a broker aborts the transactions past their timeout
+#: (``transaction.abort.timed.out.transaction.cleanup.interval.ms``, Kafka's default).
+KAFKA_ABORT_CHECK_S = 10.0
+#: Beyond the transaction timeout and that check, how long before an open transaction is called hanging.
+HANGING_GRACE_S = 20.0
+
+
+class HangingWatch:
+    """Transactions that hold a changelog partition's loads past any producer's transaction timeout.
+
+    A transaction is open on a partition from its first record until the
+    transaction coordinator writes its marker there.  Any open transaction
+    ends within the transaction timeout plus the broker's abort check, unless
+    the coordinator dropped its marker: Apache Kafka 4.4.0 does, when it
+    completes a transaction while the partition has no live leader (it takes
+    the partition for deleted: README, "Hanging transactions").  Such a
+    transaction stays open for ever, and only a marker written for it ends it.
+    The loader reports each one (log, ``/readyz``, ``/stats``) rather than
+    waiting in silence.  Thread-safe.
+    """
+
+    def __init__(self, hanging_after_s: float) -> None:
+        self.hanging_after_s = hanging_after_s
+        self._lock = threading.Lock()
+        #: (region, bucket) → (the offset the open transaction starts at, when it was first seen open there)
+        self._open: dict[tuple[str, int], tuple[int, float]] = {}
+        self._reported: set[tuple[str, int, int]] = set()
+
+    def seen_open(self, region: str, bucket: int, offset: int, now: float) -> float | None:
+        """Note a transaction open from ``offset``; how long it has been open, the first time that
+        passes ``hanging_after_s`` for this partition and offset (None otherwise)."""
+        with self._lock:
+            first = self._open.get((region, bucket))
+            if first is None or first[0] != offset:
+                self._open[(region, bucket)] = (offset, now)
+                return None
+            open_s = now - first[1]
+            if open_s < self.hanging_after_s or (region, bucket, offset) in self._reported:
+                return None
+            self._reported.add((region, bucket, offset))
+            return open_s
+
+    def clear(self, region: str, bucket: int) -> None:
+        """The partition's transactions are decided, or the bucket is no longer loaded here."""
+        with self._lock:
+            self._open.pop((region, bucket), None)
+
+    def hanging(self, now: float) -> list[tuple[str, int, int, float]]:
+        """(region, bucket, offset, seconds open) of each transaction open past ``hanging_after_s``."""
+        with self._lock:
+            return sorted((region, bucket, offset, now - since)
+                          for (region, bucket), (offset, since) in self._open.items()
+                          if now - since >= self.hanging_after_s)
 
 
 class BucketStatus(enum.Enum):
@@ -305,7 +358,9 @@ class RegionEngine:
         self.assigned_once = threading.Event()
         self.stats = {"applied": 0, "duplicates": 0, "conflicts_lost": 0, "loads": 0, "refanned_out": 0,
                       "bucket_failures": 0, "dead_lettered": 0, "windows": 0, "windows_failed": 0,
-                      "window_records": 0, "producers_rebuilt": 0, "producers_wedged": 0, "owners_fenced": 0}
+                      "window_records": 0, "producers_rebuilt": 0, "producers_wedged": 0, "owners_fenced": 0,
+                      "hanging_transactions": 0}
+        self._hanging = HangingWatch(transaction_timeout_ms / 1000 + KAFKA_ABORT_CHECK_S + HANGING_GRACE_S)
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -895,12 +950,17 @@ class RegionEngine:
                 except KafkaException as exc:
                     raise translate(exc, f"reading the changelog bounds of {region}[{bucket}]") from exc
                 if stable >= high:
+                    self._hanging.clear(region, bucket)
                     return low, high, committed, transactional
                 blocked = f"a transaction is open from offset {stable} (end {high})"
+                open_s = self._hanging.seen_open(region, bucket, stable, time.monotonic())
+                if open_s is not None:
+                    self._report_hanging(topic, bucket, stable, open_s)
             with self._lock:
                 ob = self._current(region, bucket, epoch)
                 since_ms = ob.since_ms if ob is not None else 0
             if ob is None or self._stopping.is_set():
+                self._hanging.clear(region, bucket)
                 return None
             waited_s = time.monotonic() - started
             if not fenced and waited_s >= FENCE_AFTER_S:
@@ -909,6 +969,21 @@ class RegionEngine:
             if waited_s > self._load_timeout_s:
                 raise BrokerUnavailable(f"changelog {topic}[{bucket}]: {blocked} for {self._load_timeout_s:g} s")
             self._stopping.wait(0.05)
+
+    def _report_hanging(self, topic: str, bucket: int, offset: int, open_s: float) -> None:
+        self.stats["hanging_transactions"] += 1
+        log.error("changelog %s[%d]: a transaction has been open from offset %d for %.0f s, longer than any "
+                  "producer's transaction may last (%g s and the broker's abort check): the broker never wrote "
+                  "its marker, a hanging transaction, and the bucket cannot load until one is.  "
+                  "`kafka-transactions.sh --bootstrap-server <site> find-hanging --broker-id <leader>` lists it "
+                  "(with any consumer-offsets partition it holds too); `kafka-transactions.sh abort --topic %s "
+                  "--partition %d --start-offset %d` ends it, discarding its records (README, \"Hanging "
+                  "transactions\")", topic, bucket, offset, open_s, self._transaction_timeout_ms / 1000,
+                  topic, bucket, offset)
+
+    def hanging_transactions(self) -> list[tuple[str, int, int, float]]:
+        """(region, bucket, offset, seconds open) of each bucket whose load a hanging transaction holds."""
+        return self._hanging.hanging(time.monotonic())
 
     def _fence_gone_owners(self, region: str, bucket: int, since_ms: int) -> None:
         if self._gone_owners is None:
