@@ -922,6 +922,10 @@ def measure_sluice_drain(ctx: Context, sites: Sites, expected: dict[str, Any]) -
                          f"first applied after {watcher.first_at - t0:.2f}s; {first_to_last:,.0f} events/s from the "
                          "first to the last (the MirrorMaker figure's clock)")
                 verify_b(ctx, sites, region_b, expected, watcher)
+                stats = region_b.stats()
+                windows = max(1, stats["windows"])
+                ctx.note(f"region B wrote {stats['windows']:,} windows (Kafka transactions), "
+                         f"{stats['window_records'] / windows:,.0f} records each on average")
             finally:
                 watcher.stop()
         ctx.note(f"resident: sender {rss_mb(sender.pid)}, receiver {rss_mb(receiver.pid)}, "
