@@ -151,6 +151,9 @@ WEDGED_PRODUCERS_MAX = 8
 REVOKE_WAIT_S = 10.0
 #: The pause before the committer builds its producer again after failing to.
 PRODUCER_RETRY_S = 1.0
+#: How long on_revoke waits, in all, for the markers of the last windows to land on the revoked
+#: partitions before it keeps their buckets' state (``Parked``).
+PARK_SETTLE_S = 1.0
 #: How often a broker aborts the transactions past their timeout
 #: (``transaction.abort.timed.out.transaction.cleanup.interval.ms``, Kafka's default).
 KAFKA_ABORT_CHECK_S = 10.0
@@ -226,6 +229,31 @@ class OwnedBucket:
     # A server-assigned EventID stream (member = this instance, thread = bucket).
     next_sequence: int = 0
     since_ms: int = 0  # when this instance was assigned the bucket (its claim in the directory)
+    #: A window holding its records failed: the memory may be ahead of the changelog.
+    dirty: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Parked:
+    """A revoked bucket's state, kept for the assignment that follows the revocation.
+
+    With eager rebalancing every member gives back every bucket, and most come
+    back to the same member.  Such a bucket is not read again when its changelog
+    partition is exactly as it was at the revocation: the same low offset and end
+    (the high watermark counts every record and marker, so a write by anyone,
+    committed or aborted, moves it), no transaction open, and the same committed
+    checkpoint.  Anything else, and the bucket loads from the changelog.
+    """
+
+    state: BucketState
+    checkpoint: int
+    next_sequence: int
+    low: int
+    high: int
+
+    def still_current(self, low: int, high: int, committed: int, transactional: bool) -> bool:
+        """Whether the changelog partition, decided at (low, high) with ``committed``, is as it was."""
+        return transactional and (low, high, committed) == (self.low, self.high, self.checkpoint)
 
 
 @dataclass(slots=True)
@@ -355,11 +383,15 @@ class RegionEngine:
         self._group: Consumer | None = None
         self._offsets: Consumer | None = None
         self._dead_letter_producer: Producer | None = None
+        #: The group thread's read_uncommitted reader of high watermarks (``_park``).
+        self._high_reader: Consumer | None = None
+        #: Revoked buckets' state, until the assignment after the revocation (``Parked``; under ``_lock``).
+        self._parked: dict[tuple[str, int], Parked] = {}
         self.assigned_once = threading.Event()
         self.stats = {"applied": 0, "duplicates": 0, "conflicts_lost": 0, "loads": 0, "refanned_out": 0,
                       "bucket_failures": 0, "dead_lettered": 0, "windows": 0, "windows_failed": 0,
                       "window_records": 0, "producers_rebuilt": 0, "producers_wedged": 0, "owners_fenced": 0,
-                      "hanging_transactions": 0}
+                      "hanging_transactions": 0, "loads_skipped": 0}
         self._hanging = HangingWatch(transaction_timeout_ms / 1000 + KAFKA_ABORT_CHECK_S + HANGING_GRACE_S)
 
     # --- lifecycle -----------------------------------------------------------
@@ -375,6 +407,9 @@ class RegionEngine:
         self._offsets = make_consumer(self._kafka_settings, self.group_id,
                                       **{"client.id": f"{self.client_id}-offsets", "enable.auto.commit": False,
                                          "isolation.level": "read_committed"})
+        self._high_reader = make_consumer(self._kafka_settings, None,
+                                          **{"client.id": f"{self.client_id}-watermarks",
+                                             "isolation.level": "read_uncommitted"})
         self._group = make_consumer(
             self._kafka_settings,
             self.group_id,
@@ -422,6 +457,10 @@ class RegionEngine:
             self._writer.close()
         if self._offsets is not None:
             self._offsets.close()
+        if self._high_reader is not None:
+            self._high_reader.close()
+        with self._lock:
+            self._parked.clear()
         if self._dead_letter_producer is not None:
             self._dead_letter_producer.flush(max(0.1, end - time.monotonic()))
             close_producer(self._dead_letter_producer, 0.1)
@@ -709,6 +748,10 @@ class RegionEngine:
         with self._lock:
             if outcome.committed is None:
                 failed = [slot for slot in window.checkpoints if slot not in skip]
+                for slot in failed:
+                    ob = self._current(*slot)
+                    if ob is not None:
+                        ob.dirty = True
             self._windows_done += 1
             self._window_changed.notify_all()
         error = outcome.error
@@ -823,6 +866,9 @@ class RegionEngine:
         now_ms = int(time.time() * 1000)
         with self._lock:
             self._membership = membership
+            assigned = {(self._topic_region[tp.topic], tp.partition) for tp in partitions}
+            for key in [key for key in self._parked if key not in assigned]:
+                del self._parked[key]
             for tp in partitions:
                 region = self._topic_region[tp.topic]
                 self._epoch += 1
@@ -836,15 +882,19 @@ class RegionEngine:
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         keys = [(self._topic_region[tp.topic], tp.partition) for tp in partitions]
+        ready: set[tuple[str, int]] = set()
         with self._lock:
             for key in keys:
                 ob = self._owned.get(key)
                 if ob is not None:
+                    if ob.status is BucketStatus.READY:
+                        ready.add(key)
                     ob.status = BucketStatus.REVOKING
         # The generation is still ours: commit what was accepted for these
         # buckets before the group moves them (the next owner's load would
         # otherwise wait for our transactions, or re-enqueue their records).
-        if not self._wait_windows(REVOKE_WAIT_S):
+        committed = self._wait_windows(REVOKE_WAIT_S)
+        if not committed:
             log.warning("revoking %d buckets before their last window was committed", len(keys))
         with self._lock:
             revoked = [self._owned.pop(key, None) for key in keys]
@@ -852,9 +902,39 @@ class RegionEngine:
                 self._membership = None
         log.info("revoked %s", ", ".join(f"{ob.region}[{ob.bucket}]" for ob in revoked if ob) or "nothing")
         self._ownership_changed()
+        if committed:
+            self._park(consumer, [ob for ob in revoked
+                                  if ob is not None and (ob.region, ob.bucket) in ready and not ob.dirty])
+
+    def _park(self, consumer: Consumer, revoked: list[OwnedBucket]) -> None:
+        """Keep the state of revoked buckets whose every window is committed, with their changelog
+        partition's bounds once its last markers landed (``Parked``)."""
+        assert self._high_reader is not None
+        deadline = time.monotonic() + PARK_SETTLE_S
+        parked: dict[tuple[str, int], Parked] = {}
+        for ob in revoked:
+            if ob.state is None:
+                continue
+            tp = TopicPartition(self.changelog_topics[ob.region], ob.bucket)
+            while True:
+                try:
+                    low, stable, high = partition_end(consumer, self._high_reader, tp,
+                                                      timeout_s=max(0.1, deadline - time.monotonic()))
+                except KafkaException as exc:
+                    log.info("%s[%d] not kept after its revocation: %s", ob.region, ob.bucket, exc)
+                    break
+                if stable >= high:
+                    parked[(ob.region, ob.bucket)] = Parked(ob.state, ob.checkpoint, ob.next_sequence, low, high)
+                    break
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.005)
+        with self._lock:
+            self._parked.update(parked)
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         with self._lock:
+            self._parked.clear()
             for tp in partitions:
                 self._owned.pop((self._topic_region[tp.topic], tp.partition), None)
             # A lost member may be a zombie: whatever it still writes is
@@ -1014,6 +1094,19 @@ class RegionEngine:
         if bounds is None:
             return
         low, high, committed, transactional = bounds
+        with self._lock:
+            parked = self._parked.pop((region, bucket), None)
+            ob = self._current(region, bucket, epoch)
+            if ob is None:
+                return
+            if parked is not None and parked.still_current(low, high, committed, transactional):
+                ob.state, ob.checkpoint, ob.next_sequence = parked.state, parked.checkpoint, parked.next_sequence
+                ob.status = BucketStatus.READY
+                self.stats["loads_skipped"] += 1
+                log.info("kept %s[%d]: its changelog did not move while it was revoked (offsets %d..%d), "
+                         "%d keys, %.3fs", region, bucket, low, high, parked.state.size(),
+                         time.monotonic() - started)
+                return
         # Records past an unmarked checkpoint may lack their queue records (fanout.py): re-enqueued,
         # and the marked checkpoint (where this load ends) committed with them.
         replay_from = high if transactional else (committed if committed >= 0 else low)

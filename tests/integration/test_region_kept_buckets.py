@@ -1,0 +1,100 @@
+"""Buckets that stay with their owner through a rebalance are not read again (engine.Parked).
+
+Eager rebalancing revokes every bucket of every member; most come back to
+the member that had them.  Such a bucket keeps its state when its changelog
+partition did not move, and only the buckets that change owner load.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sluice.client import RegionClient
+from sluice.core.codec import get_codec
+from sluice.core.events import EventID
+
+from regionkit import RegionProcess, read_topic, write_site
+
+pytestmark = pytest.mark.timeout(300)
+
+KEYS = 400
+
+
+def owned(instance: RegionProcess) -> set[int]:
+    rows = httpx.get(f"{instance.url}/buckets", timeout=10).json()["buckets"]
+    return {r["bucket"] for r in rows if r["owner"] == instance.url and r["status"] == "ready"}
+
+
+def wait_split(a: RegionProcess, b: RegionProcess, timeout_s: float = 60.0) -> tuple[set[int], set[int]]:
+    """Until a and b together serve the 8 buckets, each some."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        mine, theirs = owned(a), owned(b)
+        if mine and theirs and mine | theirs == set(range(8)) and not mine & theirs:
+            return mine, theirs
+        time.sleep(0.2)
+    pytest.fail(f"the buckets were never split: a {owned(a)}, b {owned(b)}")
+
+
+def test_a_member_joining_and_one_killed_reload_only_the_buckets_that_moved(site_a, unique_prefix, tmp_path: Path):
+    prefix = site_a.topic_prefix(unique_prefix)
+    cfg = write_site(tmp_path / "site.yaml", site="a", bootstrap=site_a.bootstrap, prefix=prefix)
+    a = RegionProcess(tmp_path / "site.yaml", tmp_path / "region-a.log")
+    b: RegionProcess | None = None
+    try:
+        a.wait_ready()
+        client = RegionClient([a.url], retry_for_s=60)
+        expected = {f"k{i:04d}": {"n": i, "round": 1} for i in range(KEYS)}
+        for start in range(0, KEYS, 100):
+            client.put_all("orders", dict(list(expected.items())[start:start + 100]))
+        assert a.stats()["loads"] == 8
+
+        # b joins: every bucket is revoked from a, and a gets back a share of them.
+        b = RegionProcess(tmp_path / "site.yaml", tmp_path / "region-b.log")
+        b.wait_ready()
+        kept, moved = wait_split(a, b)
+        stats = a.stats()
+        assert stats["loads"] == 8, f"a read buckets it kept again: {stats}"
+        assert stats["loads_skipped"] >= len(kept), stats
+        both = RegionClient([a.url, b.url], retry_for_s=60)
+        entries = both.get_all("orders", list(expected))
+        assert {k: (e or {}).get("value") for k, e in entries.items()} == expected
+
+        # Writes through both, then b is killed: a keeps its buckets and loads only b's.
+        for i in range(0, KEYS, 3):
+            key = f"k{i:04d}"
+            expected[key] = {"n": i, "round": 2}
+            both.put("orders", key, expected[key])
+        skipped_before = a.stats()["loads_skipped"]
+        b.kill()
+        deadline = time.monotonic() + 60
+        while owned(a) != set(range(8)):
+            assert time.monotonic() < deadline, f"a never took every bucket: {owned(a)}"
+            time.sleep(0.2)
+        stats = a.stats()
+        assert stats["loads"] == 8 + len(moved), f"a read more than b's buckets: {stats}"
+        assert stats["loads_skipped"] >= skipped_before + len(kept), stats
+
+        # Nothing acknowledged is lost, and the kept buckets go on writing their EventID streams.
+        survivor = RegionClient([a.url], retry_for_s=60)
+        for i in range(1, KEYS, 5):
+            key = f"k{i:04d}"
+            expected[key] = {"n": i, "round": 3}
+            survivor.put("orders", key, expected[key])
+        entries = survivor.get_all("orders", list(expected))
+        wrong = {k: ((entries.get(k) or {}).get("value"), v) for k, v in expected.items()
+                 if (entries.get(k) or {}).get("value") != v}
+        assert not wrong, f"{len(wrong)} keys differ, e.g. {list(wrong.items())[:3]}"
+        codec = get_codec()
+        ids = Counter(EventID.from_record(codec.decode_as("EntryEvent", value)["event_id"])
+                      for _, _, value in read_topic(site_a.bootstrap, cfg.topics.region_changelog("orders"), 8))
+        assert [eid for eid, n in ids.items() if n > 1] == [], "an EventID was written twice to the changelog"
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
