@@ -105,7 +105,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from ..core.codec import Codec
+from ..core.codec import HEADER_BYTES, Codec
 from ..core.errors import (
     BrokerUnavailable,
     BucketUnavailable,
@@ -116,6 +116,7 @@ from ..core.errors import (
     SluiceError,
 )
 from ..core.events import EntryEvent, EventID
+from ..core.eventwire import decode_entry
 from ..core.events import Operation as EventOperation
 from ..core.kafka import (
     OFFSET_BEGINNING,
@@ -1114,6 +1115,9 @@ class RegionEngine:
         state = BucketState(region, bucket, self.dsid, self.member_id)
         refanout: list[tuple[EntryEvent, int]] = []
         unreadable: list[tuple[int, bytes | None, bytes | None, CodecError]] = []
+        # Records of this release are read by the codec module's EntryEvent reader (compiled where
+        # built); records of earlier schema versions through the codec, which resolves them.
+        header = self._codec.header("EntryEvent")
         if high > low:
             reader.assign([TopicPartition(topic, bucket, OFFSET_BEGINNING if low == 0 else low)])
             position = low
@@ -1138,8 +1142,12 @@ class RegionEngine:
                         continue
                     offset = msg.offset()
                     position = max(position, offset + 1)
+                    value = msg.value()
                     try:
-                        event = EntryEvent.from_record(self._codec.decode_as("EntryEvent", msg.value()))
+                        if value is not None and value[:HEADER_BYTES] == header:
+                            event = decode_entry(value[HEADER_BYTES:])[0]
+                        else:
+                            event = EntryEvent.from_record(self._codec.decode_as("EntryEvent", value))
                     except CodecError as exc:
                         log.error("changelog %s[%d]@%d unreadable, skipped: %s", topic, bucket, offset, exc)
                         unreadable.append((offset, msg.key(), msg.value(), exc))
