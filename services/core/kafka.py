@@ -156,6 +156,13 @@ def make_producer(base: dict[str, Any], **settings: Any) -> Producer:
         raise translate(exc, "creating a producer") from exc
 
 
+#: How long librdkafka waits before fetching a partition again once its local queue is over
+#: ``queued.min.messages`` / ``queued.max.messages.kbytes`` (librdkafka's default: 1000 ms).  A reader
+#: that drains its queue faster than that otherwise idles for the rest of each second: a bucket's
+#: changelog of 1M records of 300 bytes read in 5.6 s by one consumer at the default, in 1.2 s at 10 ms.
+FETCH_QUEUE_BACKOFF_MS = 10
+
+
 def make_consumer(base: dict[str, Any], group_id: str | None = None, **settings: Any) -> Consumer:
     """A consumer that never commits or stores offsets on its own.
 
@@ -171,6 +178,7 @@ def make_consumer(base: dict[str, Any], group_id: str | None = None, **settings:
         "isolation.level": "read_committed",
         "partition.assignment.strategy": "range",
         "topic.metadata.refresh.interval.ms": METADATA_REFRESH_MS,
+        "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS,
     }
     conf.update(base)
     conf.update({k.replace("_", "."): v for k, v in settings.items()})
