@@ -443,18 +443,21 @@ class Entry:
     name: str
     func: Benchmark
     summary: str
+    #: Whether ``--quick`` runs it (a benchmark whose sizes are what it measures has no quick form).
+    quick: bool = True
 
 
 REGISTRY: dict[str, Entry] = {}
 
 
-def benchmark(name: str, summary: str) -> Callable[[Benchmark], Benchmark]:
-    """Register ``func`` as benchmark ``name`` (dotted, e.g. ``region.put_all.ingest``)."""
+def benchmark(name: str, summary: str, quick: bool = True) -> Callable[[Benchmark], Benchmark]:
+    """Register ``func`` as benchmark ``name`` (dotted, e.g. ``region.put_all.ingest``); ``quick=False``
+    leaves it out of ``--quick`` runs."""
 
     def register(func: Benchmark) -> Benchmark:
         if name in REGISTRY:
             raise ValueError(f"benchmark {name!r} registered twice")
-        REGISTRY[name] = Entry(name, func, summary)
+        REGISTRY[name] = Entry(name, func, summary, quick)
         return func
 
     return register
@@ -463,6 +466,7 @@ def benchmark(name: str, summary: str) -> Callable[[Benchmark], Benchmark]:
 def load_benchmarks() -> dict[str, Entry]:
     """Import every module that registers benchmarks (the import registers them)."""
     from . import region  # noqa: F401
+    from . import region_failover  # noqa: F401
     from . import dispatcher  # noqa: F401
     from . import gateway  # noqa: F401
     from . import subscriptions  # noqa: F401
@@ -604,6 +608,10 @@ def run(
     def on_sigterm(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt
 
+    if quick:
+        for entry in [e for e in entries if not e.quick]:
+            console.log(f"{entry.name}: left out of a --quick run (its sizes are what it measures)")
+        entries = [e for e in entries if e.quick]
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     started = time.monotonic()
     load_at_start = None

@@ -1,0 +1,335 @@
+"""``region.failover``: what losing or starting a region instance costs, by region size.
+
+Measured as an operator sizing a production region would: region ``orders``
+(8 buckets, no queues attached), two region-service instances, 200-byte
+values, session timeout 6 s, for each size N of ``SIZES`` (where the
+machine's memory allows):
+
+1. Both instances start; two client threads load N entries with put_all
+   batches of 1000 (not timed: ``region.put_all.ingest`` measures that).
+2. Resident memory of each instance, and the bytes per entry that loading
+   added (the growth of both instances ÷ N).
+3. **Failover gap**: instance 0 is killed (``kill -9``); the clock runs
+   from the kill until a ``get_all`` of one key per bucket through the
+   survivor answers with all of them.
+4. **Cold start**: the survivor stops; a fresh instance starts alone and
+   the clock runs from its spawn until ``/readyz`` answers (every bucket
+   loaded).
+
+Baselines, measured in the same run on the same broker:
+
+* ``kafka.group.failover``: a consumer group of two plain confluent-kafka
+  consumers over an 8-partition topic with the same session and heartbeat
+  settings; one is killed (a child process, ``kill -9``), the clock runs
+  until the other holds all 8 partitions.  What Kafka's group alone costs:
+  no failover can be faster.
+* ``raw.consumer.read.N``: one consumer reading the N changelog records
+  from the beginning to the end: what reading the state back costs at the
+  least.
+* ``value.bytes``: the size of one value, so memory per entry reads as a
+  ratio to the data held.
+
+``python -m bench --only region.failover``; left out of ``--quick`` runs
+(its sizes are what it measures) and so of ``make test``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import yaml
+
+from sluice.client import RegionClient
+from sluice.core.config import load_config
+from sluice.core.kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    TopicPartition,
+    make_consumer,
+    partition_for_key,
+)
+from sluice.core.processes import RegionProcess
+
+from .harness import Context, Result, benchmark
+from .region import BATCH_ENTRIES, BUCKETS, REGION, create_topic, make_key, make_value
+from .site import write_site
+
+#: Region sizes measured, where memory allows (``fits``).
+SIZES = (100_000, 1_000_000, 3_000_000)
+SESSION_TIMEOUT_MS = 6000
+HEARTBEAT_INTERVAL_MS = 1000
+#: Client threads loading the entries.
+LOAD_THREADS = 2
+#: Memory per entry assumed for the first size, when deciding whether it fits (``fits``); each
+#: later size is judged by the bytes per entry the size before it measured.
+ASSUMED_BYTES_PER_ENTRY = 3000
+#: How long an instance may take to load a region alone.
+READY_TIMEOUT_S = 900.0
+PROBE_TIMEOUT_S = 1.0
+
+
+def fits(entries: int, bytes_per_entry: float) -> bool:
+    """Whether the region's copies (two instances holding half each, then one holding all, and the
+    stopping survivor's memory not yet freed: twice the region) fit in half the memory available now."""
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return entries <= SIZES[0]
+    return entries * bytes_per_entry * 2 < available / 2
+
+
+def rss_bytes(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split("VmRSS:")[1].split()[0]) * 1024
+
+
+def site_file(path: Path, bootstrap: str, prefix: str) -> Path:
+    """bench/site.py's site without queues, with the session settings of this benchmark."""
+    write_site(path, bootstrap=bootstrap, prefix=prefix, parallel_senders=0)
+    data = yaml.safe_load(path.read_text())
+    data["kafka"].update(session_timeout_ms=SESSION_TIMEOUT_MS, heartbeat_interval_ms=HEARTBEAT_INTERVAL_MS)
+    data["region_service"] = {"load_timeout_s": READY_TIMEOUT_S}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+# --- the baselines ------------------------------------------------------------------------------
+
+
+def group_settings(bootstrap: str, group: str) -> dict[str, Any]:
+    return {"bootstrap.servers": bootstrap, "group.id": group, "session.timeout.ms": SESSION_TIMEOUT_MS,
+            "heartbeat.interval.ms": HEARTBEAT_INTERVAL_MS, "enable.auto.commit": False,
+            "partition.assignment.strategy": "range"}
+
+
+def run_member(bootstrap: str, topic: str, group: str) -> int:
+    """``python -m bench.region_failover member``: a group member that polls until killed, saying
+    ``assigned N`` at each assignment."""
+    consumer = Consumer(group_settings(bootstrap, group))
+
+    def on_assign(c: Consumer, partitions: list[TopicPartition]) -> None:
+        print(f"assigned {len(partitions)}", flush=True)
+
+    consumer.subscribe([topic], on_assign=on_assign)
+    while True:
+        consumer.poll(0.2)
+
+
+class Member:
+    """An in-process member of the group, polled by a thread, whose assignment size is watched."""
+
+    def __init__(self, bootstrap: str, topic: str, group: str) -> None:
+        self.held = 0
+        self.changed = threading.Condition()
+        self._stop = threading.Event()
+        self._consumer = Consumer(group_settings(bootstrap, group))
+        self._consumer.subscribe([topic], on_assign=self._on_assign)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        with self.changed:
+            self.held = len(partitions)
+            self.changed.notify_all()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._consumer.poll(0.05)
+
+    def wait_holding(self, count: int, timeout_s: float) -> float:
+        """Until this member holds ``count`` partitions; the monotonic time it did."""
+        with self.changed:
+            if not self.changed.wait_for(lambda: self.held == count, timeout_s):
+                raise TimeoutError(f"the member held {self.held} partitions, not {count}, in {timeout_s:g}s")
+        return time.monotonic()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._consumer.close()
+
+
+def group_failover(ctx: Context) -> float:
+    """``kafka.group.failover``: seconds from kill -9 of one of two members to the other holding all."""
+    topic = f"{ctx.topic_prefix()}group-failover"
+    create_topic(ctx.bootstrap, topic, BUCKETS)
+    group = f"{topic}.group"
+    child = subprocess.Popen([sys.executable, "-m", "bench.region_failover", "member", ctx.bootstrap, topic, group],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             cwd=Path(__file__).resolve().parents[1], start_new_session=True)
+    member = Member(ctx.bootstrap, topic, group)
+    try:
+        deadline = time.monotonic() + 60
+        assert child.stdout is not None
+        while True:
+            line = child.stdout.readline()
+            if not line or time.monotonic() > deadline:
+                raise RuntimeError(f"the child member never got its share (exit {child.poll()})")
+            if line.strip() == f"assigned {BUCKETS // 2}":
+                break
+        member.wait_holding(BUCKETS // 2, 60)
+        killed = time.monotonic()
+        os.kill(child.pid, signal.SIGKILL)
+        gap = member.wait_holding(BUCKETS, 60) - killed
+    finally:
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        member.close()
+    ctx.step(f"kafka.group.failover: {gap:.1f}s from kill -9 to the survivor holding all {BUCKETS} partitions")
+    return gap
+
+
+def raw_read(bootstrap: str, topic: str, expected: int) -> float:
+    """Seconds for one consumer to read ``topic``'s ``expected`` records from its beginning."""
+    consumer = make_consumer({"bootstrap.servers": bootstrap}, None)
+    try:
+        consumer.list_topics(topic, timeout=10)
+        started = time.monotonic()
+        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(BUCKETS)])
+        read = 0
+        deadline = started + READY_TIMEOUT_S
+        while read < expected:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"read {read} of {expected} records of {topic}")
+            for msg in consumer.consume(10_000, 0.2):
+                if msg.error() is None:
+                    read += 1
+                elif msg.error().code() != KafkaError._PARTITION_EOF:
+                    raise RuntimeError(f"reading {topic}: {msg.error()}")
+        return time.monotonic() - started
+    finally:
+        consumer.close()
+
+
+# --- one size ----------------------------------------------------------------------------------
+
+
+def load(ctx: Context, urls: list[str], entries: int, advance: Any) -> None:
+    """put_all of ``entries`` entries in batches of BATCH_ENTRIES from LOAD_THREADS threads."""
+    errors: list[BaseException] = []
+
+    def worker(first: int) -> None:
+        client = RegionClient(urls, retry_for_s=120)
+        try:
+            for start in range(first * BATCH_ENTRIES, entries, LOAD_THREADS * BATCH_ENTRIES):
+                end = min(start + BATCH_ENTRIES, entries)
+                client.put_all(REGION, {make_key("k", i): make_value(i) for i in range(start, end)})
+                advance(end - start)
+        except BaseException as exc:  # handed to the benchmark thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(LOAD_THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def probe_keys(entries: int) -> list[str]:
+    """One loaded key per bucket."""
+    found: dict[int, str] = {}
+    for i in range(entries):
+        key = make_key("k", i)
+        found.setdefault(partition_for_key(key.encode(), BUCKETS), key)
+        if len(found) == BUCKETS:
+            return list(found.values())
+    raise RuntimeError(f"{entries} keys do not reach all {BUCKETS} buckets")
+
+
+def all_answer(url: str, keys: list[str]) -> bool:
+    try:
+        resp = httpx.post(f"{url}/regions/{REGION}/get_all", json={"keys": keys}, timeout=PROBE_TIMEOUT_S)
+    except httpx.HTTPError:
+        return False
+    return resp.status_code == 200 and all(resp.json()["entries"].get(k) for k in keys)
+
+
+def one_size(ctx: Context, entries: int, group_gap: float) -> list[Result]:
+    workdir = ctx.workdir / f"n{entries}"
+    workdir.mkdir()
+    path = site_file(workdir / "site.yaml", ctx.bootstrap, ctx.topic_prefix())
+    changelog = load_config(path).topics.region_changelog(REGION)
+    instances = [RegionProcess(path, workdir / f"region-{i}.log") for i in range(2)]
+    late: RegionProcess | None = None
+    try:
+        for inst in instances:
+            inst.wait_ready(120)
+        before = sum(rss_bytes(inst.pid) for inst in instances)
+        with ctx.counting(f"loading {entries:,} entries", entries) as advance:
+            load(ctx, [inst.url for inst in instances], entries, advance)
+        rss = [rss_bytes(inst.pid) for inst in instances]
+        per_entry = (sum(rss) - before) / entries
+        keys = probe_keys(entries)
+        victim, survivor = instances
+        if not all_answer(survivor.url, keys):
+            raise RuntimeError("the region does not answer before the kill")
+        killed = time.monotonic()
+        victim.kill()
+        while not all_answer(survivor.url, keys):
+            if time.monotonic() - killed > READY_TIMEOUT_S:
+                raise TimeoutError(f"the survivor did not answer for every bucket in {READY_TIMEOUT_S:g}s")
+            time.sleep(0.05)
+        gap = time.monotonic() - killed
+        stats = survivor.stats()
+        survivor.stop()
+        reads = [raw_read(ctx.bootstrap, changelog, entries)]
+        late = RegionProcess(path, workdir / "region-cold.log")
+        late.wait_ready(READY_TIMEOUT_S)
+        cold = time.monotonic() - late.started
+        if not all_answer(late.url, keys):
+            raise RuntimeError("the cold-started instance does not answer for every bucket")
+        late.stop()
+        reads.append(raw_read(ctx.bootstrap, changelog, entries))
+        read_s = min(reads)
+    finally:
+        for inst in [*instances, *([late] if late else [])]:
+            inst.stop()
+    mib = [r / 2**20 for r in rss]
+    ctx.note(f"N={entries:,}: failover gap {gap:.1f}s (the survivor loaded {stats['loads'] - BUCKETS // 2} "
+             f"buckets and kept {stats['loads_skipped']}); cold start {cold:.1f}s; resident after the load "
+             f"{mib[0]:,.0f} and {mib[1]:,.0f} MiB; {per_entry:,.0f} bytes per entry; a raw consumer read the "
+             f"changelog in {reads[0]:.2f}s before the cold start and {reads[1]:.2f}s after it (the faster is the "
+             "baseline)")
+    value_bytes = len(orjson.dumps(make_value(0)))
+    return [
+        Result(f"region.failover.gap.{entries}", gap, "s", "kafka.group.failover", group_gap),
+        Result(f"region.failover.cold_start.{entries}", cold, "s", f"raw.consumer.read.{entries}", read_s),
+        Result(f"region.failover.bytes_per_entry.{entries}", per_entry, "bytes", "value.bytes", value_bytes),
+        Result(f"region.failover.rss.{entries}", max(mib), "MiB"),
+    ]
+
+
+@benchmark("region.failover", "kill -9 of one of two region instances and a cold start, by region size",
+           quick=False)
+def region_failover(ctx: Context) -> list[Result]:
+    group_gap = group_failover(ctx)
+    results: list[Result] = []
+    per_entry = float(ASSUMED_BYTES_PER_ENTRY)
+    for entries in SIZES:
+        if not fits(entries, per_entry):
+            ctx.note(f"N={entries:,} left out: at {per_entry:,.0f} bytes per entry it would not fit in the "
+                     "memory available")
+            continue
+        measured = one_size(ctx, entries, group_gap)
+        results += measured
+        per_entry = next(r.value for r in measured if r.name.startswith("region.failover.bytes_per_entry."))
+    return results
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "member":
+        sys.exit(run_member(*sys.argv[2:]))
+    sys.exit("usage: python -m bench.region_failover member BOOTSTRAP TOPIC GROUP")
