@@ -78,7 +78,7 @@ from sluice.admin.cli import queue_status
 from sluice.core.codec import HEADER_BYTES, get_codec
 from sluice.core.config import SiteConfig, load_config
 from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
-from sluice.core.kafka import OFFSET_BEGINNING, Consumer, TopicPartition, partition_for_key
+from sluice.core.kafka import FETCH_QUEUE_BACKOFF_MS, OFFSET_BEGINNING, Consumer, TopicPartition, partition_for_key
 from sluice.core.topics import apply_topics
 
 from sluice.core import processes
@@ -275,13 +275,16 @@ def fill_queue(ctx: Context, cfg: SiteConfig, workload: Workload) -> None:
 
 
 def raw_consumer_settings(bootstrap: str) -> dict[str, Any]:
-    """The baseline consumer: what a user writes to read a topic (assign only, no commits)."""
+    """The baseline consumer: what a user writes to read a topic (assign only, no commits), with the
+    local-queue backoff of Sluice's own consumers (librdkafka's default of 1000 ms idles a reader
+    that drains its queue fast: core/kafka.py, ``FETCH_QUEUE_BACKOFF_MS``)."""
     return {
         "bootstrap.servers": bootstrap,
         "group.id": f"bench-raw-{uuid.uuid4().hex[:8]}",
         "enable.auto.commit": False,
         "auto.offset.reset": "earliest",
         "enable.partition.eof": False,
+        "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS,
     }
 
 
