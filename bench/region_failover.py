@@ -35,6 +35,7 @@ Baselines, measured in the same run on the same broker:
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -215,27 +216,19 @@ def raw_read(bootstrap: str, topic: str, expected: int) -> float:
 # --- one size ----------------------------------------------------------------------------------
 
 
-def load(ctx: Context, urls: list[str], entries: int, advance: Any) -> None:
+def load(urls: list[str], entries: int, advance: Any) -> None:
     """put_all of ``entries`` entries in batches of BATCH_ENTRIES from LOAD_THREADS threads."""
-    errors: list[BaseException] = []
 
     def worker(first: int) -> None:
         client = RegionClient(urls, retry_for_s=120)
-        try:
-            for start in range(first * BATCH_ENTRIES, entries, LOAD_THREADS * BATCH_ENTRIES):
-                end = min(start + BATCH_ENTRIES, entries)
-                client.put_all(REGION, {make_key("k", i): make_value(i) for i in range(start, end)})
-                advance(end - start)
-        except BaseException as exc:  # handed to the benchmark thread
-            errors.append(exc)
+        for start in range(first * BATCH_ENTRIES, entries, LOAD_THREADS * BATCH_ENTRIES):
+            end = min(start + BATCH_ENTRIES, entries)
+            client.put_all(REGION, {make_key("k", i): make_value(i) for i in range(start, end)})
+            advance(end - start)
 
-    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(LOAD_THREADS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    with concurrent.futures.ThreadPoolExecutor(LOAD_THREADS) as pool:
+        for future in [pool.submit(worker, i) for i in range(LOAD_THREADS)]:
+            future.result()
 
 
 def probe_keys(entries: int) -> list[str]:
@@ -269,7 +262,7 @@ def one_size(ctx: Context, entries: int, group_gap: float) -> list[Result]:
             inst.wait_ready(120)
         before = sum(rss_bytes(inst.pid) for inst in instances)
         with ctx.counting(f"loading {entries:,} entries", entries) as advance:
-            load(ctx, [inst.url for inst in instances], entries, advance)
+            load([inst.url for inst in instances], entries, advance)
         rss = [rss_bytes(inst.pid) for inst in instances]
         per_entry = (sum(rss) - before) / entries
         keys = probe_keys(entries)

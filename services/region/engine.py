@@ -232,6 +232,10 @@ class OwnedBucket:
     since_ms: int = 0  # when this instance was assigned the bucket (its claim in the directory)
     #: A window holding its records failed: the memory may be ahead of the changelog.
     dirty: bool = False
+    #: Where the bucket's changelog partition ends with everything the memory holds: the end the
+    #: load read to, then after each committed window its last record's offset + 2 (the record,
+    #: then the window's marker).  A partition that ends elsewhere holds what someone else wrote.
+    end: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,8 +243,10 @@ class Parked:
     """A revoked bucket's state, kept for the assignment that follows the revocation.
 
     With eager rebalancing every member gives back every bucket, and most come
-    back to the same member.  Such a bucket is not read again when its changelog
-    partition is exactly as it was at the revocation: the same low offset and end
+    back to the same member.  A bucket is kept only when its changelog partition
+    ends where this member's own last write left it (``OwnedBucket.end``: nobody
+    else appended to it while it was owned here), and it is not read again when
+    the partition is exactly as it was at the revocation: the same low offset and end
     (the high watermark counts every record and marker, so a write by anyone,
     committed or aborted, moves it), no transaction open, and the same committed
     checkpoint.  Anything else, and the bucket loads from the changelog.
@@ -753,6 +759,11 @@ class RegionEngine:
                     ob = self._current(*slot)
                     if ob is not None:
                         ob.dirty = True
+            else:
+                for slot, offset in outcome.last_offsets.items():
+                    ob = self._current(*slot)
+                    if ob is not None:
+                        ob.end = offset + 2
             self._windows_done += 1
             self._window_changed.notify_all()
         error = outcome.error
@@ -925,7 +936,12 @@ class RegionEngine:
                     log.info("%s[%d] not kept after its revocation: %s", ob.region, ob.bucket, exc)
                     break
                 if stable >= high:
-                    parked[(ob.region, ob.bucket)] = Parked(ob.state, ob.checkpoint, ob.next_sequence, low, high)
+                    if high == ob.end:
+                        parked[(ob.region, ob.bucket)] = Parked(ob.state, ob.checkpoint, ob.next_sequence, low,
+                                                                high)
+                    else:
+                        log.info("%s[%d] not kept after its revocation: its changelog ends at %d, not at %d "
+                                 "where this member's writes left it", ob.region, ob.bucket, high, ob.end)
                     break
                 if time.monotonic() >= deadline:
                     break
@@ -1102,6 +1118,7 @@ class RegionEngine:
                 return
             if parked is not None and parked.still_current(low, high, committed, transactional):
                 ob.state, ob.checkpoint, ob.next_sequence = parked.state, parked.checkpoint, parked.next_sequence
+                ob.end = high
                 ob.status = BucketStatus.READY
                 self.stats["loads_skipped"] += 1
                 log.info("kept %s[%d]: its changelog did not move while it was revoked (offsets %d..%d), "
@@ -1174,6 +1191,7 @@ class RegionEngine:
                 return
             ob.state = state
             ob.checkpoint = checkpoint
+            ob.end = high
             # Continue this instance's own EventID stream for the bucket, or a
             # reload would reuse sequences the changelog already holds.
             ob.next_sequence = state.streams.get((self.member_id, bucket), -1) + 1

@@ -304,6 +304,8 @@ class WindowOutcome:
 
     #: Slot → the checkpoint committed with the window (every slot written), when it committed.
     committed: dict[Slot, int] | None = None
+    #: Slot → the offset of the window's last changelog record of the slot's bucket, when it committed.
+    last_offsets: dict[Slot, int] = field(default_factory=dict)
     error: SluiceError | None = None
     #: The producer is unusable (fenced, or its transaction timed out): build a new one.
     producer_broken: bool = False
@@ -411,13 +413,27 @@ class WindowWriter:
         deadline = time.monotonic() + self._timeout_s
         producer = self.producer
         started = False
+        # The last changelog record of each slot is produced with a delivery callback: its offset says
+        # where the bucket's changelog ends once the window's marker follows it (engine.Parked).
+        changelog_topics = set(self._changelog_topics.values())
+        last = {slot: i for i, (record, slot) in enumerate(window.records) if record[0] in changelog_topics}
+        last_of = {i: slot for slot, i in last.items() if slot not in skip}
+        last_offsets: dict[Slot, int] = {}
+
+        def delivered(slot: Slot) -> Callable[[KafkaError | None, Any], None]:
+            def report(error: KafkaError | None, msg: Any) -> None:
+                if error is None:
+                    last_offsets[slot] = msg.offset()
+            return report
+
         try:
             producer.begin_transaction()
             started = True
             produce = self._produce
-            for record, slot in window.records:
+            for i, (record, slot) in enumerate(window.records):
                 if slot not in skip:
-                    produce(record, deadline)
+                    at = last_of.get(i)
+                    produce(record, deadline, None if at is None else delivered(at))
             # Every record acknowledged before the offsets go: send_offsets_to_transaction with records
             # still in flight after a broker restart was seen to wait far past its timeout.
             remaining = producer.flush(max(0.0, deadline - time.monotonic()))
@@ -431,7 +447,7 @@ class WindowWriter:
             self._bounded(producer.send_offsets_to_transaction, offsets, group_metadata,
                           timeout_s=max(0.1, deadline - time.monotonic()))
             self._commit(deadline)
-            return WindowOutcome(committed=committed)
+            return WindowOutcome(committed=committed, last_offsets=last_offsets)
         except _Wedged as exc:
             return WindowOutcome(error=BrokerUnavailable(f"writing a window of the region's records: {exc}"),
                                  producer_broken=True, producer_wedged=True)
@@ -449,12 +465,16 @@ class WindowWriter:
                 return WindowOutcome(error=error, producer_broken=True)
             return self._abort(error)
 
-    def _produce(self, record: Record, deadline: float) -> None:
+    def _produce(self, record: Record, deadline: float,
+                 on_delivery: Callable[[KafkaError | None, Any], None] | None = None) -> None:
         topic, partition, key, value, headers = record
         producer = self.producer
         while True:
             try:
-                if headers is None:
+                if on_delivery is not None:
+                    producer.produce(topic, value, key, partition=partition, headers=headers,
+                                     on_delivery=on_delivery)
+                elif headers is None:
                     producer.produce(topic, value, key, partition=partition)
                 else:
                     producer.produce(topic, value, key, partition=partition, headers=headers)

@@ -572,6 +572,9 @@ class FakeTransactionalProducer:
         self.buffer_errors = buffer_errors
         self.polls = 0
         self.unflushed = 0
+        #: (topic, partition) → the next offset; delivery callbacks waiting for flush().
+        self.next_offset: dict[tuple[str, int], int] = {}
+        self.reports: list[tuple[Any, int]] = []
 
     def _step(self, name: str) -> None:
         self.calls.append(name)
@@ -581,11 +584,16 @@ class FakeTransactionalProducer:
     def begin_transaction(self) -> None:
         self._step("begin")
 
-    def produce(self, topic: str, value: bytes, key: bytes, partition: int, headers: Any = None) -> None:
+    def produce(self, topic: str, value: bytes, key: bytes, partition: int, headers: Any = None,
+                on_delivery: Any = None) -> None:
         if self.buffer_errors:
             self.buffer_errors -= 1
             raise BufferError("Local: Queue full")
         self.produced.append((topic, partition, value))
+        offset = self.next_offset.get((topic, partition), 100)
+        self.next_offset[(topic, partition)] = offset + 1
+        if on_delivery is not None:
+            self.reports.append((on_delivery, offset))
 
     def poll(self, timeout: float) -> int:
         self.polls += 1
@@ -593,6 +601,9 @@ class FakeTransactionalProducer:
 
     def flush(self, timeout: float) -> int:
         self._step("flush")
+        for report, offset in self.reports:
+            report(None, SimpleNamespace(offset=lambda offset=offset: offset))
+        self.reports.clear()
         return self.unflushed
 
     def send_offsets_to_transaction(self, offsets: list[Any], metadata: bytes, timeout: float) -> None:
@@ -624,8 +635,9 @@ def write(producer: FakeTransactionalProducer, window: Window, skip: set[Any] | 
 
 
 def test_a_window_is_one_transaction_whose_offsets_are_the_marked_checkpoints() -> None:
-    """begin, every record in acceptance order (no delivery callbacks), flush, each bucket's checkpoint as the
-    group's offset marked transactional, with the generation's metadata, commit."""
+    """begin, every record in acceptance order (a delivery callback only on each bucket's last changelog
+    record, whose offset comes back with the commit), flush, each bucket's checkpoint as the group's offset
+    marked transactional, with the generation's metadata, commit."""
     producer = FakeTransactionalProducer()
     outcome = write(producer, a_window())
     assert producer.calls == ["begin", "flush", "send_offsets", "commit"]
@@ -633,7 +645,9 @@ def test_a_window_is_one_transaction_whose_offsets_are_the_marked_checkpoints() 
     assert producer.offsets == [("sluice.changelog.orders", 5, 40, TRANSACTIONAL_CHECKPOINT),
                                 ("sluice.changelog.orders", 2, 0, TRANSACTIONAL_CHECKPOINT)]
     assert producer.metadata == GENERATION_3
-    assert outcome == WindowOutcome(committed={("orders", 5, 1): 40, ("orders", 2, 1): 0})
+    # bucket 5's changelog records went to offsets 100 and 101, bucket 2's one to 100
+    assert outcome == WindowOutcome(committed={("orders", 5, 1): 40, ("orders", 2, 1): 0},
+                                    last_offsets={("orders", 5, 1): 101, ("orders", 2, 1): 100})
 
 
 def test_records_of_an_ownership_that_ended_are_left_out() -> None:
@@ -745,3 +759,4 @@ def test_a_coordinator_call_that_never_returns_fails_the_window_as_wedged(monkey
     assert fresh.calls == ["begin", "flush", "send_offsets", "commit"]
     release.set()
     writer.close()
+
