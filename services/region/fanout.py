@@ -281,6 +281,8 @@ class Window:
     checkpoints: dict[Slot, int] = field(default_factory=dict)
     #: Each waiting request and the slots it wrote.
     waiting: list[tuple[Pending, frozenset[Slot]]] = field(default_factory=list)
+    #: Slot → the index in ``records`` of its last changelog record (``WindowOutcome.last_offsets``).
+    last_changelog: dict[Slot, int] = field(default_factory=dict)
     opened_at: float = 0.0
 
     def empty(self) -> bool:
@@ -293,6 +295,7 @@ class Window:
         self.checkpoints[slot] = checkpoint
         records = self.records
         if changelog is not None:
+            self.last_changelog[slot] = len(records)
             records.append((changelog, slot))
         for record in queued:
             records.append((record, slot))
@@ -415,9 +418,7 @@ class WindowWriter:
         started = False
         # The last changelog record of each slot is produced with a delivery callback: its offset says
         # where the bucket's changelog ends once the window's marker follows it (engine.Parked).
-        changelog_topics = set(self._changelog_topics.values())
-        last = {slot: i for i, (record, slot) in enumerate(window.records) if record[0] in changelog_topics}
-        last_of = {i: slot for slot, i in last.items() if slot not in skip}
+        last_of = {i: slot for slot, i in window.last_changelog.items() if slot not in skip}
         last_offsets: dict[Slot, int] = {}
 
         def delivered(slot: Slot) -> Callable[[KafkaError | None, Any], None]:
