@@ -531,6 +531,11 @@ class RegionConfig(_Model):
     async_event_queues: tuple[str, ...] = _seq(
         description="ids of the async event queues this region's events go to",
         json_schema_extra={"geode": "async-event-queue-ids"})
+    redundant_copies: int = Field(
+        0, ge=0, le=3, description="standby copies of each bucket kept by other region-service instances, which "
+        "tail the bucket's changelog; on failover the group's new owner, when it holds a copy, reads only what "
+        "its copy has not read yet instead of the whole bucket. Each copy costs the bucket's memory again on "
+        "its instance", json_schema_extra={"geode": "redundant-copies"})
     key_max_bytes: int = Field(1024, ge=1, description="the largest key accepted, in UTF-8 bytes")
     value_max_bytes: int = Field(
         900_000, ge=1, description="the largest value accepted, in bytes (under Kafka's default 1 MB message size)")

@@ -90,11 +90,15 @@ class Instance:
     state: str
     claims: tuple[tuple[str, int, int], ...]  # (region, bucket, since_ms)
     updated_at: int
+    #: (region, bucket, lag, entries, value bytes) of each standby copy it keeps (standby.py).
+    standbys: tuple[tuple[str, int, int, int, int], ...] = ()
 
     @classmethod
     def from_record(cls, r: dict[str, Any]) -> "Instance":
         return cls(r["instance"], r["url"], r["state"],
-                   tuple((c["region"], c["bucket"], c["since"]) for c in r["buckets"]), r["updated_at"])
+                   tuple((c["region"], c["bucket"], c["since"]) for c in r["buckets"]), r["updated_at"],
+                   tuple((c["region"], c["bucket"], c["lag"], c["entries"], c["value_bytes"])
+                         for c in r.get("standbys", ())))
 
 
 class MemberTrust:
@@ -206,15 +210,21 @@ def owners_of(instances: dict[str, Instance]) -> dict[tuple[str, int], str]:
     return {rb: url for rb, (_, url) in best.items()}
 
 
+def live_instances(instances: dict[str, Instance], now_ms: int | None = None) -> list[Instance]:
+    """The running instances heard from within ``LIVE_WITHIN_S`` (all running ones when none is)."""
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    running = [i for i in instances.values() if i.state == "running"]
+    return [i for i in running if now_ms - i.updated_at <= LIVE_WITHIN_S * 1000] or running
+
+
 def live_urls(instances: dict[str, Instance], now_ms: int | None = None,
               trust: MemberTrust | None = None) -> list[str]:
     """URLs of the running instances heard from lately (all running ones when none is that fresh).
 
     ``instances`` from ``read_instances`` hold only believed records; ``trust`` filters others."""
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-    running = [i for i in instances.values() if i.state == "running" and (trust is None or trust.allows(i.url))]
-    fresh = [i for i in running if now_ms - i.updated_at <= LIVE_WITHIN_S * 1000]
-    return sorted({i.url for i in (fresh or running)})
+    return sorted({i.url for i in live_instances(
+        {k: i for k, i in instances.items() if trust is None or trust.allows(i.url)}, now_ms)})
 
 
 class _Ignored:
@@ -294,6 +304,7 @@ class DirectoryPublisher:
         self._url = url
         self._producer: Producer = make_producer(cfg.kafka.client_settings(), **{"client.id": f"{instance}-directory"})
         self._claims: list[tuple[str, int, int]] = []
+        self._standbys: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._last = 0.0
 
@@ -303,7 +314,8 @@ class DirectoryPublisher:
                 self._claims = sorted(claims)
             record = {"instance": self._instance, "url": self._url, "state": state,
                       "buckets": [{"region": r, "bucket": b, "since": since} for r, b, since in self._claims],
-                      "updated_at": int(time.time() * 1000)}
+                      "updated_at": int(time.time() * 1000),
+                      "standbys": [] if state != "running" else self._standbys}
             self._last = time.monotonic()
         value = self._codec.encode("RegionInstance", record)
         try:
@@ -311,6 +323,12 @@ class DirectoryPublisher:
             self._producer.poll(0)
         except (BufferError, KafkaException) as exc:
             log.warning("publishing this instance's buckets: %s", exc)
+
+    def set_standbys(self, standbys: list[tuple[str, int, int, int, int]]) -> None:
+        """The standby copies the next record names: (region, bucket, lag, entries, value bytes)."""
+        with self._lock:
+            self._standbys = [{"region": r, "bucket": b, "lag": lag, "entries": n, "value_bytes": size}
+                              for r, b, lag, n, size in standbys]
 
     def heartbeat(self) -> None:
         if time.monotonic() - self._last >= HEARTBEAT_S:
@@ -337,6 +355,8 @@ class OwnerDirectory:
         self._consumer.assign([TopicPartition(self._topic, 0, OFFSET_BEGINNING)])
         self._instances: dict[str, Instance] = {}
         self._owners: dict[tuple[str, int], str] = {}
+        #: A copy of ``_instances`` as of the last read that changed it (readers take it under ``_lock``).
+        self._snapshot: dict[str, Instance] = {}
         self._lock = threading.Lock()
         self._reading = threading.Lock()
 
@@ -368,6 +388,7 @@ class OwnerDirectory:
         if changed:
             with self._lock:
                 self._owners = owners_of(self._instances)
+                self._snapshot = dict(self._instances)
 
     def owner(self, region: str, bucket: int) -> str | None:
         with self._lock:
@@ -376,6 +397,30 @@ class OwnerDirectory:
     def table(self) -> dict[tuple[str, int], str]:
         with self._lock:
             return dict(self._owners)
+
+    def placement_view(self) -> tuple[list[str], dict[tuple[str, int], str]]:
+        """The live instances' names, and (region, bucket) → the name of the instance owning it (the
+        latest claim among running instances), for placing standby copies (standby.py)."""
+        with self._lock:
+            instances = self._snapshot
+        best: dict[tuple[str, int], tuple[int, str]] = {}
+        for inst in instances.values():
+            if inst.state != "running":
+                continue
+            for region, bucket, since in inst.claims:
+                if (region, bucket) not in best or since > best[(region, bucket)][0]:
+                    best[(region, bucket)] = (since, inst.instance)
+        return ([i.instance for i in live_instances(instances)], {rb: name for rb, (_, name) in best.items()})
+
+    def standbys(self) -> dict[tuple[str, int], list[tuple[str, int]]]:
+        """(region, bucket) → [(instance URL, lag)] of the standby copies the live instances report."""
+        with self._lock:
+            instances = self._snapshot
+        out: dict[tuple[str, int], list[tuple[str, int]]] = {}
+        for inst in live_instances(instances):
+            for region, bucket, lag, _entries, _size in inst.standbys:
+                out.setdefault((region, bucket), []).append((inst.url, lag))
+        return out
 
     def topic_problems(self, partitions: dict[str, int], timeout_s: float = 5.0) -> dict[str, str] | None:
         """Each of ``partitions``' topics that is missing or has another partition count, with why;

@@ -105,7 +105,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from ..core.codec import HEADER_BYTES, Codec
+from ..core.codec import Codec
 from ..core.errors import (
     BrokerUnavailable,
     BucketUnavailable,
@@ -116,7 +116,6 @@ from ..core.errors import (
     SluiceError,
 )
 from ..core.events import EntryEvent, EventID
-from ..core.eventwire import decode_entry
 from ..core.events import Operation as EventOperation
 from ..core.kafka import (
     OFFSET_BEGINNING,
@@ -137,7 +136,8 @@ from ..core.kafka import (
 )
 from .conflicts import ConflictResolver
 from .fanout import TRANSACTIONAL_CHECKPOINT, Pending, QueueTarget, RecordBuilder, Slot, Window, WindowOutcome, WindowWriter
-from .state import BucketState, ConflictLost, Duplicate, Op, Skipped
+from .standby import StandbyCopy, StandbyKeeper, StandbyStatus
+from .state import BucketState, ConflictLost, Duplicate, Op, Skipped, changelog_event
 
 log = logging.getLogger("sluice.region.engine")
 
@@ -236,6 +236,9 @@ class OwnedBucket:
     #: load read to, then after each committed window its last record's offset + 2 (the record,
     #: then the window's marker).  A partition that ends elsewhere holds what someone else wrote.
     end: int = -1
+    #: The standby copy this instance kept of the bucket before it was assigned it (standby.py), until
+    #: the load takes it.
+    standby: StandbyCopy | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,6 +335,7 @@ class RegionEngine:
         window_linger_s: float = 0.0,
         window_records_max: int = 200_000,
         gone_owners: Callable[[str, int, int], list[str]] | None = None,
+        standbys: bool = False,
     ) -> None:
         self.site = site
         self.dsid = dsid
@@ -398,7 +402,12 @@ class RegionEngine:
         self.stats = {"applied": 0, "duplicates": 0, "conflicts_lost": 0, "loads": 0, "refanned_out": 0,
                       "bucket_failures": 0, "dead_lettered": 0, "windows": 0, "windows_failed": 0,
                       "window_records": 0, "producers_rebuilt": 0, "producers_wedged": 0, "owners_fenced": 0,
-                      "hanging_transactions": 0, "loads_skipped": 0}
+                      "hanging_transactions": 0, "loads_skipped": 0,
+                      "loads_from_standby": 0, "records_replayed": 0}
+        #: Standby copies of buckets other instances own (a region with redundant_copies; standby.py).
+        self._standby = StandbyKeeper(kafka_settings=kafka_settings, client_id=client_id,
+                                      changelog_topics=changelog_topics, dsid=dsid, member_id=member_id,
+                                      codec=codec) if standbys else None
         self._hanging = HangingWatch(transaction_timeout_ms / 1000 + KAFKA_ABORT_CHECK_S + HANGING_GRACE_S)
 
     # --- lifecycle -----------------------------------------------------------
@@ -427,6 +436,8 @@ class RegionEngine:
             t = threading.Thread(target=self._guard(target), name=f"region-{name}", daemon=True)
             t.start()
             self._threads.append(t)
+        if self._standby is not None:
+            self._standby.start()
 
     def _new_producer(self) -> Producer:
         """A transactional producer under this instance's id, initialized: any open transaction of an
@@ -468,6 +479,8 @@ class RegionEngine:
             self._high_reader.close()
         with self._lock:
             self._parked.clear()
+        if self._standby is not None:
+            self._standby.stop(max(0.1, end - time.monotonic()))
         if self._dead_letter_producer is not None:
             self._dead_letter_producer.flush(max(0.1, end - time.monotonic()))
             close_producer(self._dead_letter_producer, 0.1)
@@ -515,6 +528,22 @@ class RegionEngine:
         with self._lock:
             ob = self._owned.get((region, bucket))
             return ob is not None and ob.status is not BucketStatus.REVOKING
+
+    def set_standbys(self, buckets: set[tuple[str, int]]) -> None:
+        """Keep standby copies of these buckets (``standby.standby_buckets``), but of none this instance
+        owns."""
+        if self._standby is None:
+            return
+        with self._lock:
+            self._standby.want({key for key in buckets if key not in self._owned})
+
+    def standby_status(self) -> list[StandbyStatus]:
+        """Each standby copy: its position, lag, entries and value bytes."""
+        return [] if self._standby is None else self._standby.status()
+
+    def all_stats(self) -> dict[str, int]:
+        """The engine's counters, with the standby keeper's."""
+        return {**self.stats, **({} if self._standby is None else self._standby.stats)}
 
     def is_ready(self, region: str, bucket: int) -> bool:
         with self._lock:
@@ -880,11 +909,16 @@ class RegionEngine:
             self._membership = membership
             assigned = {(self._topic_region[tp.topic], tp.partition) for tp in partitions}
             for key in [key for key in self._parked if key not in assigned]:
-                del self._parked[key]
+                parked = self._parked.pop(key)
+                if self._standby is not None:
+                    # Given up: the start of a standby copy, if this instance is to keep one.
+                    self._standby.offer(key[0], key[1], parked.state, parked.high)
             for tp in partitions:
                 region = self._topic_region[tp.topic]
                 self._epoch += 1
-                self._owned[(region, tp.partition)] = OwnedBucket(region, tp.partition, self._epoch, since_ms=now_ms)
+                self._owned[(region, tp.partition)] = OwnedBucket(
+                    region, tp.partition, self._epoch, since_ms=now_ms,
+                    standby=None if self._standby is None else self._standby.take(region, tp.partition))
                 loads.append((region, tp.partition, self._epoch))
         log.info("assigned %s", ", ".join(f"{r}[{b}]" for r, b, _ in loads) or "nothing")
         self._ownership_changed()
@@ -1116,6 +1150,7 @@ class RegionEngine:
             ob = self._current(region, bucket, epoch)
             if ob is None:
                 return
+            standby, ob.standby = ob.standby, None
             if parked is not None and parked.still_current(low, high, committed, transactional):
                 ob.state, ob.checkpoint, ob.next_sequence = parked.state, parked.checkpoint, parked.next_sequence
                 ob.end = high
@@ -1129,15 +1164,25 @@ class RegionEngine:
         # and the marked checkpoint (where this load ends) committed with them.
         replay_from = high if transactional else (committed if committed >= 0 else low)
         checkpoint = committed if transactional else high
-        state = BucketState(region, bucket, self.dsid, self.member_id)
-        refanout: list[tuple[EntryEvent, int]] = []
         unreadable: list[tuple[int, bytes | None, bytes | None, CodecError]] = []
-        # Records of this release are read by the codec module's EntryEvent reader (compiled where
-        # built); records of earlier schema versions through the codec, which resolves them.
+        start = low
+        if standby is not None and transactional and low <= standby.position <= high:
+            # Promoted: the standby copy holds every record below its position; read only the rest.
+            state, start = standby.state, standby.position
+            unreadable += standby.unreadable
+        else:
+            if standby is not None:
+                log.info("%s[%d]: the standby copy (at %d) is not used: the changelog spans %d..%d%s", region,
+                         bucket, standby.position, low, high, "" if transactional else " and its checkpoint is "
+                         "not transactional")
+            standby = None
+            state = BucketState(region, bucket, self.dsid, self.member_id)
+        refanout: list[tuple[EntryEvent, int]] = []
         header = self._codec.header("EntryEvent")
-        if high > low:
-            reader.assign([TopicPartition(topic, bucket, OFFSET_BEGINNING if low == 0 else low)])
-            position = low
+        replayed = 0
+        if high > start:
+            reader.assign([TopicPartition(topic, bucket, OFFSET_BEGINNING if start == 0 else start)])
+            position = start
             idle_since = time.monotonic()
             # Positions, not the last record's offset: markers and aborted
             # records occupy offsets up to the end (core/kafka.py).
@@ -1161,15 +1206,13 @@ class RegionEngine:
                     position = max(position, offset + 1)
                     value = msg.value()
                     try:
-                        if value is not None and value[:HEADER_BYTES] == header:
-                            event = decode_entry(value[HEADER_BYTES:])[0]
-                        else:
-                            event = EntryEvent.from_record(self._codec.decode_as("EntryEvent", value))
+                        event = changelog_event(value, header, self._codec)
                     except CodecError as exc:
                         log.error("changelog %s[%d]@%d unreadable, skipped: %s", topic, bucket, offset, exc)
                         unreadable.append((offset, msg.key(), msg.value(), exc))
                         continue
                     state.replay(event)
+                    replayed += 1
                     if offset >= replay_from:
                         refanout.append((event, offset))
                 position = max(position, moved)
@@ -1223,9 +1266,13 @@ class RegionEngine:
             ob.status = BucketStatus.READY
         self.stats["loads"] += 1
         self.stats["refanned_out"] += len(refanout)
+        self.stats["records_replayed"] += replayed
+        if standby is not None:
+            self.stats["loads_from_standby"] += 1
         log.info(
-            "loaded %s[%d]: %d keys from offsets %d..%d (read in %.2fs), %d re-enqueued, %.2fs in all",
-            region, bucket, state.size(), low, high, read_s, len(refanout), time.monotonic() - started,
+            "loaded %s[%d]%s: %d keys, %d records replayed from offsets %d..%d (read in %.2fs), %d re-enqueued, "
+            "%.2fs in all", region, bucket, " from its standby copy" if standby is not None else "", state.size(),
+            replayed, start, high, read_s, len(refanout), time.monotonic() - started,
         )
 
     def _dead_letter(self, reader: Consumer, topic: str, bucket: int,

@@ -495,7 +495,7 @@ def create_app(service: RegionService) -> Any:
     async def stats() -> dict[str, Any]:
         assert service.engine is not None
         directory = service.directory
-        return {"instance": service.instance_id, **service.engine.stats,
+        return {"instance": service.instance_id, **service.engine.all_stats(),
                 "directory_records_ignored": directory.ignored.count if directory is not None else 0}
 
     # --- between instances (member token) ---------------------------------------------

@@ -77,6 +77,7 @@ from ..core.lifecycle import ServiceState
 from ..core.webguard import is_loopback
 from ..core.kafka import KafkaException, make_admin, translate
 from .directory import DirectoryPublisher, MemberTrust, OwnerDirectory, read_instances
+from .standby import standby_buckets
 from .engine import Operation, OpResult, RegionEngine
 from ..core.gatewayfilters import SenderFilters
 from .conflicts import load_resolver
@@ -295,6 +296,7 @@ class RegionService:
             dead_letter_topic=self.cfg.topics.region_dead_letter(),
             transaction_timeout_ms=TRANSACTION_TIMEOUT_MS,
             gone_owners=self._gone_owners,
+            standbys=any(r.redundant_copies for r in self.cfg.regions),
         )
         trust = MemberTrust.from_config(self.cfg, self.url)
         self._publisher = DirectoryPublisher(self.cfg, self.instance_id, self.url, trust)
@@ -357,11 +359,26 @@ class RegionService:
         while not self._stopped.is_set():
             try:
                 self.directory.refresh()
+                self._place_standbys()
                 self._publisher.heartbeat()
                 self._watch_readiness(time.monotonic())
             except SluiceError as exc:
                 log.debug("owner directory refresh failed: %s", exc)
             self._stopped.wait(0.5)
+
+    def _place_standbys(self) -> None:
+        """Directory thread: the standby copies this instance keeps (standby.py's placement over the
+        directory's live instances), and what the next directory record says of them."""
+        engine, directory, publisher = self.engine, self.directory, self._publisher
+        assert engine is not None and directory is not None and publisher is not None
+        copies = {r.name: r.redundant_copies for r in self.cfg.regions}
+        if not any(copies.values()) or not engine.assigned_once.is_set():
+            return
+        members, owners = directory.placement_view()
+        engine.set_standbys(standby_buckets(self.instance_id, members, owners,
+                                            {r.name: r.buckets for r in self.cfg.regions}, copies))
+        publisher.set_standbys([(c.region, c.bucket, c.lag, c.entries, c.value_bytes)
+                                for c in engine.standby_status()])
 
     def _watch_readiness(self, now: float) -> None:
         """Directory thread: what readiness() reports beyond the engine's own state (module docstring)."""
@@ -812,6 +829,13 @@ class RegionService:
         assert engine is not None and directory is not None
         owners = directory.table()
         mine = {(r, b): s for r, bs in engine.owned_buckets().items() for b, s in bs}
+        standbys = directory.standbys()
+        # This instance's own copies as they are now, not as its last directory record said.
+        for copy in engine.standby_status():
+            others = [(url, lag) for url, lag in standbys.get((copy.region, copy.bucket), []) if url != self.url]
+            standbys[(copy.region, copy.bucket)] = sorted([*others, (self.url, copy.lag)])
+        for rb in mine:
+            standbys[rb] = [(url, lag) for url, lag in standbys.get(rb, []) if url != self.url]
         rows = []
         for region in self.cfg.regions:
             for b in range(region.buckets):
@@ -820,6 +844,7 @@ class RegionService:
                     "bucket": b,
                     "owner": self.url if (region.name, b) in mine else owners.get((region.name, b)),
                     "status": mine.get((region.name, b), "remote" if (region.name, b) in owners else "unowned"),
+                    "standbys": [{"url": url, "lag": lag} for url, lag in standbys.get((region.name, b), [])],
                 })
         return rows
 

@@ -36,14 +36,25 @@ import enum
 from dataclasses import dataclass, replace
 from typing import Iterator
 
+from ..core.codec import HEADER_BYTES, Codec
 from ..core.errors import EntryExists, EntryNotFound, InvalidRequest
 from ..core.events import DESTROYS, REGION_OPERATIONS, EntryEvent, EventID, Operation, VersionTag
-from ..core.eventwire import new_entry_event, new_version_tag
+from ..core.eventwire import decode_entry, new_entry_event, new_version_tag
 from .conflicts import ConflictResolver, resolve
 
 
 #: How far past the highest sequence of its (member, thread) stream in a bucket a local write may jump.
 STREAM_AHEAD_MAX = 2**32
+
+
+def changelog_event(value: bytes | None, header: bytes, codec: Codec) -> EntryEvent:
+    """The EntryEvent of a changelog record's value (``header``: the current EntryEvent schema's
+    single-object header).  Records of this release are read by the codec module's EntryEvent reader
+    (compiled where built), records of earlier schema versions through the codec, which resolves them;
+    anything else raises ``CodecError``."""
+    if value is not None and value[:HEADER_BYTES] == header:
+        return decode_entry(value[HEADER_BYTES:])[0]
+    return EntryEvent.from_record(codec.decode_as("EntryEvent", value))
 
 
 class Op(str, enum.Enum):

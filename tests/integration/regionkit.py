@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 from confluent_kafka import Consumer, TopicPartition
 
@@ -25,8 +26,8 @@ from sluice.core.kafka import consumed_position, make_consumer, read_to_end, unt
 from sluice.core.processes import RegionProcess
 from sluice.core.topics import apply_topics
 
-__all__ = ["DispatcherProcess", "RegionProcess", "end_offsets", "read_queue", "read_topic", "write_aeq_site",
-           "write_site"]
+__all__ = ["DispatcherProcess", "RegionProcess", "end_offsets", "read_queue", "read_topic", "wait_standbys",
+           "write_aeq_site", "write_site"]
 
 
 def write_site(
@@ -38,6 +39,7 @@ def write_site(
     buckets: int = 8,
     serial_threads: int = 3,
     extra: dict[str, Any] | None = None,
+    redundant_copies: int = 0,
 ) -> SiteConfig:
     """A site file with region ``orders``: a parallel sender and a serial async event queue."""
     data: dict[str, Any] = {
@@ -58,6 +60,7 @@ def write_site(
                 "async_event_queues": ["writer"],
                 "key_max_bytes": 128,
                 "value_max_bytes": 4096,
+                "redundant_copies": redundant_copies,
             }
         ],
         "gateway_senders": [{"id": "to-b", "remote_dsid": 2, "parallel": True}],
@@ -107,6 +110,21 @@ class QueueRecord:
     changelog_partition: int
     changelog_offset: int
     event: EntryEvent
+
+
+def wait_standbys(keeper: RegionProcess, owner: RegionProcess, timeout_s: float = 60.0) -> set[int]:
+    """Until ``keeper`` holds a standby copy, caught up, of every bucket ``owner`` owns; those buckets."""
+    deadline = time.monotonic() + timeout_s
+    rows: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        rows = httpx.get(f"{keeper.url}/buckets", timeout=10).json()["buckets"]
+        theirs = {r["bucket"] for r in rows if r["owner"] == owner.url}
+        kept = {r["bucket"] for r in rows
+                if any(s["url"] == keeper.url and 0 <= s["lag"] <= 1 for s in r["standbys"])}
+        if theirs and theirs <= kept:
+            return theirs
+        time.sleep(0.2)
+    raise AssertionError(f"{keeper.url} never kept a copy of every bucket of {owner.url}: {rows}")
 
 
 def read_topic(bootstrap: str, topic: str, partitions: int,

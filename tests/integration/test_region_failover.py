@@ -6,6 +6,9 @@ some destroys, some put_alls) through both instances with retrying clients,
 and one instance is killed with SIGKILL mid-stream.  Afterwards:
 
 * the region holds exactly the last acknowledged value of every key;
+* with ``redundant_copies: 1`` the survivor, which kept a standby copy of
+  each of the killed owner's buckets, promotes those copies rather than
+  reading the buckets again;
 * each attached queue (a parallel gateway sender queue and a serial async
   event queue), after discarding repeats of an EventID, holds every applied
   event exactly once, in per-key order, and nothing else.
@@ -26,7 +29,7 @@ from sluice.client import RegionClient
 from sluice.core.codec import get_codec
 from sluice.core.events import EventID
 
-from regionkit import RegionProcess, read_queue, read_topic, write_site
+from regionkit import RegionProcess, read_queue, read_topic, wait_standbys, write_site
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -77,14 +80,19 @@ class Writer(threading.Thread):
             self.error = exc
 
 
-def test_kill_9_one_of_two_instances_mid_stream_loses_and_duplicates_nothing(site_a, unique_prefix, tmp_path: Path):
+@pytest.mark.parametrize("copies", [0, 1], ids=["no-copies", "redundant-copies-1"])
+def test_kill_9_one_of_two_instances_mid_stream_loses_and_duplicates_nothing(site_a, unique_prefix, tmp_path: Path,
+                                                                            copies: int):
     """A SIGKILLed owner's buckets move to the survivor; the region and both queues stay exact."""
     prefix = site_a.topic_prefix(unique_prefix)
-    cfg = write_site(tmp_path / "site.yaml", site="a", bootstrap=site_a.bootstrap, prefix=prefix)
+    cfg = write_site(tmp_path / "site.yaml", site="a", bootstrap=site_a.bootstrap, prefix=prefix,
+                     redundant_copies=copies)
     instances = [RegionProcess(tmp_path / "site.yaml", tmp_path / f"region-{i}.log") for i in range(2)]
     try:
         for inst in instances:
             inst.wait_ready()
+        if copies:
+            victims = wait_standbys(instances[1], instances[0])
         urls = [inst.url for inst in instances]
         writers = [Writer(i, urls, seed=1000 + i) for i in range(WRITERS)]
         started = time.monotonic()
@@ -105,6 +113,11 @@ def test_kill_9_one_of_two_instances_mid_stream_loses_and_duplicates_nothing(sit
         retries = sum(w.client.retries for w in writers)
         print(f"\n{total} ops in {elapsed:.1f}s, instance 0 killed after {killed_at}; client retries {retries}")
 
+        if copies:
+            stats = instances[1].stats()
+            assert stats["loads_from_standby"] == len(victims), stats
+            print(f"standby copies promoted: {stats['loads_from_standby']}, records replayed at promotion and "
+                  f"in the survivor's own loads: {stats['records_replayed']}")
         survivor = RegionClient([instances[1].url])
         # 1. The region holds exactly the last acknowledged value of every key.
         expected: dict[str, Any] = {}

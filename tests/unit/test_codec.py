@@ -118,7 +118,9 @@ def record_strategies(millis: st.SearchStrategy[int] = longs) -> dict[str, st.Se
             {"instance": texts, "url": texts, "state": st.sampled_from(["running", "stopped"]),
              "buckets": st.lists(st.fixed_dictionaries({"region": texts, "bucket": ints, "since": millis}),
                                  max_size=4),
-             "updated_at": millis}
+             "updated_at": millis,
+             "standbys": st.lists(st.fixed_dictionaries({"region": texts, "bucket": ints, "lag": longs,
+                                                         "entries": longs, "value_bytes": longs}), max_size=3)}
         ),
         "EventID": event_id,
         "VersionTag": version_tag,
@@ -332,7 +334,9 @@ SAMPLES: dict[str, dict[str, Any]] = {
                                    "positions": [{"topic": "region.orders.changelog", "partition": 0, "offset": 97}]}]},
     "RegionInstance": {"instance": "a-1f2e3d4c5b6a", "url": "http://10.0.0.7:7070", "state": "running",
                        "buckets": [{"region": "orders", "bucket": 3, "since": 1_700_000_000_012}],
-                       "updated_at": 1_700_000_000_013},
+                       "updated_at": 1_700_000_000_013,
+                       "standbys": [{"region": "orders", "bucket": 5, "lag": 2, "entries": 1200,
+                                     "value_bytes": 240_000}]},
     "ReceiverStatus": {"member": "b-receiver-1", "dsid": 2, "partitions": [0, 3], "batches": 40,
                        "duplicate_batches": 2, "rejected_batches": 1, "bad_signatures": 0, "events_applied": 3990,
                        "events_duplicate": 10, "conflicts": 3, "exceptions": 1, "dead_lettered": 1,
@@ -659,7 +663,7 @@ def _with_defaults_of_new_fields(name: str, record: Any) -> Any:
     """The sample as an older writer could have written it: fields added since at their defaults."""
     added = {"EntryEvent": {"transaction": None}, "QueueStatus": {"last_accepted_at": 0, "waiting": 0},
              "FillCheckpoint": {"queues": None}, "GatewayAck": {"last_batch_id": -1, "batch_versions": []},
-             "QueuedEvent": {"flags": 0},
+             "QueuedEvent": {"flags": 0}, "RegionInstance": {"standbys": []},
              "GatewayBatch": {"event_bodies": [], "duplicate_events": [], "visited_added": {}, "traceparents": []}}
     out = {**record, **added.get(name, {})}
     if name == "QueuedEvent":
