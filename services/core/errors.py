@@ -155,11 +155,19 @@ class BucketUnavailable(SluiceError):
     retriable = True
     http_status = 503
 
-    def __init__(self, region: str, bucket: int, reason: str) -> None:
+    def __init__(self, region: str, bucket: int, reason: str, retry_after_s: float | None = None) -> None:
         self.region = region
         self.bucket = bucket
         self.reason = reason
+        #: When asking again is worth it (the owner's estimate of its load's end); HTTP ``Retry-After``.
+        self.retry_after_s = retry_after_s
         super().__init__(f"bucket {bucket} of region {region!r} unavailable: {reason}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        if self.retry_after_s is not None:
+            d["retry_after_s"] = round(self.retry_after_s, 1)
+        return d
 
 
 class OwnershipUnconfirmed(SluiceError):

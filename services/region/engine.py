@@ -239,6 +239,11 @@ class OwnedBucket:
     #: The standby copy this instance kept of the bucket before it was assigned it (standby.py), until
     #: the load takes it.
     standby: StandbyCopy | None = None
+    #: The load's progress: it reads offsets load_start..load_end and is at load_position (-1: not reading).
+    load_start: int = -1
+    load_position: int = -1
+    load_end: int = -1
+    load_began: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -545,6 +550,16 @@ class RegionEngine:
         """The engine's counters, with the standby keeper's."""
         return {**self.stats, **({} if self._standby is None else self._standby.stats)}
 
+    def loading(self, region: str, bucket: int) -> BucketUnavailable | None:
+        """Why an owned bucket does not answer yet, with when to ask again (from the load's progress
+        so far: 1 s while the load has not started reading or cannot tell); None when it is ready or
+        not owned here."""
+        with self._lock:
+            ob = self._owned.get((region, bucket))
+            if ob is None or ob.status is BucketStatus.READY:
+                return None
+            return _loading_error(ob)
+
     def is_ready(self, region: str, bucket: int) -> bool:
         with self._lock:
             ob = self._owned.get((region, bucket))
@@ -589,7 +604,7 @@ class RegionEngine:
                     result.error = NotOwner(op.region, bucket)
                     continue
                 if ob.status is not BucketStatus.READY or ob.state is None:
-                    result.error = BucketUnavailable(op.region, bucket, "the owner is loading the bucket")
+                    result.error = _loading_error(ob)
                     continue
                 if len(window.records) >= self._window_records_max:
                     result.error = BucketUnavailable(op.region, bucket, "the owner's writes wait for Kafka "
@@ -1180,6 +1195,10 @@ class RegionEngine:
         refanout: list[tuple[EntryEvent, int]] = []
         header = self._codec.header("EntryEvent")
         replayed = 0
+        with self._lock:
+            ob = self._current(region, bucket, epoch)
+            if ob is not None:
+                ob.load_start, ob.load_position, ob.load_end, ob.load_began = start, start, high, time.monotonic()
         if high > start:
             reader.assign([TopicPartition(topic, bucket, OFFSET_BEGINNING if start == 0 else start)])
             position = start
@@ -1216,6 +1235,9 @@ class RegionEngine:
                     if offset >= replay_from:
                         refanout.append((event, offset))
                 position = max(position, moved)
+                ob = self._owned.get((region, bucket))  # a plain read: the progress is only a hint
+                if ob is not None and ob.epoch == epoch:
+                    ob.load_position = position
             reader.unassign()
         if unreadable:
             self._dead_letter(reader, topic, bucket, unreadable)
@@ -1342,6 +1364,23 @@ class RegionEngine:
 def transactional_id_of(group_id: str, instance: str) -> str:
     """The transactional.id an instance writes its windows under: one per instance, for its life."""
     return f"{group_id}.{instance}"
+
+
+def _loading_error(ob: OwnedBucket) -> BucketUnavailable:
+    """Why the bucket does not answer yet, with when to ask again: the load's time so far per offset
+    read, times the offsets left (at least 0.5 s, at most 60 s); 1 s before it reads."""
+    region, bucket = ob.region, ob.bucket
+    if ob.status is BucketStatus.REVOKING:
+        return BucketUnavailable(region, bucket, "the bucket is moving to another owner", 1.0)
+    start, position, end = ob.load_start, ob.load_position, ob.load_end
+    if position < 0 or end <= start:
+        return BucketUnavailable(region, bucket, "the owner is loading the bucket (waiting until no transaction "
+                                 "is open on its changelog)", 1.0)
+    done, left = position - start, max(0, end - position)
+    elapsed = time.monotonic() - ob.load_began
+    retry = left * elapsed / done if done > 0 and elapsed > 0 else 1.0
+    return BucketUnavailable(region, bucket, f"the owner is loading the bucket: {done:,} of {end - start:,} changelog "
+                             "offsets read", min(max(retry, 0.5), 60.0))
 
 
 def _fail_results(results: list[OpResult], error: SluiceError) -> None:

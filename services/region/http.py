@@ -184,15 +184,22 @@ class SafeJSON(Response):
                               default=str).encode("utf-8")
 
 
+def _retry_after(body: dict[str, Any]) -> dict[str, str] | None:
+    """HTTP ``Retry-After`` (whole seconds) for an error that carries a retry hint (a loading bucket)."""
+    hint = body.get("retry_after_s")
+    return None if hint is None else {"Retry-After": str(max(1, math.ceil(hint)))}
+
+
 def _error(exc: SluiceError) -> Response:
-    return SafeJSON(exc.to_dict(), status_code=exc.http_status)
+    body = exc.to_dict()
+    return SafeJSON(body, status_code=exc.http_status, headers=_retry_after(body))
 
 
 def _single(outcome: Outcome, created: bool = False) -> Response:
     if outcome.status == "error":
         assert outcome.error is not None
         body = {k: v for k, v in outcome.error.items() if k != "http_status"}
-        return SafeJSON(body, status_code=outcome.http_status)
+        return SafeJSON(body, status_code=outcome.http_status, headers=_retry_after(body))
     status = 201 if created and outcome.status == "ok" else 200
     return SafeJSON(outcome.to_dict(), status_code=status)
 

@@ -87,6 +87,9 @@ from .state import Op
 log = logging.getLogger("sluice.region")
 
 CLIENT_ID_PREFIX = "sluice-region@"
+#: How long a request waits for a bucket this instance is loading before it is answered with a retriable
+#: 503 (``BucketUnavailable``) carrying a retry hint from the load's progress (HTTP ``Retry-After``).
+LOADING_WAIT_S = 1.0
 #: How often the directory thread checks that every changelog topic exists (one metadata request per topic).
 TOPIC_CHECK_S = 5.0
 #: How long a bucket may be owned by no instance before the instances stop saying they are ready.
@@ -674,7 +677,7 @@ class RegionService:
         # Wait (bounded) for buckets that are loading rather than bouncing the caller.
         for region, bucket in {(ops[i].region, ops[i].bucket) for i in idx}:
             if not engine.is_ready(region, bucket):
-                await asyncio.to_thread(engine.wait_ready, region, bucket, min(5.0, self.request_timeout_s))
+                await asyncio.to_thread(engine.wait_ready, region, bucket, min(LOADING_WAIT_S, self.request_timeout_s))
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[list[OpResult]] = loop.create_future()
 
@@ -746,7 +749,11 @@ class RegionService:
                 bucket = engine.bucket_of(region, key)
                 if engine.owns(region, bucket):
                     if not engine.is_ready(region, bucket):
-                        await asyncio.to_thread(engine.wait_ready, region, bucket, min(5.0, self.request_timeout_s))
+                        await asyncio.to_thread(engine.wait_ready, region, bucket,
+                                                min(LOADING_WAIT_S, self.request_timeout_s))
+                        loading = engine.loading(region, bucket)
+                        if loading is not None:
+                            raise loading
                     try:
                         state = engine.read(region, bucket)
                     except (NotOwner, BucketUnavailable):
@@ -800,7 +807,11 @@ class RegionService:
         while True:
             if engine.owns(region, bucket):
                 if not engine.is_ready(region, bucket):
-                    await asyncio.to_thread(engine.wait_ready, region, bucket, min(5.0, self.request_timeout_s))
+                    await asyncio.to_thread(engine.wait_ready, region, bucket,
+                                            min(LOADING_WAIT_S, self.request_timeout_s))
+                    loading = engine.loading(region, bucket)
+                    if loading is not None:
+                        raise loading
                 try:
                     state = engine.read(region, bucket)
                     with engine.read_lock:
