@@ -15,6 +15,16 @@ machine's memory allows):
 4. **Cold start**: the survivor stops; a fresh instance starts alone and
    the clock runs from its spawn until ``/readyz`` answers (every bucket
    loaded).
+5. **Failover with redundant copies**: that instance stops; two instances
+   start on the same region with ``redundant_copies: 1``, and once each
+   holds a caught-up standby copy of every bucket the other owns, their
+   resident memory is taken and one is killed (``kill -9``); the clock runs
+   as in 3.
+6. **Rejoin stall**: an instance starts again beside the survivor.  While
+   it joins, each probe key is read through the survivor every 20 ms; the
+   stall is the longest time a key of a bucket the survivor keeps went
+   unanswered (the buckets that move to the new instance answer once it
+   has loaded them, and are not counted).
 
 Baselines, measured in the same run on the same broker:
 
@@ -81,7 +91,8 @@ PROBE_TIMEOUT_S = 1.0
 
 def fits(entries: int, bytes_per_entry: float) -> bool:
     """Whether the region's copies (two instances holding half each, then one holding all, and the
-    stopping survivor's memory not yet freed: twice the region) fit in half the memory available now."""
+    stopping survivor's memory not yet freed; two instances holding all with redundant copies: twice the
+    region) fit in half the memory available now."""
     try:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
@@ -94,12 +105,14 @@ def rss_bytes(pid: int) -> int:
     return int(status.split("VmRSS:")[1].split()[0]) * 1024
 
 
-def site_file(path: Path, bootstrap: str, prefix: str) -> Path:
+def site_file(path: Path, bootstrap: str, prefix: str, redundant_copies: int = 0) -> Path:
     """bench/site.py's site without queues, with the session settings of this benchmark."""
     write_site(path, bootstrap=bootstrap, prefix=prefix, parallel_senders=0)
     data = yaml.safe_load(path.read_text())
     data["kafka"].update(session_timeout_ms=SESSION_TIMEOUT_MS, heartbeat_interval_ms=HEARTBEAT_INTERVAL_MS)
     data["region_service"] = {"load_timeout_s": READY_TIMEOUT_S}
+    for region in data["regions"]:
+        region["redundant_copies"] = redundant_copies
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
@@ -250,6 +263,86 @@ def all_answer(url: str, keys: list[str]) -> bool:
     return resp.status_code == 200 and all(resp.json()["entries"].get(k) for k in keys)
 
 
+def copies_ready(instances: list[RegionProcess]) -> bool:
+    """Whether each instance holds a caught-up standby copy of every bucket another one owns."""
+    for inst in instances:
+        try:
+            rows = httpx.get(f"{inst.url}/buckets", timeout=PROBE_TIMEOUT_S * 5).json()["buckets"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return False
+        for row in rows:
+            if row["owner"] != inst.url and not any(c["url"] == inst.url and 0 <= c["lag"] <= 1
+                                                    for c in row["standbys"]):
+                return False
+    return True
+
+
+def standby_failover(ctx: Context, workdir: Path, entries: int, keys: list[str]) -> tuple[float, list[float], dict[str, Any]]:
+    """Step 5: the failover gap with ``redundant_copies: 1``, both instances' RSS (MiB) with their
+    copies, and the survivor's stats."""
+    path = site_file(workdir / "site-copies.yaml", ctx.bootstrap, ctx.topic_prefix(), redundant_copies=1)
+    instances = [RegionProcess(path, workdir / f"region-copies-{i}.log") for i in range(2)]
+    try:
+        for inst in instances:
+            inst.wait_ready(READY_TIMEOUT_S)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not copies_ready(instances):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the standby copies did not catch up in {READY_TIMEOUT_S:g}s")
+            time.sleep(0.2)
+        rss = [rss_bytes(inst.pid) / 2**20 for inst in instances]
+        victim, survivor = instances
+        if not all_answer(survivor.url, keys):
+            raise RuntimeError("the region does not answer before the kill")
+        killed = time.monotonic()
+        victim.kill()
+        while not all_answer(survivor.url, keys):
+            if time.monotonic() - killed > READY_TIMEOUT_S:
+                raise TimeoutError(f"the survivor did not answer for every bucket in {READY_TIMEOUT_S:g}s")
+            time.sleep(0.05)
+        gap = time.monotonic() - killed
+        stats = survivor.stats()
+        instances.append(RegionProcess(path, workdir / "region-copies-rejoined.log"))
+        stall = rejoin_stall(survivor, instances[-1], keys)
+        return gap, rss, {**stats, "rejoin_stall_s": stall}
+    finally:
+        for inst in instances:
+            inst.stop()
+
+
+def rejoin_stall(survivor: RegionProcess, joining: RegionProcess, keys: list[str]) -> float:
+    """Step 6: the longest a key of a bucket ``survivor`` keeps went unanswered while ``joining`` joined."""
+    last_ok = {k: time.monotonic() for k in keys}
+    worst = {k: 0.0 for k in keys}
+    done = threading.Event()
+
+    def probe() -> None:
+        with httpx.Client(timeout=PROBE_TIMEOUT_S) as http:
+            while not done.is_set():
+                for key in keys:
+                    try:
+                        ok = http.get(f"{survivor.url}/regions/{REGION}/entries/{key}").status_code == 200
+                    except httpx.HTTPError:
+                        ok = False
+                    now = time.monotonic()
+                    if ok:
+                        last_ok[key] = now
+                    worst[key] = max(worst[key], now - last_ok[key])
+                time.sleep(0.02)
+
+    prober = threading.Thread(target=probe, daemon=True)
+    prober.start()
+    try:
+        joining.wait_ready(READY_TIMEOUT_S)
+        time.sleep(2.0)  # the last answers of the buckets that moved
+    finally:
+        done.set()
+        prober.join(10)
+    rows = httpx.get(f"{survivor.url}/buckets", timeout=10).json()["buckets"]
+    kept = {r["bucket"] for r in rows if r["owner"] == survivor.url}
+    return max((worst[k] for k in keys if partition_for_key(k.encode(), BUCKETS) in kept), default=0.0)
+
+
 def one_size(ctx: Context, entries: int, group_gap: float) -> list[Result]:
     workdir = ctx.workdir / f"n{entries}"
     workdir.mkdir()
@@ -287,6 +380,7 @@ def one_size(ctx: Context, entries: int, group_gap: float) -> list[Result]:
         late.stop()
         reads.append(raw_read(ctx.bootstrap, changelog, entries))
         read_s = min(reads)
+        copies_gap, copies_rss, copies_stats = standby_failover(ctx, workdir, entries, keys)
     finally:
         for inst in [*instances, *([late] if late else [])]:
             inst.stop()
@@ -296,12 +390,19 @@ def one_size(ctx: Context, entries: int, group_gap: float) -> list[Result]:
              f"{mib[0]:,.0f} and {mib[1]:,.0f} MiB; {per_entry:,.0f} bytes per entry; a raw consumer read the "
              f"changelog in {reads[0]:.2f}s before the cold start and {reads[1]:.2f}s after it (the faster is the "
              "baseline)")
+    ctx.note(f"N={entries:,}, redundant_copies 1: failover gap {copies_gap:.1f}s (the survivor promoted "
+             f"{copies_stats['loads_from_standby']} standby copies, replaying {copies_stats['records_replayed']:,} "
+             f"records in all its loads); resident with the copies {copies_rss[0]:,.0f} and {copies_rss[1]:,.0f} MiB; "
+             f"an instance rejoining stalled the survivor's kept buckets {copies_stats['rejoin_stall_s']:.2f}s at most")
     value_bytes = len(orjson.dumps(make_value(0)))
     return [
         Result(f"region.failover.gap.{entries}", gap, "s", "kafka.group.failover", group_gap),
         Result(f"region.failover.cold_start.{entries}", cold, "s", f"raw.consumer.read.{entries}", read_s),
         Result(f"region.failover.bytes_per_entry.{entries}", per_entry, "bytes", "value.bytes", value_bytes),
         Result(f"region.failover.rss.{entries}", max(mib), "MiB"),
+        Result(f"region.failover.gap_with_copy.{entries}", copies_gap, "s", "kafka.group.failover", group_gap),
+        Result(f"region.failover.rss_with_copy.{entries}", max(copies_rss), "MiB"),
+        Result(f"region.failover.rejoin_stall.{entries}", copies_stats["rejoin_stall_s"], "s"),
     ]
 
 

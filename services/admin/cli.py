@@ -132,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
                 print_receivers(console, cfg, receiver_status(cfg))
             if not args.queue:
                 print_clients(console, cfg, client_status(cfg))
+                print_buckets(console, cfg, bucket_status(cfg))
             return 0
         if not args.queue:
             print(f"sluice admin {args.command}: name the queue", file=sys.stderr)
@@ -416,4 +417,56 @@ def print_clients(console: Console, cfg: SiteConfig, rows: list[ClientStatus]) -
                       str(r.received), str(r.repeats), r.interest)
     if not rows:
         table.add_row("(none)", "", "", "", "", "", "", "", "", "")
+    console.print(table)
+
+
+@dataclass
+class BucketStatus:
+    """One bucket of a region: its owner and its standby copies, from the instances' directory records."""
+
+    region: str
+    bucket: int
+    primary: str | None
+    #: (instance, lag in changelog offsets (-1 not known yet), entries, value bytes) of each standby copy.
+    standbys: list[tuple[str, int, int, int]]
+    redundant_copies: int
+
+
+def bucket_status(cfg: SiteConfig) -> list[BucketStatus]:
+    """Every bucket of every region with redundant copies, as the live region-service instances' records say."""
+    from ..region.directory import live_instances, read_instances
+
+    wanted = {r.name: r for r in cfg.regions if r.redundant_copies}
+    if not wanted:
+        return []
+    instances = live_instances(read_instances(cfg))
+    owners: dict[tuple[str, int], tuple[int, str]] = {}
+    copies: dict[tuple[str, int], list[tuple[str, int, int, int]]] = {}
+    for inst in instances:
+        for region, bucket, since in inst.claims:
+            if (region, bucket) not in owners or since > owners[(region, bucket)][0]:
+                owners[(region, bucket)] = (since, inst.instance)
+        for region, bucket, lag, entries, size in inst.standbys:
+            copies.setdefault((region, bucket), []).append((inst.instance, lag, entries, size))
+    return [BucketStatus(name, b, owners[(name, b)][1] if (name, b) in owners else None,
+                         sorted(copies.get((name, b), [])), region.redundant_copies)
+            for name, region in wanted.items() for b in range(region.buckets)]
+
+
+def print_buckets(console: Console, cfg: SiteConfig, rows: list[BucketStatus]) -> None:
+    """One row per bucket of the regions with redundant copies (none: no table)."""
+    if not rows:
+        return
+    table = Table(title=f"region buckets of site {cfg.site} with redundant copies: primary and standby copies "
+                        "(lag in changelog offsets behind the partition's end)")
+    for col in ("region", "bucket", "primary", "standby copies", "copies", "entries per copy", "value bytes held"):
+        table.add_column(col, justify="left" if col in ("region", "primary", "standby copies") else "right")
+    for r in rows:
+        standbys = ", ".join(f"{name} (lag {'?' if lag < 0 else lag})" for name, lag, _, _ in r.standbys) or "none"
+        short = len(r.standbys) < r.redundant_copies
+        table.add_row(r.region, str(r.bucket), r.primary or "[red]none[/red]",
+                      f"[yellow]{standbys}[/yellow]" if short else standbys,
+                      f"{len(r.standbys)}/{r.redundant_copies}",
+                      ", ".join(f"{n:,}" for _, _, n, _ in r.standbys) or "—",
+                      f"{sum(size for _, _, _, size in r.standbys):,}")
     console.print(table)

@@ -77,7 +77,7 @@ from ..core.config import SiteConfig, load_config
 from ..core.errors import ConfigError, InvalidRequest, SluiceError
 from ..core.kafka import KafkaException, make_admin
 from ..core.webguard import bearer_matches, digest, forgery_problem, host_and_port, is_loopback
-from ..region.directory import owners_of, read_instances
+from ..region.directory import live_instances, owners_of, read_instances
 from ..core.lifecycle import ServiceState
 from .cli import STATES, PartitionStatus, client_status, kind_of, queue_status, receiver_status, set_state
 
@@ -331,13 +331,20 @@ class StatusSampler:
         ``sluice.region.directory``)."""
         cfg = self.cfg
         try:
-            owners = owners_of(read_instances(cfg))
+            records = read_instances(cfg)
+            owners = owners_of(records)
+            standbys: dict[tuple[str, int], list[dict[str, Any]]] | None = {}
+            for inst in live_instances(records):
+                for r, b, lag, entries, size in inst.standbys:
+                    standbys.setdefault((r, b), []).append(
+                        {"instance": inst.instance, "lag": lag, "entries": entries, "value_bytes": size})
             members: list[tuple[str, list[tuple[str, int]]]] | None = [
                 (url, [(cfg.topics.region_changelog(r), b) for (r, b), u in owners.items() if u == url])
                 for url in sorted(set(owners.values()))]
         except (KafkaException, SluiceError) as exc:
             log.warning("cannot read the region-service instances: %s", exc)
             members = None
+            standbys = None
         regions = []
         for region in cfg.regions:
             changelog = cfg.topics.region_changelog(region.name)
@@ -353,6 +360,11 @@ class StatusSampler:
                 "instances": None if instances is None else sorted(instances, key=lambda i: i["instance"]),
                 "gateway_senders": list(region.gateway_senders),
                 "async_event_queues": list(region.async_event_queues),
+                "redundant_copies": region.redundant_copies,
+                # Per bucket: its standby copies (instance, lag, entries, value bytes); None when unknown.
+                "standbys": None if standbys is None else [
+                    sorted(standbys.get((region.name, b), []), key=lambda c: c["instance"])
+                    for b in range(region.buckets)],
             })
         return regions
 

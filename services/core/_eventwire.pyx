@@ -222,6 +222,10 @@ cdef tuple _decode(bytes body, object visited_added, bint force_duplicate):
     cdef bint duplicate = c.buf[c.pos] != 0
     c.pos += 1
     member = _string(&c)
+    if member is not None:
+        # Interned (as the Python reader does): a region holds an EventID and a version tag per entry,
+        # and their member ids are a few strings, not one per entry.
+        member = intern(member)
     cdef int64_t thread = _long(&c)
     cdef int64_t sequence = _long(&c)
     cdef int64_t dsid = _int(&c)
@@ -230,6 +234,8 @@ cdef tuple _decode(bytes body, object visited_added, bint force_duplicate):
     if c.bad:
         return None
     version_member = _string(&c)
+    if version_member is not None:
+        version_member = intern(version_member)
     cdef int64_t origin = _int(&c)
     if c.bad:
         return None

@@ -36,6 +36,7 @@ enum symbol, invalid UTF-8, trailing bytes) with ``MalformedRecord``.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -281,13 +282,17 @@ def _decode_entry(buf: bytes, pos: int) -> tuple[EntryEvent, EntryLayout, int]:
         callback, pos = _read_string(buf, pos)
     duplicate_at = pos
     duplicate, pos = _read_boolean(buf, pos)
+    # Member ids interned: a region holds an EventID and a version tag per entry, and their member ids
+    # are a few strings, not one per entry.
     member, pos = _read_string(buf, pos)
+    member = sys.intern(member)
     thread, pos = read_long(buf, pos)
     sequence, pos = read_long(buf, pos)
     dsid, pos = _read_int(buf, pos, "VersionTag.dsid")
     timestamp, pos = read_long(buf, pos)
     entry_version, pos = read_long(buf, pos)
     version_member, pos = _read_string(buf, pos)
+    version_member = sys.intern(version_member)
     origin, pos = _read_int(buf, pos, "EntryEvent.origin_dsid")
     visited_start = pos
     visited, pos = _read_int_array(buf, pos, "EntryEvent.visited_dsids")

@@ -17,7 +17,9 @@ Gaining a bucket (``on_assign``)::
        │       offsets for it are pending), wait until no transaction is
        │       open on it (its last stable offset is its high watermark),
        │       read it at read_committed from its start to that end, replay
-       │       every record into a fresh BucketState, and re-enqueue
+       │       every record into a fresh BucketState (or, from a standby copy
+       │       this instance kept, only the records past the copy's position:
+       │       standby.py), and re-enqueue
        │       (possibleDuplicate) the records past an offset not marked
        │       transactional, in a transaction of its own (fanout.py, "The
        │       checkpoint")

@@ -19,6 +19,7 @@ import httpx
 import pytest
 from confluent_kafka import Producer
 
+from sluice.admin.cli import bucket_status
 from sluice.client import RegionClient
 from sluice.core.kafka import partition_for_key
 
@@ -46,6 +47,15 @@ def test_a_standby_behind_when_promoted_catches_up_before_answering(site_a, uniq
     try:
         b.wait_ready()
         bucket = min(wait_standbys(b, a))
+        # `sluice admin status` shows the bucket's primary and its standby, from the directory records.
+        ids = {a.stats()["instance"]: "a", b.stats()["instance"]: "b"}
+        deadline = time.monotonic() + 30
+        while True:
+            row = next(r for r in bucket_status(cfg) if r.bucket == bucket)
+            if ids.get(row.primary) == "a" and [ids.get(c[0]) for c in row.standbys] == ["b"]:
+                break
+            assert time.monotonic() < deadline, f"admin status never showed b's copy of bucket {bucket}: {row}"
+            time.sleep(0.5)
         keys = [k for k in (f"k{i:05d}" for i in range(KEYS * 20)) if partition_for_key(k.encode(), 8) == bucket][:KEYS]
         client = RegionClient([a.url], retry_for_s=60)
         client.put_all("orders", {k: {"round": 1} for k in keys})

@@ -191,6 +191,18 @@ function render(data) {
     { title: "receiver accepts", value: (s) => yesNo(s.accepted_by_receiver) },
   ], data.sites, (s) => ({ "data-dsid": s.dsid }), none("none"));
 
+  // A region's standby copies: how many buckets have all their redundant_copies, the worst lag (changelog
+  // offsets), and the value bytes the copies hold; each bucket's copies are in /api/status.
+  function standbyText(r) {
+    if (!r.redundant_copies) return "none configured";
+    if (r.standbys === null) return "unknown";
+    const full = r.standbys.filter((c) => c.length >= r.redundant_copies).length;
+    const lags = r.standbys.flat().map((c) => c.lag).filter((l) => l >= 0);
+    const bytes = r.standbys.flat().reduce((sum, c) => sum + c.value_bytes, 0);
+    return full + "/" + r.buckets + " buckets with " + r.redundant_copies + " copies" +
+      (lags.length ? ", worst lag " + fmtCount(Math.max(...lags)) : "") + ", " + fmtCount(bytes) + " value bytes";
+  }
+
   fillTable(document.getElementById("regions-table"), [
     { title: "region", value: (r) => r.name },
     { title: "buckets", value: (r) => String(r.buckets), num: true },
@@ -199,6 +211,10 @@ function render(data) {
     { title: "region service instances (buckets)", wrap: true,
       value: (r) => r.instances === null ? "unknown (the broker lists no group members)"
         : r.instances.map((i) => i.instance + " (" + i.buckets + ")").join(", ") || "none" },
+    { title: "standby copies (buckets with k of k, worst lag)", wrap: true,
+      value: (r) => standbyText(r),
+      cls: (r) => r.redundant_copies && r.standbys !== null && r.standbys.some((c) => c.length < r.redundant_copies)
+        ? "bad" : "" },
     { title: "senders", value: (r) => r.gateway_senders.join(", ") || "—" },
     { title: "async event queues", value: (r) => r.async_event_queues.join(", ") || "—" },
   ], data.regions, (r) => ({ "data-region": r.name }), none("none"));
