@@ -277,10 +277,10 @@ def copies_ready(instances: list[RegionProcess]) -> bool:
     return True
 
 
-def standby_failover(ctx: Context, workdir: Path, entries: int, keys: list[str]) -> tuple[float, list[float], dict[str, Any]]:
+def standby_failover(ctx: Context, workdir: Path, prefix: str, keys: list[str]) -> tuple[float, list[float], dict[str, Any]]:
     """Step 5: the failover gap with ``redundant_copies: 1``, both instances' RSS (MiB) with their
     copies, and the survivor's stats."""
-    path = site_file(workdir / "site-copies.yaml", ctx.bootstrap, ctx.topic_prefix(), redundant_copies=1)
+    path = site_file(workdir / "site-copies.yaml", ctx.bootstrap, prefix, redundant_copies=1)
     instances = [RegionProcess(path, workdir / f"region-copies-{i}.log") for i in range(2)]
     try:
         for inst in instances:
@@ -324,10 +324,11 @@ def rejoin_stall(survivor: RegionProcess, joining: RegionProcess, keys: list[str
                         ok = http.get(f"{survivor.url}/regions/{REGION}/entries/{key}").status_code == 200
                     except httpx.HTTPError:
                         ok = False
+                    # A read held while the bucket was unavailable counts from the last answer before it.
                     now = time.monotonic()
+                    worst[key] = max(worst[key], now - last_ok[key])
                     if ok:
                         last_ok[key] = now
-                    worst[key] = max(worst[key], now - last_ok[key])
                 time.sleep(0.02)
 
     prober = threading.Thread(target=probe, daemon=True)
@@ -346,7 +347,8 @@ def rejoin_stall(survivor: RegionProcess, joining: RegionProcess, keys: list[str
 def one_size(ctx: Context, entries: int, group_gap: float) -> list[Result]:
     workdir = ctx.workdir / f"n{entries}"
     workdir.mkdir()
-    path = site_file(workdir / "site.yaml", ctx.bootstrap, ctx.topic_prefix())
+    prefix = ctx.topic_prefix()
+    path = site_file(workdir / "site.yaml", ctx.bootstrap, prefix)
     changelog = load_config(path).topics.region_changelog(REGION)
     instances = [RegionProcess(path, workdir / f"region-{i}.log") for i in range(2)]
     late: RegionProcess | None = None
@@ -380,7 +382,7 @@ def one_size(ctx: Context, entries: int, group_gap: float) -> list[Result]:
         late.stop()
         reads.append(raw_read(ctx.bootstrap, changelog, entries))
         read_s = min(reads)
-        copies_gap, copies_rss, copies_stats = standby_failover(ctx, workdir, entries, keys)
+        copies_gap, copies_rss, copies_stats = standby_failover(ctx, workdir, prefix, keys)
     finally:
         for inst in [*instances, *([late] if late else [])]:
             inst.stop()
