@@ -8,7 +8,10 @@ machine's memory allows):
 1. Both instances start; two client threads load N entries with put_all
    batches of 1000 (not timed: ``region.put_all.ingest`` measures that).
 2. Resident memory of each instance, and the bytes per entry that loading
-   added (the growth of both instances ÷ N).
+   added (the growth of both instances ÷ N).  The writes leave freed memory
+   the allocator keeps, so step 4 also gives the bytes per entry of an
+   instance that read the region from its changelog (its resident memory
+   less an empty instance's, ÷ N).
 3. **Failover gap**: instance 0 is killed (``kill -9``); the clock runs
    from the kill until a ``get_all`` of one key per bucket through the
    survivor answers with all of them.
@@ -21,7 +24,8 @@ machine's memory allows):
    resident memory is taken and one is killed (``kill -9``); the clock runs
    as in 3.
 6. **Rejoin stall**: an instance starts again beside the survivor.  While
-   it joins, each probe key is read through the survivor every 20 ms; the
+   it joins, each probe key is read through the survivor every 20 ms (a
+   thread per key); the
    stall is the longest time a key of a bucket the survivor keeps went
    unanswered (the buckets that move to the new instance answer once it
    has loaded them, and are not counted).
@@ -316,29 +320,31 @@ def rejoin_stall(survivor: RegionProcess, joining: RegionProcess, keys: list[str
     worst = {k: 0.0 for k in keys}
     done = threading.Event()
 
-    def probe() -> None:
+    def probe(key: str) -> None:
+        # One thread per key: a read held on a bucket that moves must not delay the reads of the others.
         with httpx.Client(timeout=PROBE_TIMEOUT_S) as http:
             while not done.is_set():
-                for key in keys:
-                    try:
-                        ok = http.get(f"{survivor.url}/regions/{REGION}/entries/{key}").status_code == 200
-                    except httpx.HTTPError:
-                        ok = False
-                    # A read held while the bucket was unavailable counts from the last answer before it.
-                    now = time.monotonic()
-                    worst[key] = max(worst[key], now - last_ok[key])
-                    if ok:
-                        last_ok[key] = now
+                try:
+                    ok = http.get(f"{survivor.url}/regions/{REGION}/entries/{key}").status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                # A read held while the bucket was unavailable counts from the last answer before it.
+                now = time.monotonic()
+                worst[key] = max(worst[key], now - last_ok[key])
+                if ok:
+                    last_ok[key] = now
                 time.sleep(0.02)
 
-    prober = threading.Thread(target=probe, daemon=True)
-    prober.start()
+    probers = [threading.Thread(target=probe, args=(key,), daemon=True) for key in keys]
+    for prober in probers:
+        prober.start()
     try:
         joining.wait_ready(READY_TIMEOUT_S)
         time.sleep(2.0)  # the last answers of the buckets that moved
     finally:
         done.set()
-        prober.join(10)
+        for prober in probers:
+            prober.join(10)
     rows = httpx.get(f"{survivor.url}/buckets", timeout=10).json()["buckets"]
     kept = {r["bucket"] for r in rows if r["owner"] == survivor.url}
     return max((worst[k] for k in keys if partition_for_key(k.encode(), BUCKETS) in kept), default=0.0)
@@ -377,6 +383,7 @@ def one_size(ctx: Context, entries: int, group_gap: float) -> list[Result]:
         late = RegionProcess(path, workdir / "region-cold.log")
         late.wait_ready(READY_TIMEOUT_S)
         cold = time.monotonic() - late.started
+        cold_per_entry = (rss_bytes(late.pid) - before / 2) / entries
         if not all_answer(late.url, keys):
             raise RuntimeError("the cold-started instance does not answer for every bucket")
         late.stop()
@@ -388,7 +395,7 @@ def one_size(ctx: Context, entries: int, group_gap: float) -> list[Result]:
             inst.stop()
     mib = [r / 2**20 for r in rss]
     ctx.note(f"N={entries:,}: failover gap {gap:.1f}s (the survivor loaded {stats['loads'] - BUCKETS // 2} "
-             f"buckets and kept {stats['loads_skipped']}); cold start {cold:.1f}s; resident after the load "
+             f"buckets and kept {stats['loads_skipped']}); cold start {cold:.1f}s, then {cold_per_entry:,.0f} bytes per entry; resident after the load "
              f"{mib[0]:,.0f} and {mib[1]:,.0f} MiB; {per_entry:,.0f} bytes per entry; a raw consumer read the "
              f"changelog in {reads[0]:.2f}s before the cold start and {reads[1]:.2f}s after it (the faster is the "
              "baseline)")
@@ -401,6 +408,8 @@ def one_size(ctx: Context, entries: int, group_gap: float) -> list[Result]:
         Result(f"region.failover.gap.{entries}", gap, "s", "kafka.group.failover", group_gap),
         Result(f"region.failover.cold_start.{entries}", cold, "s", f"raw.consumer.read.{entries}", read_s),
         Result(f"region.failover.bytes_per_entry.{entries}", per_entry, "bytes", "value.bytes", value_bytes),
+        Result(f"region.failover.cold_bytes_per_entry.{entries}", cold_per_entry, "bytes", "value.bytes",
+               value_bytes),
         Result(f"region.failover.rss.{entries}", max(mib), "MiB"),
         Result(f"region.failover.gap_with_copy.{entries}", copies_gap, "s", "kafka.group.failover", group_gap),
         Result(f"region.failover.rss_with_copy.{entries}", max(copies_rss), "MiB"),
