@@ -823,6 +823,9 @@ class RegionServiceConfig(_Model):
         "(413 beyond it)")
     load_timeout_s: float = Field(
         60, gt=0, description="how long a member may take to rebuild a bucket from its changelog before it gives up")
+    load_threads: int = Field(
+        2, ge=1, le=32, description="buckets an instance loads from their changelogs at once (a thread and two "
+        "Kafka readers each): after a failover or at start, the buckets owed load in parallel")
     request_timeout_s: float = Field(
         30, gt=0, description="how long one request may take, including forwarding it to the bucket's owner")
     event_tracking_timeout_s: float = Field(

@@ -92,9 +92,12 @@ only a loader that loses the bucket between writing a dead letter and the
 broker acknowledging it can leave a second one behind.
 
 Threads: the callers' (``submit``), the committer (the transactional producer
-and its windows), the group thread (membership, generation metadata) and the
-loader.  They share the ``self._lock``-guarded bucket tables and open window;
-everything else is owned by one thread.
+and its windows), the group thread (membership, generation metadata), the
+loaders (``load_threads`` of them, each loading one bucket at a time with
+readers of its own, so the buckets owed after a failover load in parallel)
+and the standby keeper (standby.py).  They share the ``self._lock``-guarded
+bucket tables and open window; the loaders share the dead-letter path under
+a lock of its own; everything else is owned by one thread.
 """
 
 from __future__ import annotations
@@ -343,6 +346,7 @@ class RegionEngine:
         window_records_max: int = 200_000,
         gone_owners: Callable[[str, int, int], list[str]] | None = None,
         standbys: bool = False,
+        load_threads: int = 2,
     ) -> None:
         self.site = site
         self.dsid = dsid
@@ -393,6 +397,10 @@ class RegionEngine:
         self._owned: dict[tuple[str, int], OwnedBucket] = {}
         self._epoch = 0
         self._loads: queue.Queue[tuple[str, int, int] | None] = queue.Queue(maxsize=100_000)
+        #: Loader threads: buckets loaded at once, each thread with readers of its own.
+        self._load_threads = load_threads
+        #: Held while a loader writes dead letters (``_dead_letter``: the set of those written, the producer).
+        self._dead_letter_lock = threading.Lock()
         self._stopping = threading.Event()
         self._committer_stopping = False
         self._threads: list[threading.Thread] = []
@@ -439,7 +447,9 @@ class RegionEngine:
             **{"client.id": self.client_id},
             **self._group_settings,
         )
-        for name, target in (("commit", self._commit_loop), ("group", self._group_loop), ("loader", self._load_loop)):
+        workers = [("commit", self._commit_loop), ("group", self._group_loop)]
+        workers += [(f"loader-{i}", self._load_loop) for i in range(self._load_threads)]
+        for name, target in workers:
             t = threading.Thread(target=self._guard(target), name=f"region-{name}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -465,7 +475,8 @@ class RegionEngine:
         if self._stopping.is_set():
             return
         self._stopping.set()
-        self._loads.put_nowait(None)
+        for _ in range(self._load_threads):
+            self._loads.put_nowait(None)
         end = time.monotonic() + deadline_s
         for t in self._threads:
             if t.name != "region-commit":
@@ -1288,11 +1299,12 @@ class RegionEngine:
             if ob is None:
                 return
             ob.status = BucketStatus.READY
-        self.stats["loads"] += 1
-        self.stats["refanned_out"] += len(refanout)
-        self.stats["records_replayed"] += replayed
-        if standby is not None:
-            self.stats["loads_from_standby"] += 1
+            # Counted under the lock: several loader threads count at once.
+            self.stats["loads"] += 1
+            self.stats["refanned_out"] += len(refanout)
+            self.stats["records_replayed"] += replayed
+            if standby is not None:
+                self.stats["loads_from_standby"] += 1
         log.info(
             "loaded %s[%d]%s: %d keys, %d records replayed from offsets %d..%d (read in %.2fs), %d re-enqueued, "
             "%.2fs in all", region, bucket, " from its standby copy" if standby is not None else "", state.size(),
@@ -1302,10 +1314,15 @@ class RegionEngine:
     def _dead_letter(self, reader: Consumer, topic: str, bucket: int,
                      unreadable: list[tuple[int, bytes | None, bytes | None, CodecError]]) -> None:
         """Each unreadable record of a changelog partition to the dead-letter topic, once (see the
-        module docstring); returns when the new dead letters are durable.  Loader thread."""
-        dead_letters = self._dead_letter_topic
-        if dead_letters is None:
+        module docstring); returns when the new dead letters are durable.  Loader threads, one at a
+        time."""
+        if self._dead_letter_topic is None:
             return
+        with self._dead_letter_lock:
+            self._dead_letter_once(reader, self._dead_letter_topic, topic, bucket, unreadable)
+
+    def _dead_letter_once(self, reader: Consumer, dead_letters: str, topic: str, bucket: int,
+                          unreadable: list[tuple[int, bytes | None, bytes | None, CodecError]]) -> None:
         todo = {f"{topic}/{bucket}/{offset}".encode(): (offset, key, value, exc)
                 for offset, key, value, exc in unreadable}
         if all(k in self._dead_lettered for k in todo):
@@ -1358,7 +1375,8 @@ class RegionEngine:
         if errors:
             raise BrokerUnavailable(f"dead letters of {topic}[{bucket}] not written: {errors[0]}")
         self._dead_lettered.update(fresh)
-        self.stats["dead_lettered"] += len(fresh)
+        with self._lock:
+            self.stats["dead_lettered"] += len(fresh)
         log.warning("%s[%d]: %d unreadable changelog records dead-lettered to %s", topic, bucket, len(fresh),
                     dead_letters)
 

@@ -300,6 +300,7 @@ class RegionService:
             transaction_timeout_ms=TRANSACTION_TIMEOUT_MS,
             gone_owners=self._gone_owners,
             standbys=any(r.redundant_copies for r in self.cfg.regions),
+            load_threads=self.cfg.region_service.load_threads,
         )
         trust = MemberTrust.from_config(self.cfg, self.url)
         self._publisher = DirectoryPublisher(self.cfg, self.instance_id, self.url, trust)
