@@ -267,6 +267,19 @@ def all_answer(url: str, keys: list[str]) -> bool:
     return resp.status_code == 200 and all(resp.json()["entries"].get(k) for k in keys)
 
 
+def kill_and_time(victim: RegionProcess, survivor: RegionProcess, keys: list[str]) -> float:
+    """Seconds from the ``kill -9`` of ``victim`` until ``survivor`` answers for every key of ``keys``."""
+    if not all_answer(survivor.url, keys):
+        raise RuntimeError("the region does not answer before the kill")
+    killed = time.monotonic()
+    victim.kill()
+    while not all_answer(survivor.url, keys):
+        if time.monotonic() - killed > READY_TIMEOUT_S:
+            raise TimeoutError(f"the survivor did not answer for every bucket in {READY_TIMEOUT_S:g}s")
+        time.sleep(0.05)
+    return time.monotonic() - killed
+
+
 def copies_ready(instances: list[RegionProcess]) -> bool:
     """Whether each instance holds a caught-up standby copy of every bucket another one owns."""
     for inst in instances:
@@ -296,15 +309,7 @@ def standby_failover(ctx: Context, workdir: Path, prefix: str, keys: list[str]) 
             time.sleep(0.2)
         rss = [rss_bytes(inst.pid) / 2**20 for inst in instances]
         victim, survivor = instances
-        if not all_answer(survivor.url, keys):
-            raise RuntimeError("the region does not answer before the kill")
-        killed = time.monotonic()
-        victim.kill()
-        while not all_answer(survivor.url, keys):
-            if time.monotonic() - killed > READY_TIMEOUT_S:
-                raise TimeoutError(f"the survivor did not answer for every bucket in {READY_TIMEOUT_S:g}s")
-            time.sleep(0.05)
-        gap = time.monotonic() - killed
+        gap = kill_and_time(victim, survivor, keys)
         stats = survivor.stats()
         instances.append(RegionProcess(path, workdir / "region-copies-rejoined.log"))
         stall = rejoin_stall(survivor, instances[-1], keys)
@@ -368,15 +373,7 @@ def one_size(ctx: Context, entries: int, group_gap: float) -> list[Result]:
         per_entry = (sum(rss) - before) / entries
         keys = probe_keys(entries)
         victim, survivor = instances
-        if not all_answer(survivor.url, keys):
-            raise RuntimeError("the region does not answer before the kill")
-        killed = time.monotonic()
-        victim.kill()
-        while not all_answer(survivor.url, keys):
-            if time.monotonic() - killed > READY_TIMEOUT_S:
-                raise TimeoutError(f"the survivor did not answer for every bucket in {READY_TIMEOUT_S:g}s")
-            time.sleep(0.05)
-        gap = time.monotonic() - killed
+        gap = kill_and_time(victim, survivor, keys)
         stats = survivor.stats()
         survivor.stop()
         reads = [raw_read(ctx.bootstrap, changelog, entries)]

@@ -434,22 +434,18 @@ class BucketStatus:
 
 def bucket_status(cfg: SiteConfig) -> list[BucketStatus]:
     """Every bucket of every region with redundant copies, as the live region-service instances' records say."""
-    from ..region.directory import live_instances, read_instances
+    from ..region.directory import live_instances, owners_of, read_instances
 
     wanted = {r.name: r for r in cfg.regions if r.redundant_copies}
     if not wanted:
         return []
-    instances = live_instances(read_instances(cfg))
-    owners: dict[tuple[str, int], tuple[int, str]] = {}
+    instances = read_instances(cfg)
+    owners = owners_of(instances, by_name=True)
     copies: dict[tuple[str, int], list[tuple[str, int, int, int]]] = {}
-    for inst in instances:
-        for region, bucket, since in inst.claims:
-            if (region, bucket) not in owners or since > owners[(region, bucket)][0]:
-                owners[(region, bucket)] = (since, inst.instance)
+    for inst in live_instances(instances):
         for region, bucket, lag, entries, size in inst.standbys:
             copies.setdefault((region, bucket), []).append((inst.instance, lag, entries, size))
-    return [BucketStatus(name, b, owners[(name, b)][1] if (name, b) in owners else None,
-                         sorted(copies.get((name, b), [])), region.redundant_copies)
+    return [BucketStatus(name, b, owners.get((name, b)), sorted(copies.get((name, b), [])), region.redundant_copies)
             for name, region in wanted.items() for b in range(region.buckets)]
 
 

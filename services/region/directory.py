@@ -198,16 +198,17 @@ class MemberTrust:
         return self.host_problem(host)
 
 
-def owners_of(instances: dict[str, Instance]) -> dict[tuple[str, int], str]:
-    """(region, bucket) → URL of the latest claim among running instances."""
+def owners_of(instances: dict[str, Instance], by_name: bool = False) -> dict[tuple[str, int], str]:
+    """(region, bucket) → URL (or, ``by_name``, the name) of the instance with the latest claim among
+    running instances."""
     best: dict[tuple[str, int], tuple[int, str]] = {}
     for inst in instances.values():
         if inst.state != "running":
             continue
         for region, bucket, since in inst.claims:
             if (region, bucket) not in best or since > best[(region, bucket)][0]:
-                best[(region, bucket)] = (since, inst.url)
-    return {rb: url for rb, (_, url) in best.items()}
+                best[(region, bucket)] = (since, inst.instance if by_name else inst.url)
+    return {rb: owner for rb, (_, owner) in best.items()}
 
 
 def live_instances(instances: dict[str, Instance], now_ms: int | None = None) -> list[Instance]:
@@ -403,14 +404,7 @@ class OwnerDirectory:
         latest claim among running instances), for placing standby copies (standby.py)."""
         with self._lock:
             instances = self._snapshot
-        best: dict[tuple[str, int], tuple[int, str]] = {}
-        for inst in instances.values():
-            if inst.state != "running":
-                continue
-            for region, bucket, since in inst.claims:
-                if (region, bucket) not in best or since > best[(region, bucket)][0]:
-                    best[(region, bucket)] = (since, inst.instance)
-        return ([i.instance for i in live_instances(instances)], {rb: name for rb, (_, name) in best.items()})
+        return [i.instance for i in live_instances(instances)], owners_of(instances, by_name=True)
 
     def standbys(self) -> dict[tuple[str, int], list[tuple[str, int]]]:
         """(region, bucket) → [(instance URL, lag)] of the standby copies the live instances report."""
