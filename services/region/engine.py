@@ -346,7 +346,7 @@ class RegionEngine:
         window_records_max: int = 200_000,
         gone_owners: Callable[[str, int, int], list[str]] | None = None,
         standbys: bool = False,
-        load_threads: int = 2,
+        load_threads: int = 1,
     ) -> None:
         self.site = site
         self.dsid = dsid
