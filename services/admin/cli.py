@@ -434,18 +434,16 @@ class BucketStatus:
 
 def bucket_status(cfg: SiteConfig) -> list[BucketStatus]:
     """Every bucket of every region with redundant copies, as the live region-service instances' records say."""
-    from ..region.directory import live_instances, owners_of, read_instances
+    from ..region.directory import owners_of, read_instances, standbys_of
 
     wanted = {r.name: r for r in cfg.regions if r.redundant_copies}
     if not wanted:
         return []
     instances = read_instances(cfg)
     owners = owners_of(instances, by_name=True)
-    copies: dict[tuple[str, int], list[tuple[str, int, int, int]]] = {}
-    for inst in live_instances(instances):
-        for region, bucket, lag, entries, size in inst.standbys:
-            copies.setdefault((region, bucket), []).append((inst.instance, lag, entries, size))
-    return [BucketStatus(name, b, owners.get((name, b)), sorted(copies.get((name, b), [])), region.redundant_copies)
+    copies = {rb: [(inst.instance, lag, entries, size) for inst, lag, entries, size in found]
+              for rb, found in standbys_of(instances).items()}
+    return [BucketStatus(name, b, owners.get((name, b)), copies.get((name, b), []), region.redundant_copies)
             for name, region in wanted.items() for b in range(region.buckets)]
 
 

@@ -77,7 +77,7 @@ from ..core.config import SiteConfig, load_config
 from ..core.errors import ConfigError, InvalidRequest, SluiceError
 from ..core.kafka import KafkaException, make_admin
 from ..core.webguard import bearer_matches, digest, forgery_problem, host_and_port, is_loopback
-from ..region.directory import live_instances, owners_of, read_instances
+from ..region.directory import owners_of, read_instances, standbys_of
 from ..core.lifecycle import ServiceState
 from .cli import STATES, PartitionStatus, client_status, kind_of, queue_status, receiver_status, set_state
 
@@ -333,11 +333,10 @@ class StatusSampler:
         try:
             records = read_instances(cfg)
             owners = owners_of(records)
-            standbys: dict[tuple[str, int], list[dict[str, Any]]] | None = {}
-            for inst in live_instances(records):
-                for r, b, lag, entries, size in inst.standbys:
-                    standbys.setdefault((r, b), []).append(
-                        {"instance": inst.instance, "lag": lag, "entries": entries, "value_bytes": size})
+            standbys: dict[tuple[str, int], list[dict[str, Any]]] | None = {
+                rb: [{"instance": inst.instance, "lag": lag, "entries": entries, "value_bytes": size}
+                     for inst, lag, entries, size in copies]
+                for rb, copies in standbys_of(records).items()}
             members: list[tuple[str, list[tuple[str, int]]]] | None = [
                 (url, [(cfg.topics.region_changelog(r), b) for (r, b), u in owners.items() if u == url])
                 for url in sorted(set(owners.values()))]
@@ -363,7 +362,7 @@ class StatusSampler:
                 "redundant_copies": region.redundant_copies,
                 # Per bucket: its standby copies (instance, lag, entries, value bytes); None when unknown.
                 "standbys": None if standbys is None else [
-                    sorted(standbys.get((region.name, b), []), key=lambda c: c["instance"])
+                    standbys.get((region.name, b), [])
                     for b in range(region.buckets)],
             })
         return regions

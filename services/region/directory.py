@@ -218,6 +218,16 @@ def live_instances(instances: dict[str, Instance], now_ms: int | None = None) ->
     return [i for i in running if now_ms - i.updated_at <= LIVE_WITHIN_S * 1000] or running
 
 
+def standbys_of(instances: dict[str, Instance]) -> dict[tuple[str, int], list[tuple[Instance, int, int, int]]]:
+    """(region, bucket) → (instance, lag, entries, value bytes) of each standby copy the live instances
+    report, in instance-name order."""
+    out: dict[tuple[str, int], list[tuple[Instance, int, int, int]]] = {}
+    for inst in sorted(live_instances(instances), key=lambda i: i.instance):
+        for region, bucket, lag, entries, size in inst.standbys:
+            out.setdefault((region, bucket), []).append((inst, lag, entries, size))
+    return out
+
+
 def live_urls(instances: dict[str, Instance], now_ms: int | None = None,
               trust: MemberTrust | None = None) -> list[str]:
     """URLs of the running instances heard from lately (all running ones when none is that fresh).
@@ -410,11 +420,7 @@ class OwnerDirectory:
         """(region, bucket) → [(instance URL, lag)] of the standby copies the live instances report."""
         with self._lock:
             instances = self._snapshot
-        out: dict[tuple[str, int], list[tuple[str, int]]] = {}
-        for inst in live_instances(instances):
-            for region, bucket, lag, _entries, _size in inst.standbys:
-                out.setdefault((region, bucket), []).append((inst.url, lag))
-        return out
+        return {rb: [(inst.url, lag) for inst, lag, _, _ in copies] for rb, copies in standbys_of(instances).items()}
 
     def topic_problems(self, partitions: dict[str, int], timeout_s: float = 5.0) -> dict[str, str] | None:
         """Each of ``partitions``' topics that is missing or has another partition count, with why;

@@ -936,7 +936,7 @@ class RegionEngine:
         with self._lock:
             self._membership = membership
             assigned = {(self._topic_region[tp.topic], tp.partition) for tp in partitions}
-            given_up = [(key, self._parked.pop(key)) for key in [key for key in self._parked if key not in assigned]]
+            given_up = {key: self._parked.pop(key) for key in list(self._parked) if key not in assigned}
             for tp in partitions:
                 region = self._topic_region[tp.topic]
                 self._epoch += 1
@@ -945,7 +945,7 @@ class RegionEngine:
                     standby=None if self._standby is None else self._standby.take(region, tp.partition))
                 loads.append((region, tp.partition, self._epoch))
         if self._standby is not None:
-            for (region, bucket), parked in given_up:
+            for (region, bucket), parked in given_up.items():
                 # Given up: the start of a standby copy, if this instance is to keep one.
                 self._standby.offer(region, bucket, parked.state, parked.high)
         log.info("assigned %s", ", ".join(f"{r}[{b}]" for r, b, _ in loads) or "nothing")
