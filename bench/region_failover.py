@@ -29,6 +29,15 @@ machine's memory allows):
    stall is the longest time a key of a bucket the survivor keeps went
    unanswered (the buckets that move to the new instance answer once it
    has loaded them, and are not counted).
+7. **With the local store** (``--store-dir``, one per instance, the
+   defaults of ``region_service.store_*``): two instances start on the
+   region and load it into their stores; their resident memory is taken,
+   and the private (anonymous) part of it per entry held, since the
+   store's pages are the operating system's file cache.  One is killed
+   (``kill -9``) and the gap timed as in 3; it then starts again on its
+   store beside the survivor, and the clock runs from its spawn until
+   ``/readyz`` answers, while the survivor's kept buckets are probed as
+   in 6.
 
 Baselines, measured in the same run on the same broker:
 
@@ -104,9 +113,14 @@ def fits(entries: int, bytes_per_entry: float) -> bool:
     return entries * bytes_per_entry * 2 < available / 2
 
 
-def rss_bytes(pid: int) -> int:
+def rss_bytes(pid: int, field: str = "VmRSS") -> int:
+    """Resident memory of a process (``RssAnon``: its private part, without mapped files)."""
     status = Path(f"/proc/{pid}/status").read_text()
-    return int(status.split("VmRSS:")[1].split()[0]) * 1024
+    return int(status.split(f"{field}:")[1].split()[0]) * 1024
+
+
+def du_bytes(path: Path) -> int:
+    return sum(os.stat(p).st_blocks * 512 for p in path.rglob("*") if p.is_file())
 
 
 def site_file(path: Path, bootstrap: str, prefix: str, redundant_copies: int = 0) -> Path:
@@ -312,15 +326,16 @@ def standby_failover(ctx: Context, workdir: Path, prefix: str, keys: list[str]) 
         gap = kill_and_time(victim, survivor, keys)
         stats = survivor.stats()
         instances.append(RegionProcess(path, workdir / "region-copies-rejoined.log"))
-        stall = rejoin_stall(survivor, instances[-1], keys)
+        stall, _ = rejoin_stall(survivor, instances[-1], keys)
         return gap, rss, {**stats, "rejoin_stall_s": stall}
     finally:
         for inst in instances:
             inst.stop()
 
 
-def rejoin_stall(survivor: RegionProcess, joining: RegionProcess, keys: list[str]) -> float:
-    """Step 6: the longest a key of a bucket ``survivor`` keeps went unanswered while ``joining`` joined."""
+def rejoin_stall(survivor: RegionProcess, joining: RegionProcess, keys: list[str]) -> tuple[float, float]:
+    """Step 6: the longest a key of a bucket ``survivor`` keeps went unanswered while ``joining`` joined,
+    and the seconds from ``joining``'s spawn until it was ready."""
     last_ok = {k: time.monotonic() for k in keys}
     worst = {k: 0.0 for k in keys}
     done = threading.Event()
@@ -345,6 +360,7 @@ def rejoin_stall(survivor: RegionProcess, joining: RegionProcess, keys: list[str
         prober.start()
     try:
         joining.wait_ready(READY_TIMEOUT_S)
+        ready_s = time.monotonic() - joining.started
         time.sleep(2.0)  # the last answers of the buckets that moved
     finally:
         done.set()
@@ -352,7 +368,33 @@ def rejoin_stall(survivor: RegionProcess, joining: RegionProcess, keys: list[str
             prober.join(10)
     rows = httpx.get(f"{survivor.url}/buckets", timeout=10).json()["buckets"]
     kept = {r["bucket"] for r in rows if r["owner"] == survivor.url}
-    return max((worst[k] for k in keys if partition_for_key(k.encode(), BUCKETS) in kept), default=0.0)
+    return max((worst[k] for k in keys if partition_for_key(k.encode(), BUCKETS) in kept), default=0.0), ready_s
+
+
+def store_failover(ctx: Context, workdir: Path, prefix: str, keys: list[str], entries: int,
+                   empty_anon: float) -> dict[str, Any]:
+    """Step 7: memory with the local store, the failover gap, and the restart of the killed instance."""
+    path = site_file(workdir / "site-store.yaml", ctx.bootstrap, prefix)
+    stores = [workdir / f"store-{i}" for i in range(2)]
+    instances = [RegionProcess(path, workdir / f"region-store-{i}.log", store_dir=stores[i]) for i in range(2)]
+    try:
+        for inst in instances:
+            inst.wait_ready(READY_TIMEOUT_S)
+        rss = [rss_bytes(inst.pid) / 2**20 for inst in instances]
+        anon = [rss_bytes(inst.pid, "RssAnon") for inst in instances]
+        anon_per_entry = (sum(anon) - 2 * empty_anon) / entries
+        disk_per_entry = sum(du_bytes(store) for store in stores) / entries
+        victim, survivor = instances
+        gap = kill_and_time(victim, survivor, keys)
+        instances.append(RegionProcess(path, workdir / "region-store-restarted.log", store_dir=stores[0]))
+        stall, restart = rejoin_stall(survivor, instances[-1], keys)
+        stats = instances[-1].stats()
+        return {"rss": rss, "anon_per_entry": anon_per_entry, "disk_per_entry": disk_per_entry, "gap": gap,
+                "restart": restart, "stall": stall, "loads_from_store": stats["loads_from_store"],
+                "records_replayed": stats["records_replayed"], "loads": stats["loads"]}
+    finally:
+        for inst in instances:
+            inst.stop()
 
 
 def one_size(ctx: Context, entries: int, group_gap: float) -> list[Result]:
@@ -367,6 +409,7 @@ def one_size(ctx: Context, entries: int, group_gap: float) -> list[Result]:
         for inst in instances:
             inst.wait_ready(120)
         before = sum(rss_bytes(inst.pid) for inst in instances)
+        empty_anon = sum(rss_bytes(inst.pid, "RssAnon") for inst in instances) / 2
         with ctx.counting(f"loading {entries:,} entries", entries) as advance:
             load([inst.url for inst in instances], entries, advance)
         rss = [rss_bytes(inst.pid) for inst in instances]
@@ -387,6 +430,7 @@ def one_size(ctx: Context, entries: int, group_gap: float) -> list[Result]:
         reads.append(raw_read(ctx.bootstrap, changelog, entries))
         read_s = min(reads)
         copies_gap, copies_rss, copies_stats = standby_failover(ctx, workdir, prefix, keys)
+        stored = store_failover(ctx, workdir, prefix, keys, entries, empty_anon)
     finally:
         for inst in [*instances, *([late] if late else [])]:
             inst.stop()
@@ -400,6 +444,12 @@ def one_size(ctx: Context, entries: int, group_gap: float) -> list[Result]:
              f"{copies_stats['loads_from_standby']} standby copies, replaying {copies_stats['records_replayed']:,} "
              f"records in all its loads); resident with the copies {copies_rss[0]:,.0f} and {copies_rss[1]:,.0f} MiB; "
              f"an instance rejoining stalled the survivor's kept buckets {copies_stats['rejoin_stall_s']:.2f}s at most")
+    ctx.note(f"N={entries:,}, local store: {stored['anon_per_entry']:,.0f} private bytes per entry in memory "
+             f"(resident {stored['rss'][0]:,.0f} and {stored['rss'][1]:,.0f} MiB with the store's pages), "
+             f"{stored['disk_per_entry']:,.0f} bytes per entry on disk; failover gap {stored['gap']:.1f}s; the "
+             f"killed instance restarted in {stored['restart']:.1f}s ({stored['loads_from_store']} of its "
+             f"{stored['loads']} buckets from its store, {stored['records_replayed']:,} records replayed in all), "
+             f"stalling the survivor's kept buckets {stored['stall']:.2f}s at most")
     value_bytes = len(orjson.dumps(make_value(0)))
     return [
         Result(f"region.failover.gap.{entries}", gap, "s", "kafka.group.failover", group_gap),
@@ -411,6 +461,12 @@ def one_size(ctx: Context, entries: int, group_gap: float) -> list[Result]:
         Result(f"region.failover.gap_with_copy.{entries}", copies_gap, "s", "kafka.group.failover", group_gap),
         Result(f"region.failover.rss_with_copy.{entries}", max(copies_rss), "MiB"),
         Result(f"region.failover.rejoin_stall.{entries}", copies_stats["rejoin_stall_s"], "s"),
+        Result(f"region.failover.store_bytes_per_entry.{entries}", stored["anon_per_entry"], "bytes", "value.bytes",
+               value_bytes),
+        Result(f"region.failover.gap_with_store.{entries}", stored["gap"], "s", "kafka.group.failover", group_gap),
+        Result(f"region.failover.restart_with_store.{entries}", stored["restart"], "s",
+               f"raw.consumer.read.{entries}", read_s),
+        Result(f"region.failover.store_rejoin_stall.{entries}", stored["stall"], "s"),
     ]
 
 

@@ -827,6 +827,25 @@ class RegionServiceConfig(_Model):
         1, ge=1, le=32, description="buckets an instance loads from their changelogs at once (a thread and two "
         "Kafka readers each). Applying records holds Python's GIL, so more threads help only while loads wait "
         "on the broker: with the broker on the same 2 cores, 2 and 4 threads loaded 3-9 % slower than 1")
+    store_dir: str | None = Field(
+        None, description="the directory of this instance's local store of bucket state (relative paths: to the "
+        "working directory). Unset: every bucket's entries are on the heap and a restart reads its buckets' "
+        "changelogs from their start. Set: entries live in the store, only store_buffer_entries per bucket in "
+        "memory, and a restart reads only what the changelog gained since the store was last clean. One "
+        "instance per directory (sluice region --store-dir)", json_schema_extra={"geode": "disk-dirs"})
+    store_max_mb: int = Field(
+        65536, ge=16, le=1 << 24, description="the most the local store may grow to, in MiB: LMDB's map size "
+        "(address space reserved, disk used only as written). Past it, writes stay in memory (counted "
+        "in /stats as store_write_errors) and the buckets concerned are read from their changelogs on the next "
+        "start", json_schema_extra={"geode": "disk-dir-size"})
+    store_buffer_entries: int = Field(
+        4096, ge=1, le=1_000_000, description="recent writes per bucket held in memory before they are written "
+        "to the local store together: with the store, an instance's memory is about this times the buckets it "
+        "owns or copies, whatever the region's size")
+    store_checkpoint_interval_s: float = Field(
+        5.0, gt=0, le=3600, description="how often each owned bucket whose writes are all committed is marked "
+        "clean in the local store at its changelog position; a restart after a crash reads from there (a "
+        "bucket handed over, or an instance stopped, is marked clean at once)")
     request_timeout_s: float = Field(
         30, gt=0, description="how long one request may take, including forwarding it to the bucket's owner")
     event_tracking_timeout_s: float = Field(

@@ -40,6 +40,7 @@ from confluent_kafka import (  # re-exported for the services
     KafkaException,
     Message,
     Producer,
+    TopicCollection,
     TopicPartition,
 )
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
@@ -394,6 +395,15 @@ _compiled_murmur2 = _load_compiled_murmur2()
 def partition_for_key(key: bytes, partitions: int) -> int:
     """Kafka's ``toPositive(murmur2(key)) % partitions``."""
     return (murmur2(key) & 0x7FFFFFFF) % partitions
+
+
+def topic_ids(admin: AdminClient, topics: dict[str, str], timeout_ms: int) -> dict[str, str]:
+    """For each name → topic, the topic's id (Kafka gives a topic created again a new one)."""
+    if not topics:
+        return {}
+    futures = admin.describe_topics(TopicCollection(sorted(set(topics.values()))), request_timeout=timeout_ms / 1000)
+    described = wait_futures(futures, "describing topics", timeout_ms / 1000)
+    return {name: str(described[topic].topic_id) for name, topic in topics.items()}
 
 
 def describe_group_members(admin: AdminClient, group_id: str, timeout_s: float = 5.0) -> list[tuple[str, list[tuple[str, int]]]]:

@@ -198,14 +198,17 @@ def probe(url: str, timeout_s: float = 2.0) -> tuple[int, dict[str, Any]]:
 
 
 class RegionProcess(ServiceProcess):
-    """``sluice region -c FILE --port N`` (any free port by default); ``url`` is where it listens."""
+    """``sluice region -c FILE --port N [--store-dir DIR]`` (any free port by default); ``url`` is where it
+    listens."""
 
     banner = "region service "
 
-    def __init__(self, config_path: Path, log_path: Path, *, port: int = 0, **kwargs: Any) -> None:
+    def __init__(self, config_path: Path, log_path: Path, *, port: int = 0, store_dir: Path | None = None,
+                 **kwargs: Any) -> None:
         self.config_path = config_path
         self.url = ""
-        super().__init__(["region", "-c", str(config_path), "--port", str(port)], log_path, **kwargs)
+        store = [] if store_dir is None else ["--store-dir", str(store_dir)]
+        super().__init__(["region", "-c", str(config_path), "--port", str(port), *store], log_path, **kwargs)
 
     def _announced(self) -> None:
         self.url = self.announcement.split(" on ", 1)[1].split(" ", 1)[0]

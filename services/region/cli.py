@@ -39,6 +39,10 @@ example:
 Start a second instance (another --port) and the buckets are shared between
 them through Kafka's consumer group; a request to either is served.
 
+With a local store, a restarted instance reads only what its buckets'
+changelogs gained while it was away (one directory per instance):
+  sluice region -c deploy/sites/site-a.yaml --port 7072 --store-dir /var/lib/sluice/a-1
+
 Beyond loopback (--host 0.0.0.0, a pod IP) an instance starts only with
 region_service.token and member_token set (or allow_unauthenticated: true);
 clients then send `Authorization: Bearer <token>`.
@@ -57,6 +61,8 @@ def add_parser(subparsers: Any) -> None:
     add_site_options(p)
     p.add_argument("--host", help="address to listen on (default: region_service.host)")
     p.add_argument("--port", type=int, help="port to listen on, 0 for any (default: region_service.port)")
+    p.add_argument("--store-dir", help="this instance's local store of bucket state (default: "
+                   "region_service.store_dir; none: state on the heap only)")
     p.set_defaults(func=run)
 
 
@@ -73,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"sluice region: {exc}", file=sys.stderr)
         return 2
     install_telemetry("region", cfg)
-    service = RegionService(cfg, host=args.host, port=args.port)
+    service = RegionService(cfg, host=args.host, port=args.port, store_dir=args.store_dir)
     try:
         sock = service.bind()
     except OSError as exc:

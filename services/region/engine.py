@@ -19,7 +19,8 @@ Gaining a bucket (``on_assign``)::
        │       read it at read_committed from its start to that end, replay
        │       every record into a fresh BucketState (or, from a standby copy
        │       this instance kept, only the records past the copy's position:
-       │       standby.py), and re-enqueue
+       │       standby.py; or from the local store, clean at a position,
+       │       only the records past it: store.py), and re-enqueue
        │       (possibleDuplicate) the records past an offset not marked
        │       transactional, in a transaction of its own (fanout.py, "The
        │       checkpoint")
@@ -143,6 +144,7 @@ from .conflicts import ConflictResolver
 from .fanout import TRANSACTIONAL_CHECKPOINT, Pending, QueueTarget, RecordBuilder, Slot, Window, WindowOutcome, WindowWriter
 from .standby import StandbyCopy, StandbyKeeper, StandbyStatus
 from .state import BucketState, ConflictLost, Duplicate, Op, Skipped, changelog_event
+from .store import LocalStore, StoredEntries
 
 log = logging.getLogger("sluice.region.engine")
 
@@ -249,6 +251,8 @@ class OwnedBucket:
     load_position: int = -1
     load_end: int = -1
     load_began: float = 0.0
+    #: Where the bucket's local store was last made clean (-1: not since it was loaded).
+    stored_at: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,6 +351,9 @@ class RegionEngine:
         gone_owners: Callable[[str, int, int], list[str]] | None = None,
         standbys: bool = False,
         load_threads: int = 1,
+        store: LocalStore | None = None,
+        topic_ids: dict[str, str] | None = None,
+        checkpoint_interval_s: float = 5.0,
     ) -> None:
         self.site = site
         self.dsid = dsid
@@ -418,11 +425,17 @@ class RegionEngine:
                       "bucket_failures": 0, "dead_lettered": 0, "windows": 0, "windows_failed": 0,
                       "window_records": 0, "producers_rebuilt": 0, "producers_wedged": 0, "owners_fenced": 0,
                       "hanging_transactions": 0, "loads_skipped": 0,
-                      "loads_from_standby": 0, "records_replayed": 0}
+                      "loads_from_standby": 0, "loads_from_store": 0, "records_replayed": 0}
         #: Standby copies of buckets other instances own (a region with redundant_copies; standby.py).
         self._standby = StandbyKeeper(kafka_settings=kafka_settings, client_id=client_id,
                                       changelog_topics=changelog_topics, dsid=dsid, member_id=member_id,
-                                      codec=codec) if standbys else None
+                                      codec=codec, new_copy=self._copy_state if store else None
+                                      ) if standbys else None
+        #: The local store of bucket state (store.py; None: state on the heap only), with the id of each
+        #: region's changelog topic that its checkpoints name.
+        self._store = store
+        self._topic_ids = topic_ids or {}
+        self._checkpoint_interval_s = checkpoint_interval_s
         self._hanging = HangingWatch(transaction_timeout_ms / 1000 + KAFKA_ABORT_CHECK_S + HANGING_GRACE_S)
 
     # --- lifecycle -----------------------------------------------------------
@@ -561,7 +574,8 @@ class RegionEngine:
 
     def all_stats(self) -> dict[str, int]:
         """The engine's counters, with the standby keeper's."""
-        return {**self.stats, **({} if self._standby is None else self._standby.stats)}
+        return {**self.stats, **({} if self._standby is None else self._standby.stats),
+                **({} if self._store is None else self._store.stats)}
 
     def loading(self, region: str, bucket: int) -> BucketUnavailable | None:
         """Why an owned bucket does not answer yet, with when to ask again (from the load's progress
@@ -880,6 +894,7 @@ class RegionEngine:
             on_lost=self._on_lost,
         )
         next_expiry = time.monotonic() + 30.0
+        next_checkpoint = time.monotonic() + self._checkpoint_interval_s
         try:
             while not self._stopping.is_set():
                 msg = consumer.poll(0.05)
@@ -888,6 +903,9 @@ class RegionEngine:
                 if time.monotonic() >= next_expiry:
                     self._expire_streams()
                     next_expiry = time.monotonic() + 30.0
+                if self._store is not None and time.monotonic() >= next_checkpoint:
+                    self._checkpoint_quiet()
+                    next_checkpoint = time.monotonic() + self._checkpoint_interval_s
                 self._check_committer()
         finally:
             # Leaving the group revokes every bucket through _on_revoke,
@@ -911,6 +929,46 @@ class RegionEngine:
         if waited_s > WEDGED_AFTER_FACTOR * self._transaction_timeout_ms / 1000:
             raise BrokerUnavailable(f"the committer has been writing one window for {waited_s:.0f} s, "
                                     f"{WEDGED_AFTER_FACTOR}× the transaction timeout: a Kafka call never returned")
+
+    def _checkpoint_quiet(self) -> None:
+        """Make the local store clean for each owned bucket every write of which is committed (nothing
+        in flight: the state is exactly the changelog below ``OwnedBucket.end``) and that moved since.
+        A bucket never quiet stays dirty, and a restart after a crash rebuilds it from the changelog."""
+        with self._lock:
+            for ob in self._owned.values():
+                if (ob.status is BucketStatus.READY and not ob.dirty and not ob.inflight and ob.state is not None
+                        and ob.end >= 0 and ob.end != ob.stored_at):
+                    _checkpoint(ob.state, ob.end)
+                    ob.stored_at = ob.end
+
+    def _new_state(self, region: str, bucket: int) -> BucketState:
+        """An empty state for a load from the changelog (its store emptied first)."""
+        entries = None if self._store is None else self._store.fresh(region, bucket, self._topic_ids[region])
+        return BucketState(region, bucket, self.dsid, self.member_id, entries)
+
+    def _stored_state(self, region: str, bucket: int, low: int = 0, high: int | None = None
+                      ) -> tuple[BucketState, int] | None:
+        """The bucket's state from the local store and the changelog position it is current to, when
+        the store is clean at a position within ``low..high`` (None: no high bound known yet)."""
+        assert self._store is not None
+        resumed = self._store.resume(region, bucket, self._topic_ids[region])
+        if resumed is None:
+            return None
+        entries, checkpoint = resumed
+        if not low <= checkpoint.position <= (checkpoint.position if high is None else high):
+            log.warning("the store of %s[%d] is clean at %d, outside its changelog's offsets %d..%s: not used",
+                        region, bucket, checkpoint.position, low, high)
+            self._store.stats["store_rebuilt"] += 1
+            return None
+        state = BucketState(region, bucket, self.dsid, self.member_id, entries)
+        state.streams.update(checkpoint.streams)
+        state.stream_seen_ms.update(checkpoint.stream_seen_ms)
+        return state, checkpoint.position
+
+    def _copy_state(self, region: str, bucket: int, low: int, high: int) -> tuple[BucketState, int]:
+        """The start of a standby copy (standby.py): the local store's, or an empty one at ``low``."""
+        stored = self._stored_state(region, bucket, low, high)
+        return stored if stored is not None else (self._new_state(region, bucket), low)
 
     def _expire_streams(self) -> None:
         now_ms = int(time.time() * 1000)
@@ -1001,6 +1059,7 @@ class RegionEngine:
                     if high == ob.end:
                         parked[(ob.region, ob.bucket)] = Parked(ob.state, ob.checkpoint, ob.next_sequence, low,
                                                                 high)
+                        _checkpoint(ob.state, high)  # every window committed: the state is the changelog
                     else:
                         log.info("%s[%d] not kept after its revocation: its changelog ends at %d, not at %d "
                                  "where this member's writes left it", ob.region, ob.bucket, high, ob.end)
@@ -1185,7 +1244,7 @@ class RegionEngine:
                 ob.status = BucketStatus.READY
                 self.stats["loads_skipped"] += 1
                 log.info("kept %s[%d]: its changelog did not move while it was revoked (offsets %d..%d), "
-                         "%d keys, %.3fs", region, bucket, low, high, parked.state.size(),
+                         "%d entries, %.3fs", region, bucket, low, high, len(parked.state.entries),
                          time.monotonic() - started)
                 return
         # Records past an unmarked checkpoint may lack their queue records (fanout.py): re-enqueued,
@@ -1194,6 +1253,7 @@ class RegionEngine:
         checkpoint = committed if transactional else high
         unreadable: list[tuple[int, bytes | None, bytes | None, CodecError]] = []
         start = low
+        stored: tuple[BucketState, int] | None = None
         if standby is not None and transactional and low <= standby.position <= high:
             # Promoted: the standby copy holds every record below its position; read only the rest.
             state, start = standby.state, standby.position
@@ -1204,7 +1264,12 @@ class RegionEngine:
                          bucket, standby.position, low, high, "" if transactional else " and its checkpoint is "
                          "not transactional")
             standby = None
-            state = BucketState(region, bucket, self.dsid, self.member_id)
+            # The local store, when it is clean within the partition's bounds (store.py): read only the rest.
+            stored = self._stored_state(region, bucket, low, high) if transactional and self._store else None
+            if stored is not None:
+                state, start = stored
+            else:
+                state = self._new_state(region, bucket)
         refanout: list[tuple[EntryEvent, int]] = []
         header = self._codec.header("EntryEvent")
         replayed = 0
@@ -1294,10 +1359,13 @@ class RegionEngine:
             raise BrokerUnavailable(f"re-enqueueing {len(refanout)} events of {region}[{bucket}] timed out")
         if failure[0] is not None:
             raise failure[0]
+        # Not READY yet, so nothing else writes the state: it is the changelog below ``high``.
+        _checkpoint(state, high)
         with self._lock:
             ob = self._current(region, bucket, epoch)
             if ob is None:
                 return
+            ob.stored_at = high
             ob.status = BucketStatus.READY
             # Counted under the lock: several loader threads count at once.
             self.stats["loads"] += 1
@@ -1305,9 +1373,12 @@ class RegionEngine:
             self.stats["records_replayed"] += replayed
             if standby is not None:
                 self.stats["loads_from_standby"] += 1
+            if stored is not None:
+                self.stats["loads_from_store"] += 1
+        source = " from its standby copy" if standby is not None else " from the local store" if stored else ""
         log.info(
-            "loaded %s[%d]%s: %d keys, %d records replayed from offsets %d..%d (read in %.2fs), %d re-enqueued, "
-            "%.2fs in all", region, bucket, " from its standby copy" if standby is not None else "", state.size(),
+            "loaded %s[%d]%s: %d entries, %d records replayed from offsets %d..%d (read in %.2fs), %d re-enqueued, "
+            "%.2fs in all", region, bucket, source, len(state.entries),
             replayed, start, high, read_s, len(refanout), time.monotonic() - started,
         )
 
@@ -1384,6 +1455,12 @@ class RegionEngine:
 def transactional_id_of(group_id: str, instance: str) -> str:
     """The transactional.id an instance writes its windows under: one per instance, for its life."""
     return f"{group_id}.{instance}"
+
+
+def _checkpoint(state: BucketState, position: int) -> None:
+    """The state's local store clean at ``position`` (a state on the heap has none)."""
+    if isinstance(state.entries, StoredEntries):
+        state.entries.checkpoint(position, state.streams, state.stream_seen_ms)
 
 
 def _loading_error(ob: OwnedBucket) -> BucketUnavailable:

@@ -75,7 +75,7 @@ from ..core.errors import (
 from ..core.events import EntryEvent, EventID
 from ..core.lifecycle import ServiceState
 from ..core.webguard import is_loopback
-from ..core.kafka import KafkaException, make_admin, translate
+from ..core.kafka import KafkaException, make_admin, topic_ids, translate
 from .directory import DirectoryPublisher, MemberTrust, OwnerDirectory, read_instances
 from .standby import standby_buckets
 from .engine import Operation, OpResult, RegionEngine
@@ -83,6 +83,7 @@ from ..core.gatewayfilters import SenderFilters
 from .conflicts import load_resolver
 from .fanout import QueueTarget
 from .state import Op
+from .store import LocalStore
 
 log = logging.getLogger("sluice.region")
 
@@ -180,8 +181,12 @@ def _retry_routing(outcome: Outcome) -> bool:
 class RegionService:
     """One region-service instance: engine, router and HTTP face."""
 
-    def __init__(self, cfg: SiteConfig, *, host: str | None = None, port: int | None = None) -> None:
+    def __init__(self, cfg: SiteConfig, *, host: str | None = None, port: int | None = None,
+                 store_dir: str | None = None) -> None:
         self.cfg = cfg
+        #: The local store's directory (``region_service.store_dir`` unless given; None: no store).
+        self.store_dir = store_dir or cfg.region_service.store_dir
+        self.store: LocalStore | None = None
         self.state = ServiceState.NEW
         self.crash: BaseException | None = None
         self.host = host or cfg.region_service.host
@@ -278,6 +283,12 @@ class RegionService:
                 for q in self.cfg.attached_queues(region.name)
             ]
         kafka = self.cfg.kafka
+        cluster_id, topic_ids = self._check_topics()
+        rs = self.cfg.region_service
+        if self.store_dir is not None:
+            self.store = LocalStore(self.store_dir, max_mb=rs.store_max_mb, buffer_entries=rs.store_buffer_entries,
+                                    buckets=sum(r.buckets for r in self.cfg.regions), cluster_id=cluster_id,
+                                    site=self.cfg.site, dsid=self.cfg.dsid)
         self.engine = RegionEngine(
             site=self.cfg.site,
             dsid=self.cfg.dsid,
@@ -300,12 +311,14 @@ class RegionService:
             transaction_timeout_ms=TRANSACTION_TIMEOUT_MS,
             gone_owners=self._gone_owners,
             standbys=any(r.redundant_copies for r in self.cfg.regions),
-            load_threads=self.cfg.region_service.load_threads,
+            load_threads=rs.load_threads,
+            store=self.store,
+            topic_ids=topic_ids,
+            checkpoint_interval_s=rs.store_checkpoint_interval_s,
         )
         trust = MemberTrust.from_config(self.cfg, self.url)
         self._publisher = DirectoryPublisher(self.cfg, self.instance_id, self.url, trust)
         self.directory = OwnerDirectory(self.cfg, trust)
-        self._check_topics()
         self.engine.start()
         self._directory_thread = threading.Thread(target=self._directory_loop, name="region-directory", daemon=True)
         self._directory_thread.start()
@@ -325,8 +338,9 @@ class RegionService:
             lambda service: {**telemetry.base_attributes(service.cfg.site), "sluice.component": "region",
                              "messaging.consumer.group.name": service.group_id})
 
-    def _check_topics(self) -> None:
-        """Refuse to start without the topics (and partition counts) the site implies."""
+    def _check_topics(self) -> tuple[str, dict[str, str]]:
+        """Refuse to start without the topics (and partition counts) the site implies; the Kafka
+        cluster's id and each region's changelog topic id (what the local store's checkpoints name)."""
         admin = make_admin(self.cfg.kafka.client_settings())
         try:
             metadata = admin.list_topics(timeout=self.cfg.kafka.request_timeout_ms / 1000)
@@ -341,6 +355,7 @@ class RegionService:
                 raise TopicMissing(topic)
             if len(found.partitions) != partitions:
                 raise TopicMismatch(topic, "partitions", partitions, len(found.partitions))
+        return metadata.cluster_id or "", topic_ids(admin, self.changelog_topics, self.cfg.kafka.request_timeout_ms)
 
     def _gone_owners(self, region: str, bucket: int, since_ms: int) -> list[str]:
         """The instances whose believed directory record still claims the bucket but was written
@@ -418,6 +433,8 @@ class RegionService:
                 if self.engine is not None:
                     self.engine.stop()
             finally:
+                if self.store is not None:
+                    self.store.close()
                 if self._directory_thread is not None:
                     self._directory_thread.join(5)
                 if self._publisher is not None:

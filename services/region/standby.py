@@ -22,6 +22,10 @@ copy, which then loads it from the changelog as before.
 ``redundant_copies`` at least the number of instances minus one makes every
 instance a standby of every bucket it does not own.
 
+With a local store (store.py) a copy's entries live there, a copy is marked
+clean at its position every second (it holds only committed records), and
+an instance that starts again resumes its copies from their stores.
+
 A copy costs what an owned bucket costs: its entries in memory, and the CPU
 of decoding and applying each changelog record once more per copy.  A
 record a standby cannot read is kept with the copy and dead-lettered by the
@@ -37,7 +41,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from ..core.codec import Codec
 from ..core.errors import CodecError
@@ -49,6 +53,7 @@ from ..core.kafka import (
     make_consumer,
 )
 from .state import BucketState, changelog_event
+from .store import StoredEntries
 
 log = logging.getLogger("sluice.region.standby")
 
@@ -103,6 +108,8 @@ class StandbyCopy:
     #: The partition's end as last seen, and the consumer's position past markers (for the lag).
     high: int = -1
     seen: int = 0
+    #: Where its local store was last made clean (-1: not yet).
+    stored_at: int = -1
 
     @property
     def lag(self) -> int:
@@ -123,7 +130,8 @@ class StandbyKeeper:
     """Tails the changelog partitions of the buckets ``want`` names (see the module docstring)."""
 
     def __init__(self, *, kafka_settings: dict[str, Any], client_id: str, changelog_topics: dict[str, str],
-                 dsid: int, member_id: str, codec: Codec) -> None:
+                 dsid: int, member_id: str, codec: Codec,
+                 new_copy: Callable[[str, int, int, int], tuple[BucketState, int]] | None = None) -> None:
         self._kafka_settings = kafka_settings
         self._client_id = client_id
         self._topics = changelog_topics
@@ -131,6 +139,9 @@ class StandbyKeeper:
         self._dsid = dsid
         self._member_id = member_id
         self._codec = codec
+        #: (region, bucket, low, high) → the state a new copy starts from and its position (the local
+        #: store's); None: copies start empty, on the heap.
+        self._new_copy = new_copy
         self._header = codec.header("EntryEvent")
         self._lock = threading.Lock()
         self._wanted: set[Bucket] = set()
@@ -220,6 +231,7 @@ class StandbyKeeper:
                 if time.monotonic() >= next_status:
                     next_status = time.monotonic() + STATUS_EVERY_S
                     self._refresh_lag(consumer)
+                    self._checkpoint()
             except KafkaException as exc:
                 # A broker away: a fresh consumer, positions from the copies (nothing is lost, only re-read).
                 log.warning("standby reader: %s; starting it again", exc)
@@ -233,10 +245,12 @@ class StandbyKeeper:
     def _reconcile(self, consumer: Consumer) -> None:
         """Assign the partitions of new copies (from their positions) and drop those of gone ones."""
         with self._lock:
-            for key in self._wanted:
-                if key not in self._copies:
-                    region, bucket = key
-                    self._copies[key] = StandbyCopy(BucketState(region, bucket, self._dsid, self._member_id))
+            missing = [key for key in self._wanted if key not in self._copies]
+        started = {key: self._start(consumer, *key) for key in missing}
+        with self._lock:
+            for key, copy in started.items():
+                if key in self._wanted and key not in self._copies:
+                    self._copies[key] = copy
             current = dict(self._copies)
             positions = {k: c.position for k, c in current.items()}
         # A copy dropped and started again is a new object: its partition is read again from its position.
@@ -252,6 +266,23 @@ class StandbyKeeper:
                 for r, b in new])
             self._assigned.update((k, current[k]) for k in new)
             log.info("standby for %s", ", ".join(f"{r}[{b}]" for r, b in sorted(new)))
+
+    def _start(self, consumer: Consumer, region: str, bucket: int) -> StandbyCopy:
+        """A new copy: empty, or the local store's where it is clean within the partition's offsets."""
+        if self._new_copy is None:
+            return StandbyCopy(BucketState(region, bucket, self._dsid, self._member_id))
+        low, high = consumer.get_watermark_offsets(TopicPartition(self._topics[region], bucket), timeout=10.0)
+        state, position = self._new_copy(region, bucket, low, high)
+        return StandbyCopy(state, position, value_bytes=sum(len(e.value) for e in state.entries.values()
+                                                            if e.value is not None))
+
+    def _checkpoint(self) -> None:
+        """Each copy's local store clean at its position (a copy holds only committed records)."""
+        with self._lock:
+            for copy in self._copies.values():
+                if isinstance(copy.state.entries, StoredEntries) and copy.position != copy.stored_at:
+                    copy.state.entries.checkpoint(copy.position, copy.state.streams, copy.state.stream_seen_ms)
+                    copy.stored_at = copy.position
 
     def _apply(self, msgs: list[Any]) -> None:
         applied = 0

@@ -35,7 +35,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 from operator import itemgetter
-from typing import Iterator
+from typing import Iterator, MutableMapping
 
 from ..core.codec import HEADER_BYTES, Codec
 from ..core.errors import EntryExists, EntryNotFound, InvalidRequest
@@ -138,12 +138,14 @@ class BucketState:
 
     __slots__ = ("region", "bucket", "dsid", "member_id", "entries", "streams", "stream_seen_ms")
 
-    def __init__(self, region: str, bucket: int, dsid: int, member_id: str) -> None:
+    def __init__(self, region: str, bucket: int, dsid: int, member_id: str,
+                 entries: MutableMapping[str, Entry] | None = None) -> None:
         self.region = region
         self.bucket = bucket
         self.dsid = dsid
         self.member_id = member_id
-        self.entries: dict[str, Entry] = {}
+        #: A dict, or the bucket's part of the local store (store.StoredEntries).
+        self.entries: MutableMapping[str, Entry] = {} if entries is None else entries
         self.streams: dict[tuple[str, int], int] = {}
         self.stream_seen_ms: dict[tuple[str, int], int] = {}
 
@@ -194,7 +196,8 @@ class BucketState:
         """Check, version and apply one operation; return the event to write."""
         if self._check_stream(event_id):
             return Duplicate(event_id)
-        current = self.get(key)
+        previous = self.entries.get(key)  # a tombstone included: its version orders the next one
+        current = None if previous is None or previous.destroyed else previous
         if op is Op.CREATE:
             if current is not None:
                 raise EntryExists(self.region, key)
@@ -218,7 +221,6 @@ class BucketState:
         else:  # pragma: no cover - REMOTE goes through prepare_remote
             raise AssertionError(op)
 
-        previous = self.entries.get(key)  # includes a tombstone's version
         version = self._next_version(previous, now_ms)
         event = new_entry_event(self.region, key, operation, value, event_id, version, self.dsid, self.bucket,
                                 now_ms, callback_argument)

@@ -44,7 +44,8 @@ def expected_workloads(name: str, fullname: str = "sluice") -> dict[str, tuple[s
     port = str(site.get("region_service", {}).get("port", RegionServiceConfig.model_fields["port"].default))
     out[f"{fullname}-region"] = (
         values["region"]["kind"],
-        ["region", "-c", SITE_PATH, "--host", "$(POD_IP)", "--port", port, "--log-level", region["logLevel"]],
+        ["region", "-c", SITE_PATH, "--host", "$(POD_IP)", "--port", port, "--log-level", region["logLevel"]]
+        + (["--store-dir", values["region"]["store"]["mountPath"]] if values["region"]["store"]["enabled"] else []),
         region,
     )
     for sender in site.get("gateway_senders", []):
@@ -167,7 +168,7 @@ def test_a_site_file_given_as_text_is_used_as_is(helm: Helm, tmp_path: Path, mon
     for sender_id, parallel in senders.items():
         args = main_container(release.get("Deployment", f"sluice-sender-{sender_id}"))["args"]
         assert args[0] == ("parallel-sender" if parallel else "serial-sender")
-    region = main_container(release.get("Deployment", "sluice-region"))
+    region = main_container(release.get("StatefulSet", "sluice-region"))
     assert {"name": "http", "containerPort": original["region_service"]["port"], "protocol": "TCP"} in region["ports"]
 
 
@@ -209,7 +210,7 @@ def test_site_file_secrets_may_stay_in_the_file_with_secret_storage(helm: Helm, 
     text = release.site_file("sluice-site")
     assert yaml.safe_load(text)["region_service"]["member_token"] == "a-member-token-0123456789"
     assert release.site_file("sluice-topics-site") == text
-    volumes = {v["name"]: v for v in pod_spec(release.get("Deployment", "sluice-region"))["volumes"]}
+    volumes = {v["name"]: v for v in pod_spec(release.get("StatefulSet", "sluice-region"))["volumes"]}
     assert volumes["site"]["secret"]["secretName"] == "sluice-site"
     proc = config_check(text, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -350,6 +351,20 @@ def test_region_statefulset_has_its_headless_service(site_b: Release) -> None:
     assert headless["spec"]["clusterIP"] == "None"
     assert headless["spec"]["publishNotReadyAddresses"] is True
     assert headless["spec"]["selector"] == site_b.get("Service", "sluice-region")["spec"]["selector"]
+
+
+@pytest.mark.parametrize("name", SITES)
+def test_each_region_instance_keeps_its_store_on_a_volume_of_its_own(request: pytest.FixtureRequest, name: str) -> None:
+    """The region StatefulSet mounts a claim per instance (volumeClaimTemplates) where --store-dir points."""
+    release = releases(request, name)
+    store = values_of(name)["region"]["store"]
+    statefulset = release.get("StatefulSet", "sluice-region")
+    container = main_container(statefulset)
+    assert {"name": "store", "mountPath": store["mountPath"]} in container["volumeMounts"]
+    (claim,) = statefulset["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "store"
+    assert claim["spec"]["resources"]["requests"]["storage"] == store["size"]
+    assert "store" not in {v["name"] for v in pod_spec(statefulset)["volumes"]}
 
 
 def test_the_default_region_port_is_the_models(default_release: Release) -> None:

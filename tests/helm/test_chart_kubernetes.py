@@ -49,7 +49,8 @@ def test_rendered_manifests_pass_strict_kubernetes_schemas(
 def test_variants_pass_strict_kubernetes_schemas(helm: Helm, version: str) -> None:
     """The chart's other shapes (site file in a Secret, hard anti-affinity, a
     LoadBalancer Service, probes off, minAvailable budgets, a service's own Kafka
-    Secret, NetworkPolicies with address blocks, namespaces and extra rules) are
+    Secret, NetworkPolicies with address blocks, namespaces and extra rules, a
+    region Deployment with its store on an emptyDir) are
     valid Kubernetes too."""
     release = helm.template(
         "--set", "siteFileStorage=Secret",
@@ -61,19 +62,20 @@ def test_variants_pass_strict_kubernetes_schemas(helm: Helm, version: str) -> No
         "--set", "networkPolicy.extraEgress.region[0].ports[0].port=4317",
         "--set", "networkPolicy.extraIngress.subscriptions[0].ports[0].port=9999",
         "--set", "serviceDefaults.antiAffinity=hard",
-        "--set", "region.kind=StatefulSet",
+        "--set", "region.kind=Deployment",
+        "--set", "region.store.volume=emptyDir",
         "--set", "region.service.type=LoadBalancer",
         "--set", "subscriptions.probes.startup.enabled=false",
         "--set", "serviceDefaults.podDisruptionBudget.minAvailable=1",
         "--set", "kafka.secrets[0].name=kafka-cluster-ca-cert",
     )
-    assert {"Secret", "StatefulSet", "NetworkPolicy"} <= kinds(release)
+    assert {"Secret", "NetworkPolicy"} <= kinds(release) and "StatefulSet" not in kinds(release)
     assert validate_all(release, version) == []
 
 
 def test_strict_validation_does_catch_a_bad_manifest(site_a: Release) -> None:
     """The check above is not vacuous: a field Kubernetes does not know fails it."""
-    broken: dict[str, Any] = yaml.safe_load(yaml.safe_dump(site_a.get("Deployment", "sluice-region")))
+    broken: dict[str, Any] = yaml.safe_load(yaml.safe_dump(site_a.get("StatefulSet", "sluice-region")))
     broken["spec"]["template"]["spec"]["containers"][0]["livenesProbe"] = {}
     errors = validate_all(Release([broken]), NEWEST)
     assert len(errors) == 1 and "livenesProbe" in errors[0]

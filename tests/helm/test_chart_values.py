@@ -35,6 +35,10 @@ def schema_error(path: str, reason: str) -> str:
 REFUSED = [
     ("a region kind Kubernetes has no workload for", ["--set", "region.kind=Pod"],
      schema_error("region.kind", r"""["']Deployment["'], ["']StatefulSet["']""")),
+    ("a claim per region instance without a StatefulSet", ["--set", "region.kind=Deployment"],
+     r"region\.store\.volume is persistentVolumeClaim, which needs region\.kind StatefulSet"),
+    ("a store volume Kubernetes has no kind for", ["--set", "region.store.volume=hostPath"],
+     schema_error("region.store.volume", r"""["']persistentVolumeClaim["'], ["']emptyDir["']""")),
     ("replicas that are not a number", ["--set-string", "senders.replicas=two"],
      schema_error("senders.replicas", "Expected: integer, given: string|got string, want integer")),
     ("negative replicas", ["--set", "receiver.replicas=-1"],

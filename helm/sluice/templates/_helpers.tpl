@@ -447,6 +447,8 @@ Arguments (a dict):
   ports      extra container ports (a list of dicts), or nil
   queueId    the sender or queue id, or ""
   serviceName  a StatefulSet's headless Service
+  store      the region's local store (region.store), or an empty dict: a volume
+             named store at its mountPath, a claim per instance or an emptyDir
 */}}
 {{- define "sluice.workload" -}}
 {{- $root := .root }}
@@ -474,8 +476,8 @@ spec:
   replicas: {{ $s.replicas }}
   {{- if eq .kind "StatefulSet" }}
   serviceName: {{ .serviceName }}
-  # State lives in Kafka: instances need no ordered start, and a new one
-  # recovers its buckets from the changelog.
+  # The changelogs are the truth: instances need no ordered start, and one
+  # without a store (or with a store it cannot trust) loads its buckets from them.
   podManagementPolicy: Parallel
   {{- else }}
   strategy:
@@ -626,8 +628,33 @@ spec:
             {{- toYaml $s.resources | nindent 12 }}
           volumeMounts:
             {{- include "sluice.volumeMounts" (list $root $kafkaSources) | nindent 12 }}
+            {{- with .store }}
+            - name: store
+              mountPath: {{ .mountPath }}
+            {{- end }}
       volumes:
         {{- include "sluice.volumes" (list $root (printf "%s-site" (include "sluice.fullname" $root)) $kafkaSources) | nindent 8 }}
+        {{- if and .store (eq (get (default dict .store) "volume") "emptyDir") }}
+        - name: store
+          emptyDir:
+            sizeLimit: {{ .store.size }}
+        {{- end }}
+  {{- if and .store (eq (get (default dict .store) "volume") "persistentVolumeClaim") }}
+  volumeClaimTemplates:
+    - metadata:
+        name: store
+        labels:
+          {{- include "sluice.labels" $root | nindent 10 }}
+          {{- toYaml $selector | nindent 10 }}
+      spec:
+        accessModes: [ReadWriteOnce]
+        {{- with .store.storageClassName }}
+        storageClassName: {{ . }}
+        {{- end }}
+        resources:
+          requests:
+            storage: {{ .store.size }}
+  {{- end }}
 {{- if and $s.podDisruptionBudget.enabled (ge (int $s.replicas) 2) }}
 ---
 apiVersion: policy/v1
