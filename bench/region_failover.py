@@ -436,7 +436,7 @@ def one_size(ctx: Context, entries: int, group_gap: float) -> list[Result]:
             inst.stop()
     mib = [r / 2**20 for r in rss]
     ctx.note(f"N={entries:,}: failover gap {gap:.1f}s (the survivor loaded {stats['loads'] - BUCKETS // 2} "
-             f"buckets and kept {stats['loads_skipped']}); cold start {cold:.1f}s, then {cold_per_entry:,.0f} bytes per entry; resident after the load "
+             f"buckets and gave up {stats['buckets_revoked']} of its own); cold start {cold:.1f}s, then {cold_per_entry:,.0f} bytes per entry; resident after the load "
              f"{mib[0]:,.0f} and {mib[1]:,.0f} MiB; {per_entry:,.0f} bytes per entry; a raw consumer read the "
              f"changelog in {reads[0]:.2f}s before the cold start and {reads[1]:.2f}s after it (the faster is the "
              "baseline)")

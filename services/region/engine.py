@@ -10,6 +10,19 @@ group metadata of that generation (``consumer_group_metadata``): the offsets
 of every transaction it writes for those buckets carry it, and the group
 coordinator refuses them once the generation is gone (KIP-447).
 
+The group rebalances incrementally (``cooperative-sticky``, KIP-429): a
+member joining or leaving moves only the buckets that change owner, and a
+member keeps serving the others throughout.  Each rebalance still starts a
+new generation, and a window whose offsets carry the one that ended is
+refused by the group coordinator and aborted; the committer then writes the
+same window again under the new generation (its records were never
+visible), so the buckets that stayed are neither failed nor reloaded
+(``windows_rewritten`` in the stats).  The revocation of buckets that move
+happens in the new generation, so their last windows commit under it.
+Cooperative and eager assignors cannot share a group: instances of a
+release that used the range assignor must all stop before instances of
+this one join.
+
 Gaining a bucket (``on_assign``)::
 
     LOADING ── load: read the committed offset of the changelog partition
@@ -155,6 +168,12 @@ FENCE_AFTER_S = 1.0
 WEDGED_AFTER_FACTOR = 4
 #: Wedged producers (fanout.WindowWriter) an instance keeps before it stops as crashed.
 WEDGED_PRODUCERS_MAX = 8
+#: The group's assignor: incremental cooperative rebalancing (KIP-429), so a member joining or leaving
+#: moves only the buckets that change owner, and the others go on answering (the module docstring).
+ASSIGNMENT_STRATEGY = "cooperative-sticky"
+#: How long the committer waits for the group's next generation before writing again a window the
+#: group refused for a generation that had ended (``_next_generation``).
+GENERATION_WAIT_S = 30.0
 #: How long on_revoke waits for the windows holding a revoked bucket's records.
 REVOKE_WAIT_S = 10.0
 #: The pause before the committer builds its producer again after failing to.
@@ -259,8 +278,9 @@ class OwnedBucket:
 class Parked:
     """A revoked bucket's state, kept for the assignment that follows the revocation.
 
-    With eager rebalancing every member gives back every bucket, and most come
-    back to the same member.  A bucket is kept only when its changelog partition
+    A bucket revoked from this member can come back to it (a member that joined
+    leaves again), or become one of its standby copies (standby.py).  A bucket is
+    kept only when its changelog partition
     ends where this member's own last write left it (``OwnedBucket.end``: nobody
     else appended to it while it was owned here), and it is not read again when
     the partition is exactly as it was at the revocation: the same low offset and end
@@ -425,7 +445,8 @@ class RegionEngine:
                       "bucket_failures": 0, "dead_lettered": 0, "windows": 0, "windows_failed": 0,
                       "window_records": 0, "producers_rebuilt": 0, "producers_wedged": 0, "owners_fenced": 0,
                       "hanging_transactions": 0, "loads_skipped": 0,
-                      "loads_from_standby": 0, "loads_from_store": 0, "records_replayed": 0}
+                      "loads_from_standby": 0, "loads_from_store": 0, "records_replayed": 0,
+                      "buckets_revoked": 0, "windows_rewritten": 0}
         #: Standby copies of buckets other instances own (a region with redundant_copies; standby.py).
         self._standby = StandbyKeeper(kafka_settings=kafka_settings, client_id=client_id,
                                       changelog_topics=changelog_topics, dsid=dsid, member_id=member_id,
@@ -458,7 +479,7 @@ class RegionEngine:
             self._kafka_settings,
             self.group_id,
             **{"client.id": self.client_id},
-            **self._group_settings,
+            **{**self._group_settings, "partition.assignment.strategy": ASSIGNMENT_STRATEGY},
         )
         workers = [("commit", self._commit_loop), ("group", self._group_loop)]
         workers += [(f"loader-{i}", self._load_loop) for i in range(self._load_threads)]
@@ -775,7 +796,26 @@ class RegionEngine:
                 # revoked, reloaded) must not be written: their state is gone.
                 skip = {slot for slot in window.checkpoints if not self._current(*slot)}
             outcome = self._write_window(window, skip, membership)
+            while outcome.stale_generation and not outcome.producer_broken:
+                # A rebalance ended the generation the window was written under (the group refused its
+                # offsets, and it was aborted): once this member is in the next one, the window's
+                # buckets it still owns are written again, and it answers for those it gave up.
+                membership, skip = self._next_generation(window, membership)
+                if membership is None:
+                    break
+                self.stats["windows_rewritten"] += 1
+                outcome = self._write_window(window, skip, membership)
             self._finish_window(window, skip, outcome)
+
+    def _next_generation(self, window: Window, ended: bytes | None) -> tuple[bytes | None, set[Slot]]:
+        """The group metadata of the generation after ``ended`` (None if it does not come within
+        GENERATION_WAIT_S, or the engine stops), and the window's slots whose ownership ended since."""
+        deadline = time.monotonic() + GENERATION_WAIT_S
+        with self._lock:
+            while self._membership == ended and not self._committer_stopping and time.monotonic() < deadline:
+                self._window_changed.wait(0.02)
+            membership = None if self._membership == ended else self._membership
+            return membership, {slot for slot in window.checkpoints if not self._current(*slot)}
 
     def _write_window(self, window: Window, skip: set[Slot], membership: bytes | None) -> WindowOutcome:
         writer = self._writer
@@ -982,12 +1022,14 @@ class RegionEngine:
             log.info("forgot %d idle EventID streams", expired)
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        consumer.assign(partitions)
+        # Cooperative: only the buckets added by this rebalance (the others stay as they are), and
+        # called at the end of every rebalance, even when nothing is added.
+        consumer.incremental_assign(partitions)
         if partitions:
             consumer.pause(partitions)
-        # The generation that assigned these buckets: the offsets of every
-        # transaction writing them carry it.  Asked here, in the thread that
-        # polls the consumer (librdkafka's call blocks while another thread polls).
+        # The generation of this assignment: the offsets of every transaction from now on carry it.
+        # Asked here, in the thread that polls the consumer (librdkafka's call blocks while another
+        # thread polls).
         membership = consumer.consumer_group_metadata()
         loads = []
         now_ms = int(time.time() * 1000)
@@ -1006,16 +1048,22 @@ class RegionEngine:
             for (region, bucket), parked in given_up.items():
                 # Given up: the start of a standby copy, if this instance is to keep one.
                 self._standby.offer(region, bucket, parked.state, parked.high)
-        log.info("assigned %s", ", ".join(f"{r}[{b}]" for r, b, _ in loads) or "nothing")
-        self._ownership_changed()
+        if loads:
+            log.info("assigned %s", ", ".join(f"{r}[{b}]" for r, b, _ in loads))
+            self._ownership_changed()
         for item in loads:
             self._loads.put(item)
         self.assigned_once.set()
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        # Cooperative: only the buckets that move, once the group is in its new generation (the others
+        # are this member's in it too): windows from now on carry that generation, and a window the
+        # group refused for the one that ended is written again under it (_commit_loop).
+        membership = consumer.consumer_group_metadata()
         keys = [(self._topic_region[tp.topic], tp.partition) for tp in partitions]
         ready: set[tuple[str, int]] = set()
         with self._lock:
+            self._membership = membership
             for key in keys:
                 ob = self._owned.get(key)
                 if ob is not None:
@@ -1032,11 +1080,13 @@ class RegionEngine:
             revoked = [self._owned.pop(key, None) for key in keys]
             if not self._owned:
                 self._membership = None
+        self.stats["buckets_revoked"] += sum(1 for ob in revoked if ob is not None)
         log.info("revoked %s", ", ".join(f"{ob.region}[{ob.bucket}]" for ob in revoked if ob) or "nothing")
         self._ownership_changed()
         if committed:
             self._park(consumer, [ob for ob in revoked
                                   if ob is not None and (ob.region, ob.bucket) in ready and not ob.dirty])
+        consumer.incremental_unassign(partitions)
 
     def _park(self, consumer: Consumer, revoked: list[OwnedBucket]) -> None:
         """Keep the state of revoked buckets whose every window is committed, with their changelog

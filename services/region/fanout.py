@@ -60,7 +60,7 @@ import concurrent.futures
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from ..core.codec import Codec
@@ -314,6 +314,9 @@ class WindowOutcome:
     producer_broken: bool = False
     #: ... and one of its calls never returned: it cannot even be closed (``WindowWriter``).
     producer_wedged: bool = False
+    #: The group refused the window's offsets: the generation it was written under had ended (a
+    #: rebalance), and the window was aborted.
+    stale_generation: bool = False
 
 
 class _Wedged(Exception):
@@ -464,7 +467,8 @@ class WindowWriter:
                 return WindowOutcome(error=error, producer_broken=True)
             if not started and not requires_abort(exc):
                 return WindowOutcome(error=error, producer_broken=True)
-            return self._abort(error)
+            outcome = self._abort(error)
+            return replace(outcome, stale_generation=is_group_fencing(exc))
 
     def _produce(self, record: Record, deadline: float,
                  on_delivery: Callable[[KafkaError | None, Any], None] | None = None) -> None:

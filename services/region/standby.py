@@ -13,10 +13,9 @@ catches up before the bucket answers, and one that is current reads nothing.
 
 Placement (``standby_buckets``): the live instances of the owner directory,
 in name order, form a ring; the standbys of a bucket are the *k* instances
-that follow its owner on the ring.  Standbys are thus never on the owner, and
-with Kafka's range assignor the instance that follows a failed owner is the
-one the group gives most of its buckets to.  The group's assignor decides
-who is promoted, and a Python client cannot steer it: with more instances
+that follow its owner on the ring.  Standbys are thus never on the owner.
+The group's assignor (cooperative-sticky) decides who is promoted, and a
+Python client cannot steer it: with more instances
 than ``redundant_copies + 1`` a bucket may go to an instance without its
 copy, which then loads it from the changelog as before.
 ``redundant_copies`` at least the number of instances minus one makes every

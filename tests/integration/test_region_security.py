@@ -36,7 +36,7 @@ from sluice.core.kafka import make_consumer, partition_for_key, read_to_end
 from sluice.core.remotewire import encode_remote
 from sluice.region.directory import MemberTrust, live_urls, read_instances
 
-from regionkit import RegionProcess, end_offsets, write_site
+from regionkit import RegionProcess, write_site
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -415,40 +415,51 @@ def test_a_non_loopback_bind_without_credentials_is_refused(site: Site, tmp_path
 def test_an_unreadable_changelog_record_is_dead_lettered_once_and_the_bucket_loads(site: Site, tmp_path: Path
                                                                                    ) -> None:
     """A corrupt record in a changelog partition goes to the region .dlq with its reason when the
-    bucket loads (a third instance joins: every bucket reloads), not again when it reloads (the third
-    leaves), and the bucket answers reads and writes throughout."""
+    bucket loads (a third instance joins and loads the buckets it takes), not again when it reloads
+    (the third leaves, and A and B load them back), and the bucket answers reads and writes throughout."""
     cfg = site.cfg
     topic = cfg.topics.region_changelog("orders")
-    bucket = 3
-    key = next(f"dl-{i}" for i in range(1000) if partition_for_key(f"dl-{i}".encode(), 8) == bucket)
+    keys = {b: next(f"dl-{i}" for i in range(1000) if partition_for_key(f"dl-{i}".encode(), 8) == b)
+            for b in range(8)}
     client = site.client()
-    client.put("orders", key, "before")
     producer = Producer({"bootstrap.servers": site.bootstrap})
-    producer.produce(topic, b"\x00 not an event", b"corrupt", partition=bucket)
-    assert producer.flush(10) == 0
-    offset = end_offsets(site.bootstrap, topic, 8)[bucket] - 1
-    source = f"{topic}/{bucket}/{offset}".encode()
+    sources: dict[bytes, int] = {}
+    for bucket, key in keys.items():  # every bucket: whichever the third takes holds one
+        client.put("orders", key, "before")
+        # Where the record landed, from its delivery report (the put's commit marker may land after it).
+        producer.produce(topic, b"\x00 not an event", b"corrupt", partition=bucket,
+                         on_delivery=lambda err, msg: sources.setdefault(
+                             f"{msg.topic()}/{msg.partition()}/{msg.offset()}".encode(), msg.offset()))
+        assert producer.flush(10) == 0
+    assert len(sources) == 8
 
     def dead_letters() -> list[dict[str, Any]]:
         consumer = make_consumer({"bootstrap.servers": site.bootstrap}, None)
         try:
             return [get_codec().decode_as("DeadLetter", m.value())
-                    for m in read_to_end(consumer, cfg.topics.region_dead_letter(), 0) if m.key() == source]
+                    for m in read_to_end(consumer, cfg.topics.region_dead_letter(), 0) if m.key() in sources]
         finally:
             consumer.close()
+
+    def owned_by(url: str) -> set[int]:
+        rows = httpx.get(f"{site.a.url}/buckets", headers=CLIENT_AUTH, timeout=10).json()["buckets"]
+        return {row["bucket"] for row in rows if row["region"] == "orders" and row["owner"] == url}
 
     third = RegionProcess(site.path, tmp_path / "region-c.log")
     third_url = third.url
     try:
         third.wait_ready()
-        found = wait_for(dead_letters, 30, "the corrupt record in the region .dlq")
-        assert len(found) == 1
-        letter = found[0]
-        assert (letter["source_topic"], letter["source_partition"], letter["source_offset"]) == (topic, bucket,
-                                                                                               offset)
-        assert letter["value"] == b"\x00 not an event" and letter["key"] == b"corrupt"
-        assert "unreadable" in letter["reason"] and letter["error_class"] in ("MalformedRecord", "UnknownSchema")
-        assert client.get("orders", key) == "before"
+        taken = wait_for(lambda: owned_by(third_url), 30, "the third instance owning orders buckets")
+        found = wait_for(lambda: len(dead_letters()) >= len(taken) and dead_letters(), 30,
+                         "the corrupt records of the buckets the third took in the region .dlq")
+        assert sorted(letter["source_partition"] for letter in found) == sorted(taken)
+        for letter in found:
+            bucket = letter["source_partition"]
+            assert letter["source_topic"] == topic
+            assert f"{topic}/{bucket}/{letter['source_offset']}".encode() in sources  # the corrupt record's place
+            assert letter["value"] == b"\x00 not an event" and letter["key"] == b"corrupt"
+            assert "unreadable" in letter["reason"] and letter["error_class"] in ("MalformedRecord", "UnknownSchema")
+            assert client.get("orders", keys[bucket]) == "before"
     finally:
         third.stop()
 
@@ -456,14 +467,15 @@ def test_an_unreadable_changelog_record_is_dead_lettered_once_and_the_bucket_loa
         rows = httpx.get(f"{site.a.url}/buckets", headers=CLIENT_AUTH, timeout=10).json()["buckets"]
         return {row["owner"] for row in rows if row["region"] == "orders"}
 
-    # The third's clean leave moves its buckets to A and B, which reload every bucket (eager rebalance).
+    # The third's clean leave moves its buckets back to A and B, which load them.
     wait_for(lambda: third_url not in owners() and owners() == {site.a.url, site.b.url}, 60,
              "A and B own every bucket again")
     for proc in (site.a, site.b):
         proc.wait_ready()
-    assert client.put("orders", key, "after")["status"] == "ok"
-    assert site.client(site.b.url).get("orders", key) == "after"
-    assert len(dead_letters()) == 1, "dead-lettered again on reload"
+    for bucket in taken:
+        assert client.put("orders", keys[bucket], "after")["status"] == "ok"
+        assert site.client(site.b.url).get("orders", keys[bucket]) == "after"
+    assert len(dead_letters()) == len(taken), "dead-lettered again on reload"
 
 
 def test_readyz_says_why_when_a_changelog_topic_is_gone(site: Site) -> None:

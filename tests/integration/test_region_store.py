@@ -121,3 +121,29 @@ def test_a_damaged_store_is_rebuilt_from_the_changelog(site_a, unique_prefix, tm
         assert values(a.url, keys) == {k: {"round": 1, "key": k} for k in keys}
     finally:
         a.stop()
+
+
+def test_a_store_from_another_kafka_cluster_is_never_trusted(site_a, site_b, unique_prefix, tmp_path: Path):
+    """The same site name, topics and store directory on another Kafka cluster (site_b's broker):
+    the store is wiped whole, and every bucket is read from that cluster's changelog."""
+    keys = [f"k{i:04d}" for i in range(KEYS)]
+    (tmp_path / "on-a").mkdir()
+    path_a = site(tmp_path / "on-a", site_a, unique_prefix)
+    a = RegionProcess(path_a, tmp_path / "a.log", store_dir=tmp_path / "store")
+    a.wait_ready()
+    RegionClient([a.url], retry_for_s=30).put_all("orders", {k: {"cluster": "a"} for k in keys})
+    assert a.stop() == 0
+
+    (tmp_path / "on-b").mkdir()
+    path_b = site(tmp_path / "on-b", site_b, unique_prefix)
+    other = RegionProcess(path_b, tmp_path / "b.log", store_dir=tmp_path / "store")
+    try:
+        other.wait_ready()
+        stats = other.stats()
+        assert stats["store_rebuilt"] == 1 and stats["loads_from_store"] == 0, stats
+        assert stats["records_replayed"] == 0, stats  # that cluster's changelog is empty
+        assert values(other.url, keys[:20]) == {k: None for k in keys[:20]}
+        RegionClient([other.url], retry_for_s=30).put("orders", keys[0], {"cluster": "b"})
+        assert values(other.url, keys[:2]) == {keys[0]: {"cluster": "b"}, keys[1]: None}
+    finally:
+        other.stop()
