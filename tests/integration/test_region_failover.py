@@ -9,6 +9,8 @@ and one instance is killed with SIGKILL mid-stream.  Afterwards:
 * with ``redundant_copies: 1`` the survivor, which kept a standby copy of
   each of the killed owner's buckets, promotes those copies rather than
   reading the buckets again;
+* with local stores as well, the killed instance starts again on its store
+  (left dirty by the kill) while the writers go on, and takes buckets back;
 * each attached queue (a parallel gateway sender queue and a serial async
   event queue), after discarding repeats of an EventID, holds every applied
   event exactly once, in per-key order, and nothing else.
@@ -80,14 +82,17 @@ class Writer(threading.Thread):
             self.error = exc
 
 
-@pytest.mark.parametrize("copies", [0, 1], ids=["no-copies", "redundant-copies-1"])
+@pytest.mark.parametrize(("copies", "stores"), [(0, False), (1, False), (1, True)],
+                         ids=["no-copies", "redundant-copies-1", "copies-and-local-stores"])
 def test_kill_9_one_of_two_instances_mid_stream_loses_and_duplicates_nothing(site_a, unique_prefix, tmp_path: Path,
-                                                                            copies: int):
+                                                                            copies: int, stores: bool):
     """A SIGKILLed owner's buckets move to the survivor; the region and both queues stay exact."""
     prefix = site_a.topic_prefix(unique_prefix)
     cfg = write_site(tmp_path / "site.yaml", site="a", bootstrap=site_a.bootstrap, prefix=prefix,
                      redundant_copies=copies)
-    instances = [RegionProcess(tmp_path / "site.yaml", tmp_path / f"region-{i}.log") for i in range(2)]
+    store_dirs = [tmp_path / f"store-{i}" if stores else None for i in range(2)]
+    instances = [RegionProcess(tmp_path / "site.yaml", tmp_path / f"region-{i}.log", store_dir=store_dirs[i])
+                 for i in range(2)]
     try:
         for inst in instances:
             inst.wait_ready()
@@ -105,6 +110,14 @@ def test_kill_9_one_of_two_instances_mid_stream_loses_and_duplicates_nothing(sit
             time.sleep(0.05)
         killed_at = sum(w.done for w in writers)
         instances[0].kill()
+        if stores:
+            # The killed instance starts again on its store while the writers go on.
+            while sum(w.done for w in writers) < 2 * total // 3:
+                assert all(w.error is None for w in writers), [w.error for w in writers]
+                time.sleep(0.05)
+            instances.append(RegionProcess(tmp_path / "site.yaml", tmp_path / "region-0-again.log",
+                                           store_dir=store_dirs[0]))
+            instances[-1].wait_ready()
         for w in writers:
             w.join(300)
         elapsed = time.monotonic() - started
@@ -113,6 +126,11 @@ def test_kill_9_one_of_two_instances_mid_stream_loses_and_duplicates_nothing(sit
         retries = sum(w.client.retries for w in writers)
         print(f"\n{total} ops in {elapsed:.1f}s, instance 0 killed after {killed_at}; client retries {retries}")
 
+        if stores:
+            again = instances[-1].stats()
+            assert again["loads"] >= 1 and again["store_write_errors"] == 0, again
+            print(f"restarted on its store: {again['loads']} buckets loaded, {again['loads_from_store']} from the "
+                  f"store, {again['store_rebuilt']} stores rebuilt, {again['records_replayed']} records replayed")
         if copies:
             stats = instances[1].stats()
             assert stats["loads_from_standby"] == len(victims), stats
