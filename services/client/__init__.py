@@ -4,7 +4,7 @@ replay up to the marker: ``messages``)."""
 
 from .interest import ALL_KEYS, ResultPolicy
 from .region import RegionClient, RegionError
-from .subscriber import ClientCache, ClientRegion, RegistrationRefused
+from .subscriber import PENDING_NO_QUEUE, PENDING_QUEUE_DROPPED, ClientCache, ClientRegion, RegistrationRefused
 
-__all__ = ["ALL_KEYS", "ClientCache", "ClientRegion", "RegionClient", "RegionError", "RegistrationRefused",
-           "ResultPolicy"]
+__all__ = ["ALL_KEYS", "PENDING_NO_QUEUE", "PENDING_QUEUE_DROPPED", "ClientCache", "ClientRegion", "RegionClient",
+           "RegionError", "RegistrationRefused", "ResultPolicy"]

@@ -14,22 +14,29 @@ Geode's client cache with a subscription-enabled pool, on Kafka:
   the cache, ``after_region_live`` fires at the marker, then events update
   the cache and reach the listeners; what was read is acknowledged every
   ``subscription-ack-interval`` (an idle client pings);
+* ``ready_for_events`` is synchronous, as Geode's ``readyForEvents``: it
+  returns once the service has placed the marker in the client's queue, so
+  every event written after it returns is live, never replayed;
 * a durable client (``durable=True``) that closes with ``keep_alive=True``,
   crashes or loses its connection keeps its queue and durable interest until
   its ``durable-client-timeout``; reconnecting with the same id resumes the
-  queue where it was acknowledged.  A queue found gone (timed out, or its
-  unacknowledged head expired) makes the client start over as a new one:
-  its interest is fetched again into the cache, with no events.
+  queue where it was acknowledged, and ``pending_event_count()`` says how
+  many events wait in it (Geode's ``getPendingEventCount``).  A queue found
+  gone (timed out, dropped full, or its unacknowledged head expired) makes
+  the client start over as a new one: its interest is fetched again into
+  the cache, with no events.
 
 Example::
 
-    from sluice.client import ClientCache, ALL_KEYS
+    from sluice.client import ALL_KEYS, PENDING_QUEUE_DROPPED, ClientCache
 
     cache = ClientCache("deploy/sites/site-b.yaml", client_id="pricing-1", durable=True)
     orders = cache.region("orders")
     orders.add_listener(MyListener())               # after_create, after_update, after_destroy, ...
     orders.register_interest(ALL_KEYS, durable=True)
-    cache.ready_for_events()
+    if cache.pending_event_count() == PENDING_QUEUE_DROPPED:
+        ...                                         # events were lost while away: resynchronise
+    cache.ready_for_events()                        # returns once the marker is in the queue
     orders.get("o-1")                               # from the local cache
     orders.put("o-2", {"qty": 1})                   # through the region service
     cache.close(keep_alive=True)                    # the queue keeps filling while away
@@ -46,7 +53,7 @@ from typing import Any, Callable, Iterable
 
 from ..core.codec import get_codec
 from ..core.config import SiteConfig, load_config
-from ..core.errors import CacheWriterAbort, CodecError, InvalidRequest, NoServersAvailable, SluiceError
+from ..core.errors import CacheWriterAbort, ClosedError, CodecError, InvalidRequest, NoServersAvailable, SluiceError
 from ..core.events import EventID, Operation
 from ..core.jsonvalue import decode as decode_value
 from ..core.kafka import (
@@ -58,6 +65,7 @@ from ..core.kafka import (
     partition_for_key,
     make_consumer,
     make_producer,
+    read_to_end,
     translate,
 )
 from .cache import EventTracker, RegionCache
@@ -66,13 +74,16 @@ from .messages import ClientEvent, MessageProcessor
 from .region import RegionClient, RegionError
 from ..subscriptions.registry import (
     CLIENT_ID,
+    QUEUE_DROPPED,
     bearer,
     configured_token,
     create_queue,
     new_queue_topic,
     queue_topic_problem,
     read_latest,
+    read_latest_record,
     registry_partition,
+    unregistered_reason,
 )
 
 log = logging.getLogger("sluice.client")
@@ -86,6 +97,15 @@ IDLE_FETCH_WAIT_MS = 500
 LOAD_CHUNK = 1000
 #: Refused registration versions remembered (the newest), for the registrations waiting on them.
 REFUSALS_KEPT = 64
+#: ``pending_event_count()`` of a durable client that found no queue of its own: it connected for the first
+#: time, or after closing without keep-alive (Geode's PoolImpl.PRIMARY_QUEUE_NOT_AVAILABLE).
+PENDING_NO_QUEUE = -2
+#: ``pending_event_count()`` of a durable client whose queue the service dropped while it was away, after its
+#: durable-client-timeout or because the queue reached maximum-message-count: events were lost, and the client
+#: resynchronises (Geode's PoolImpl.PRIMARY_QUEUE_TIMED_OUT, said there for the timeout only).
+PENDING_QUEUE_DROPPED = -1
+#: How long reading a resumed queue's waiting events (to count them) may take.
+PENDING_READ_S = 120.0
 
 
 class RegistrationRefused(SluiceError):
@@ -344,6 +364,14 @@ class ClientCache:
         self.error: BaseException | None = None
         self.replayed_queue = False  # this connection resumed a durable queue
         self.closed = False
+        #: Geode's pending event count, fixed when this client connected (``pending_event_count``).
+        self._pending = PENDING_NO_QUEUE
+        self._ready_called = False
+        #: (session, queue offset): where a marker of that session can first be in the queue (its end before
+        #: the session's first record that asked for one).
+        self._marker_from: tuple[str, int] | None = None
+        #: The session whose marker is known to be in the queue.
+        self._marker_queued: str | None = None
 
         base = self.cfg.kafka.client_settings()
         self._producer = make_producer(base, **{"client.id": self.client_id})
@@ -383,11 +411,50 @@ class ClientCache:
     def _bucket_of(self, region: str, key: str) -> int:
         return partition_for_key(key.encode(), self.cfg.region(region).buckets)
 
-    def ready_for_events(self) -> None:
-        """Listeners are in place: the service places the marker; what comes before it is replay."""
+    def ready_for_events(self, timeout_s: float | None = None) -> None:
+        """Listeners are in place: the service places the marker in this client's queue; the messages
+        before it are replayed, those after it are live.
+
+        Synchronous, as Geode's ``readyForEvents``: it returns once the marker is in the queue, so an event
+        written after it returns comes after the marker and reaches the listeners live (``replayed`` False).
+        The replay before the marker may still be reaching the listeners (``live`` turns True at the
+        marker).  ``NoServersAvailable`` when no subscription service placed the marker within
+        ``timeout_s`` (default: the client's ``registration_timeout_s``): the readiness stays recorded and
+        the marker comes once a service runs (call again to wait for it); ``RegistrationRefused`` when the
+        service refused the record.  Calling it again once the marker is placed returns at once."""
+        wait_s = self._registration_timeout_s if timeout_s is None else timeout_s
         with self._lock:
+            if self.closed:
+                raise ClosedError(f"client {self.client_id} is closed")
+            self._ready_called = True
+            if self._marker_queued == self._session:
+                return
+            session = self._session
+            if self._marker_from is None or self._marker_from[0] != session:
+                # No marker of this session can be before the queue's end now: the service places it
+                # only after reading a record of this session that asks for it, published next.
+                self._marker_from = (session, self._queue_end(self.queue_topic))
             self._record["ready"] = True
             self._publish()
+            version = self._record["version"]
+        self._wait_marker(session, version, wait_s)
+
+    def pending_event_count(self) -> int:
+        """Geode's ``getPendingEventCount``: how many events waited in this durable client's queue when it
+        connected, for it to weigh before ``ready_for_events``: each event once (a message filled again
+        after a failover of the service counts once), a region clear once.  ``PENDING_NO_QUEUE`` (-2): no
+        queue of its own was found, it connected for the first time (or as a new client after closing
+        without keep-alive); ``PENDING_QUEUE_DROPPED`` (-1): the service dropped its queue while it was
+        away (its durable-client-timeout passed, or the queue reached ``maximum_message_count``), so events
+        were lost and the client starts over with its interest fetched again (resynchronise).  The same
+        value on every call of a connection; ``InvalidRequest`` for a client that is not durable or once
+        ``ready_for_events`` was called, as in Geode."""
+        if not self.durable:
+            raise InvalidRequest("durable", False, "only a durable client has a pending event count")
+        if self._ready_called:
+            raise InvalidRequest("pending_event_count", "after ready_for_events",
+                                 "it is read before ready_for_events(), while the queue waits")
+        return self._pending
 
     @property
     def live(self) -> bool:
@@ -406,7 +473,7 @@ class ClientCache:
 
     def _connect(self) -> None:
         """Resume a durable client's queue, or start as a new client."""
-        existing = self._read_record(self._registry_topic, "ClientRegistration")
+        existing, dropped = self._read_registration()
         ack = self._read_record(self._acks_topic, "ClientAck")
         if existing is not None and (existing["client_id"] != self.client_id or
                                      queue_topic_problem(self.cfg, self.client_id, existing["queue_topic"])):
@@ -423,10 +490,17 @@ class ClientCache:
             version = existing["version"]
             self._next = (ack["next_offset"] if ack is not None and ack["client_id"] == self.client_id
                           and ack["queue_topic"] == queue_topic and ack["next_offset"] >= 0 else 0)
-            log.info("client %s: durable queue %s resumed at %d", self.client_id, queue_topic, self._next)
+            self._pending = self._count_waiting(queue_topic)
+            log.info("client %s: durable queue %s resumed at %d, %d events waiting", self.client_id, queue_topic,
+                     self._next, self._pending)
         else:
             if existing is not None:
                 self._drop_queue(existing["queue_topic"])
+            elif dropped is not None and self.durable:
+                self._pending = PENDING_QUEUE_DROPPED
+                log.warning("client %s: the subscription service dropped its durable queue while it was away (%s); "
+                            "it starts as a new client, its events since are lost: resynchronise "
+                            "(pending_event_count() is -1)", self.client_id, dropped)
             queue_topic = new_queue_topic(self.cfg, self.client_id)
             interest, version, self._next = [], 0, 0
         create_queue(self._admin, self.cfg, queue_topic, self.durable)
@@ -443,11 +517,108 @@ class ClientCache:
             self._publish()
         self._consumer.assign([TopicPartition(queue_topic, 0, self._next)])
 
+    def _read_registration(self) -> tuple[dict[str, Any] | None, str | None]:
+        """This client's registration in force (None: none), and, when its newest registry record is the
+        service's tombstone of a dropped queue (``QUEUE_DROPPED``), why it was dropped."""
+        latest = read_latest_record(self.cfg, self._registry_topic, self._partition, self.client_id,
+                                    token=self._subscription_token)
+        if latest is None:
+            return None, None
+        raw, headers = latest
+        if raw is None:
+            reason = unregistered_reason(headers)
+            return None, reason if reason in QUEUE_DROPPED else None
+        return self._decoded(raw, "ClientRegistration"), None
+
+    def _count_waiting(self, queue_topic: str) -> int:
+        """The events waiting in a resumed queue, from this client's acknowledged position to the queue's
+        end now: each EventID once (a refill after a failover repeats messages; a region clear is one
+        message per bucket)."""
+        events: set[tuple[str, int, int]] = set()
+        try:
+            for msg in read_to_end(self._consumer, queue_topic, 0, deadline_s=PENDING_READ_S, start=self._next):
+                try:
+                    message = self._codec.decode_as("ClientMessage", msg.value())
+                except CodecError:
+                    continue  # the reader logs it when it reaches it
+                if message["kind"] == "EVENT" and message["event"] is not None:
+                    e = message["event"]["event_id"]
+                    events.add((e["member_id"], e["thread_id"], e["sequence_id"]))
+        except KafkaException as exc:
+            raise translate(exc, f"counting the events waiting in {queue_topic}") from exc
+        return len(events)
+
+    def _queue_end(self, queue_topic: str) -> int:
+        """The queue's end offset now (0 when it cannot be read: the search for the marker starts at its start)."""
+        probe = make_consumer(self.cfg.kafka.client_settings(), None, **{"client.id": f"{self.client_id}-ready"})
+        try:
+            return int(probe.get_watermark_offsets(TopicPartition(queue_topic, 0), timeout=10)[1])
+        except KafkaException as exc:
+            log.warning("client %s: the end of %s could not be read (%s); looking for the marker from its start",
+                        self.client_id, queue_topic, exc)
+            return 0
+        finally:
+            probe.close()
+
+    def _wait_marker(self, session: str, version: int, wait_s: float) -> None:
+        """Until the marker of ``session`` is in the queue: read by a consumer of its own from where it can
+        first be (``_marker_from``), or seen by the queue's reader.  A session started over meanwhile (the
+        queue was lost) is followed: its record asks for a marker too."""
+        deadline = time.monotonic() + wait_s
+        finder = make_consumer(self.cfg.kafka.client_settings(), None,
+                               **{"client.id": f"{self.client_id}-ready", "fetch.wait.max.ms": 50})
+        assigned: tuple[str, str, int] | None = None
+        try:
+            while True:
+                with self._lock:
+                    if self._marker_queued == self._session:
+                        return
+                    if self._session != session:
+                        session, version = self._session, self._record["version"]
+                    if version in self._refusals:
+                        raise RegistrationRefused(self.client_id, self._refusals[version])
+                    if self.closed:
+                        raise ClosedError(f"client {self.client_id} closed while waiting for its marker")
+                    topic = self.queue_topic
+                    start = self._marker_from[1] if self._marker_from and self._marker_from[0] == session else 0
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise NoServersAvailable(
+                        f"client {self.client_id}: the marker was not placed in its queue within {wait_s:g} s: no "
+                        f"subscription service instance answered (is `sluice subscriptions` running?); the client "
+                        f"is recorded ready and turns live once one places the marker")
+                if assigned != (session, topic, start):
+                    finder.assign([TopicPartition(topic, 0, start)])
+                    assigned = (session, topic, start)
+                try:
+                    msgs = consume_available(finder, 500, min(left, 0.25))
+                except KafkaException as exc:
+                    raise translate(exc, f"reading {topic} for the marker") from exc
+                for msg in msgs:
+                    if msg.error() is not None:
+                        continue  # a queue gone is the reader's to handle (it starts over)
+                    try:
+                        message = self._codec.decode_as("ClientMessage", msg.value())
+                    except CodecError:
+                        continue
+                    if message["session"] != session:
+                        continue
+                    if message["kind"] == "MARKER":
+                        with self._lock:
+                            if self._session == session:
+                                self._marker_queued = session
+                                return
+                    elif message["kind"] == "REFUSED" and message["version"] == version:
+                        raise RegistrationRefused(self.client_id, message["reason"])
+        finally:
+            finder.close()
+
     def _read_record(self, topic: str, schema: str) -> dict[str, Any] | None:
         """This client's newest record of ``topic`` (with a token, the newest that carries it)."""
         raw = read_latest(self.cfg, topic, self._partition, self.client_id, token=self._subscription_token)
-        if raw is None:
-            return None
+        return None if raw is None else self._decoded(raw, schema)
+
+    def _decoded(self, raw: bytes, schema: str) -> dict[str, Any] | None:
         try:
             return self._codec.decode_as(schema, raw)
         except CodecError as exc:
@@ -654,8 +825,10 @@ class ClientCache:
                     log.error("client %s: %s", self.client_id, message["reason"])
                     self._answered.notify_all()
             elif kind == "MARKER":
-                if message["session"] == self._session and not self._processor.live:
-                    self._processor.on_marker()
+                if message["session"] == self._session:
+                    self._marker_queued = self._session
+                    if not self._processor.live:
+                        self._processor.on_marker()
             elif kind == "EVENT" and message["event"] is not None:
                 e = message["event"]
                 self.stats["events"] += 1
@@ -681,6 +854,12 @@ class ClientCache:
 
     def _start_over(self, why: str) -> None:
         """The queue is lost: become a new client, fetch the interest again without events."""
+        try:
+            dropped = self._read_registration()[1]
+        except SluiceError:
+            dropped = None  # only the log's wording depends on it
+        if dropped is not None:
+            why += f": the subscription service dropped it ({dropped})"
         log.warning("client %s: %s; starting over as a new client and fetching its interest again",
                     self.client_id, why)
         self.stats["reinitialized"] += 1
@@ -689,6 +868,8 @@ class ClientCache:
             create_queue(self._admin, self.cfg, queue_topic, self.durable)
             self._record["queue_topic"] = queue_topic
             self._session = self._record["session"] = uuid.uuid4().hex[:12]
+            # The new queue's marker (its record asks for one when this client was ready) is from its start.
+            self._marker_from = (self._session, 0)
             self._refusals.clear()
             self._answered_version = -1
             self._loading_from = None
@@ -751,4 +932,4 @@ class ClientCache:
         self.close()
 
 
-__all__ = ["ALL_KEYS", "ClientCache", "ClientRegion", "ResultPolicy"]
+__all__ = ["ALL_KEYS", "PENDING_NO_QUEUE", "PENDING_QUEUE_DROPPED", "ClientCache", "ClientRegion", "ResultPolicy"]

@@ -28,6 +28,15 @@ AUTHORIZATION = "authorization"
 #: The header of a record the service wrote again after refusing a forged one for the same key,
 #: so that compaction keeps the client's record rather than the forgery (``SubscriptionService``).
 RESTORED = "sluice-restored"
+#: The header of the registry tombstone that unregisters a client: why (``UNREGISTERED_REASONS``).
+UNREGISTERED = "sluice-unregistered"
+#: Why the service unregistered a client, as its tombstone says.
+CLOSED, NO_PING, DURABLE_CLIENT_TIMEOUT, MAXIMUM_MESSAGE_COUNT = (
+    "closed", "no-ping", "durable-client-timeout", "maximum-message-count")
+UNREGISTERED_REASONS = frozenset({CLOSED, NO_PING, DURABLE_CLIENT_TIMEOUT, MAXIMUM_MESSAGE_COUNT})
+#: The reasons that drop a queue its client still counts on: a durable client that reconnects after one of
+#: them finds no queue (``pending_event_count()`` -1, Geode's PRIMARY_QUEUE_TIMED_OUT) and resynchronises.
+QUEUE_DROPPED = frozenset({DURABLE_CLIENT_TIMEOUT, MAXIMUM_MESSAGE_COUNT})
 #: A client id: 1–100 letters, digits, '_' or '-', starting with a letter or digit (never a '.',
 #: so one client's queue names can never be another's).
 CLIENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,99}")
@@ -192,12 +201,20 @@ def read_latest(cfg: SiteConfig, topic: str, partition: int, key: str, *,
                 token: str | None = None) -> bytes | None:
     """The newest value of ``key`` in one partition of a compacted topic (None: none, or a tombstone).
     With ``token``, only records that carry it count: a forged one, tombstones included, is passed over."""
+    latest = read_latest_record(cfg, topic, partition, key, token=token)
+    return None if latest is None else latest[0]
+
+
+def read_latest_record(cfg: SiteConfig, topic: str, partition: int, key: str, *,
+                       token: str | None = None) -> tuple[bytes | None, list[tuple[str, bytes]]] | None:
+    """The newest record of ``key`` in one partition of a compacted topic, as (value, headers): a value of
+    None is a tombstone; None when there is no record of it.  With ``token``, as ``read_latest``."""
     consumer = make_consumer(cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 10})
-    found: bytes | None = None
+    found: tuple[bytes | None, list[tuple[str, bytes]]] | None = None
     try:
         for msg in read_to_end(consumer, topic, partition, deadline_s=30):
             if msg.key() == key.encode() and (token is None or authorized(msg.headers(), token)):
-                found = msg.value()
+                found = (msg.value(), list(msg.headers() or ()))
     except KafkaException as exc:
         raise translate(exc, f"reading {topic}") from exc
     finally:
@@ -205,7 +222,17 @@ def read_latest(cfg: SiteConfig, topic: str, partition: int, key: str, *,
     return found
 
 
-__all__ = ["AUTHORIZATION", "CLIENT_ID", "INCARNATION", "RESTORED", "authorized", "bearer",
+def unregistered_reason(headers: list[tuple[str, bytes]] | None) -> str | None:
+    """Why the service unregistered a client, from its registry tombstone's headers (None: not said, or
+    not one of ``UNREGISTERED_REASONS``)."""
+    raw = header_value(headers, UNREGISTERED)
+    reason = None if raw is None else raw.decode("ascii", "replace")
+    return reason if reason in UNREGISTERED_REASONS else None
+
+
+__all__ = ["AUTHORIZATION", "CLIENT_ID", "CLOSED", "DURABLE_CLIENT_TIMEOUT", "INCARNATION", "MAXIMUM_MESSAGE_COUNT",
+           "NO_PING", "QUEUE_DROPPED", "RESTORED", "UNREGISTERED", "UNREGISTERED_REASONS", "authorized", "bearer",
            "check_ack", "check_authorized", "check_checkpoint", "check_key", "check_registration",
            "configured_token", "create_queue", "header_value", "interest_of", "is_client_queue", "last_heard",
-           "new_incarnation", "new_queue_topic", "queue_topic_problem", "read_latest", "registry_partition"]
+           "new_incarnation", "new_queue_topic", "queue_topic_problem", "read_latest", "read_latest_record",
+           "registry_partition", "unregistered_reason"]

@@ -31,13 +31,20 @@ A primary's loop, one thread:
    it, ever fills the queue with an event older than its registration; place
    the marker once the client called ``ready_for_events``; note
    disconnects (a close, or no ping for ``maximum-time-between-pings``);
-   unregister a non-durable client that left, and a durable one away
-   longer than its ``durable-client-timeout`` (queue deleted, alert);
+   unregister a non-durable client that left, a durable one away
+   longer than its ``durable-client-timeout``, and any client whose queue
+   overflowed (below) (queue deleted, alert; the registry tombstone says
+   why, header ``sluice-unregistered``, so that a durable client coming
+   back learns its queue was dropped);
 3. fill: each changelog record goes to every client of its partitions
    whose interest matches (a durable client away keeps only its durable
    interest), found by the record's head (region, key, operation, writer)
    in an index of the clients' interest (``index.py``), the message being
-   the record's bytes spliced into a ClientMessage (issue 18);
+   the record's bytes spliced into a ClientMessage (issue 18).  A queue
+   holding ``maximum-message-count`` messages its client has not
+   acknowledged takes no more events: the event is counted as not queued,
+   and the client is unregistered on the next turn (Geode's slow-receiver
+   removal), so that it resynchronises rather than miss events unawares;
 4. every ``message-sync-interval``: wait until the queues hold what was
    filled, then write the checkpoints, and delete from each queue what its
    client acknowledged.
@@ -71,6 +78,7 @@ them; no one else writes any of these.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -104,7 +112,12 @@ from ..core.kafka import (
 from ..core.lifecycle import ServiceState
 from .index import InterestIndex
 from .registry import (
+    CLOSED,
+    DURABLE_CLIENT_TIMEOUT,
+    MAXIMUM_MESSAGE_COUNT,
+    NO_PING,
     RESTORED,
+    UNREGISTERED,
     bearer,
     check_ack,
     check_authorized,
@@ -168,6 +181,17 @@ class _Client:
     filled: int = 0
     #: (member, thread, sequence, bucket) of the last region clear or destroy part sent.
     last_clear: tuple[str, int, int, int] | None = None
+    #: The bound of ``maximum-message-count``.  ``queue_end``: the end offset of the client's queue, read
+    #: from the broker once (``end_known``) and then moved by each message this primary writes to it;
+    #: ``acked``: the client's acknowledged position in it; ``room``: how many more events it takes before
+    #: it holds maximum-message-count messages not acknowledged (unbounded while the end is not known).
+    queue_end: int = 0
+    end_known: bool = False
+    acked: int = 0
+    room: int = sys.maxsize
+    #: Since when its queue is full, and how many events were not queued since (then it is unregistered).
+    full_since_ms: int | None = None
+    not_queued: int = 0
 
     partition: int = -1  # its registry partition
 
@@ -222,7 +246,7 @@ class SubscriptionService:
         self._trimmed: dict[str, int] = {}
         self.stats = {"filled": 0, "registered": 0, "markers": 0, "unregistered": 0, "timed_out": 0,
                       "undecodable": 0, "refills": 0, "takeovers": 0, "refused": 0, "dead_lettered": 0,
-                      "restored": 0}
+                      "restored": 0, "queues_full": 0, "events_not_queued": 0}
         self._refusals_answered: dict[tuple[str, str, int], None] = {}  # (client, session, version), oldest first
         #: Refusals not answered yet, by (client, session, version): (registry partition, record, reason,
         #: give-up time), oldest first; answered by ``_answer_refusals``.
@@ -254,6 +278,9 @@ class SubscriptionService:
         telemetry.observe(telemetry.REGISTRATIONS_REFUSED, self._read(lambda service: service.stats["refused"]))
         telemetry.observe(telemetry.ALERTS, self._read(lambda service: service.stats["timed_out"],
                                                        **{"sluice.alert.name": "durable_client_timeout"}))
+        telemetry.observe(telemetry.ALERTS, self._read(lambda service: service.stats["queues_full"],
+                                                       **{"sluice.alert.name": "client_queue_full"}))
+        telemetry.observe(telemetry.EVENTS_NOT_QUEUED, self._read(lambda service: service.stats["events_not_queued"]))
 
     def _read(self, value: Callable[["SubscriptionService"], int], **more: Any) -> Callable[[], telemetry.Reading]:
         return telemetry.reader(self, value, lambda service: {
@@ -555,6 +582,10 @@ class SubscriptionService:
             if client is None:
                 self._add_client(_Client(record, partition=partition))
             else:
+                if record["queue_topic"] != client.record["queue_topic"]:
+                    # A new queue (the client started over): its end is read before anything is written to it.
+                    client.end_known, client.acked, client.room = False, 0, sys.maxsize
+                    client.full_since_ms, client.not_queued = None, 0
                 client.record = record
 
     def _take_ack(self, partition: int, name: str, record: dict[str, Any] | None, restored: bool) -> None:
@@ -567,6 +598,10 @@ class SubscriptionService:
             self.acks.pop(name, None)
         else:
             self.acks[name] = record
+            client = self._clients.get(name)
+            if client is not None and record["queue_topic"] == client.record["queue_topic"]:
+                client.acked = record["next_offset"]
+                self._reckon_room(client)
 
     def _take_checkpoint(self, record: dict[str, Any]) -> None:
         r = record["registry_partition"]
@@ -664,24 +699,32 @@ class SubscriptionService:
         if self._refusals_waiting:
             self._answer_refusals()
         now_ms = int(time.time() * 1000)
+        self._read_queue_ends()
         for client in list(self._clients.values()):
             record = client.record
             if not client.queue_ready:
                 assert self._admin is not None
                 create_queue(self._admin, self.cfg, record["queue_topic"], record["durable"])
                 client.queue_ready = True
+                # Nothing is written to it before this turn ends (its queue start or its takeover is tended
+                # first), so its end is the broker's.
+                self._read_queue_end(client)
+            if client.full_since_ms is not None:
+                self._drop_full(client)
+                continue
             if not record["connected"]:
                 if record["durable"] and record["keep_alive"]:
                     self._away(client, record["changed_at"])
                 else:
-                    self._unregister(client, "closed" if not record["durable"] else "closed without keep-alive")
+                    self._unregister(client, "closed" if not record["durable"] else "closed without keep-alive",
+                                     CLOSED)
                     continue
             else:
                 heard = last_heard(record, self.acks.get(client.id))
                 silent_ms = now_ms - heard
                 if silent_ms > self.sub.maximum_time_between_pings_ms:
                     if not record["durable"]:
-                        self._unregister(client, f"no ping for {silent_ms / 1000:.1f} s")
+                        self._unregister(client, f"no ping for {silent_ms / 1000:.1f} s", NO_PING)
                         continue
                     self._away(client, heard)
                 elif client.away_since_ms is not None:
@@ -699,7 +742,7 @@ class SubscriptionService:
                                 extra={"alert": "durable_client_timeout", "client_id": client.id,
                                        "away_s": round(away_s, 1), "durable_client_timeout_s":
                                        record["durable_timeout_s"], "queue_size": size})
-                    self._unregister(client, "durable-client-timeout")
+                    self._unregister(client, "durable-client-timeout", DURABLE_CLIENT_TIMEOUT)
                     continue
             if record["connected"] and client.answered != (record["session"], record["version"]):
                 if record["queue_topic"] not in self._starts[client.partition] and not self._start_queue(client):
@@ -714,6 +757,64 @@ class SubscriptionService:
                 self._send(client, {"kind": "MARKER", "session": record["session"]})
                 client.marked = record["session"]
                 self.stats["markers"] += 1
+
+    def _read_queue_ends(self) -> None:
+        """Read the end of each queue whose end this primary does not know (a client taken on, a new queue
+        of a client that started over, a refill), once what this instance wrote to it is written."""
+        unknown = [c for c in self._clients.values() if c.queue_ready and not c.end_known]
+        if not unknown:
+            return
+        assert self._producer is not None
+        self._producer.flush(10)
+        for client in unknown:
+            self._read_queue_end(client)
+
+    def _read_queue_end(self, client: _Client) -> None:
+        assert self._changelog is not None
+        topic = client.record["queue_topic"]
+        try:
+            _low, high = self._changelog.get_watermark_offsets(TopicPartition(topic, 0), timeout=5)
+        except KafkaException as exc:
+            log.warning("subscriptions %s: the end of queue %s could not be read (%s); its bound applies once it "
+                        "can be", self.member_id, topic, exc)
+            return
+        ack = self.acks.get(client.id)
+        client.queue_end, client.end_known = high, True
+        client.acked = ack["next_offset"] if ack is not None and ack["queue_topic"] == topic else 0
+        self._reckon_room(client)
+
+    def _reckon_room(self, client: _Client) -> None:
+        """How many more events the client's queue takes (``maximum-message-count`` minus the messages it
+        holds that the client has not acknowledged)."""
+        if client.end_known:
+            client.room = self.sub.maximum_message_count - (client.queue_end - min(client.acked, client.queue_end))
+
+    def _queue_full(self, client: _Client) -> None:
+        """An event the client's queue has no room for: not written, counted; the client is unregistered on
+        the next turn (``_drop_full``)."""
+        client.not_queued += 1
+        self.stats["events_not_queued"] += 1
+        if client.full_since_ms is None:
+            client.full_since_ms = int(time.time() * 1000)
+            self._dirty = True
+
+    def _drop_full(self, client: _Client) -> None:
+        """A client whose queue overflowed is unregistered and its queue deleted, as Geode removes a slow
+        receiver: it resynchronises (a connected client finds its queue gone and fetches its interest again;
+        a durable one away finds it dropped when it comes back), rather than go on with events missing."""
+        record = client.record
+        self.stats["queues_full"] += 1
+        held = client.queue_end - min(client.acked, client.queue_end)
+        log.warning("ALERT client %s: its queue %s reached maximum-message-count (%d messages not acknowledged, "
+                    "the bound %d); %d events could not be queued; the queue is deleted and the client unregistered, "
+                    "so that it resynchronises (%s)", client.id, record["queue_topic"], held,
+                    self.sub.maximum_message_count, client.not_queued,
+                    "away: it finds its queue dropped when it reconnects" if client.away_since_ms is not None
+                    or not record["connected"] else "connected: it starts over and fetches its interest again",
+                    extra={"alert": "client_queue_full", "client_id": client.id, "queue_size": held,
+                           "maximum_message_count": self.sub.maximum_message_count,
+                           "events_not_queued": client.not_queued})
+        self._unregister(client, "maximum-message-count", MAXIMUM_MESSAGE_COUNT)
 
     def _add_client(self, client: _Client) -> None:
         """A client of an owned partition, with the interest its record holds (answered or not: the
@@ -747,13 +848,15 @@ class SubscriptionService:
                      "for up to %d s", client.id, time.strftime("%H:%M:%S", time.localtime(since_ms / 1000)),
                      client.record["durable_timeout_s"])
 
-    def _unregister(self, client: _Client, why: str) -> None:
-        """Forget a client: tombstones in the registry and the acks, its queue deleted."""
+    def _unregister(self, client: _Client, why: str, reason: str) -> None:
+        """Forget a client: tombstones in the registry and the acks, its queue deleted.  The registry
+        tombstone says why (``reason``, one of ``registry.UNREGISTERED_REASONS``)."""
         assert self._producer is not None and self._admin is not None
         key = client.id.encode()
         r = registry_partition(client.id, self.partitions)
         # With a token, every instance takes a tombstone only with it (a forged one unregisters no one).
-        self._produce_to(self.registry_topic, None, key, r, bearer(self.token))
+        self._produce_to(self.registry_topic, None, key, r,
+                         (bearer(self.token) or []) + [(UNREGISTERED, reason.encode())])
         self._produce_to(self.acks_topic, None, key, r, bearer(self.token))
         self._producer.flush(10)
         self._drop_client(client.id)
@@ -883,6 +986,11 @@ class SubscriptionService:
                 client.last_clear = clear
             below = duplicates_below.get(r)
             duplicate = below is not None and offset < below.get(tp, 0)
+            if client.room <= 0:
+                self._queue_full(client)
+                continue
+            client.room -= 1
+            client.queue_end += 1
             message = messages.get((values, duplicate))
             if message is None:
                 message = messages[(values, duplicate)] = client_event_message(
@@ -919,6 +1027,10 @@ class SubscriptionService:
         self._produce(client, self._encode(message))
 
     def _produce(self, client: _Client, value: bytes) -> None:
+        """A registration's answer or a marker: always written, a full queue included (they are few, and
+        the client waits for them); they count in what the queue holds."""
+        client.room -= 1
+        client.queue_end += 1
         self._produce_to(client.record["queue_topic"], value, None, 0)
 
     def _produce_to(self, topic: str, value: bytes | None, key: bytes | None, partition: int,
@@ -981,7 +1093,12 @@ class SubscriptionService:
                 for tp in positions:
                     positions[tp] = min(positions[tp], self.checkpoints.get(r, {}).get(tp, positions[tp]))
                 self._duplicates_below[r] = self._changelog_ends()
+            for client in self._clients.values():
+                if client.partition in partitions:
+                    # Some of what was counted in the queue never reached it: its end is read again.
+                    client.end_known, client.room = False, sys.maxsize
             self._reposition = True
+            self._dirty = True
             return False
         now_ms = int(time.time() * 1000)
         for r in partitions:
