@@ -10,8 +10,12 @@ Geode's ``AsyncEventListener.processEvents(List<AsyncEvent>)`` on Kafka::
 
 ``process_events`` returning ``False`` or raising means the very same batch is
 offered again (with backoff), and nothing after it is offered first.  A
-listener must therefore be idempotent: after a failover or restart, events
-after the last removal are offered again with ``possible_duplicate`` set.
+listener must therefore be idempotent: the events of a batch offered again
+come with ``possible_duplicate`` set, every one of them (as Geode's
+``handleUnSuccessfulBatchDispatch`` sets possibleDuplicate on each event of a
+batch whose dispatch failed), so a write-behind listener that applied part of
+a batch before it failed knows to check; so do the events after the last
+removal after a failover or restart.
 
 Dead letters (issue 17).  Offering a batch again only helps when the failure
 can go away (a database away, a lock, a deadlock).  An event the listener can
@@ -42,6 +46,7 @@ group ``sluice.listeners`` when the path has no dot or colon.
 
 from __future__ import annotations
 
+import copy
 import importlib
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -129,8 +134,19 @@ class AsyncEvent:
     @property
     def possible_duplicate(self) -> bool:
         """Set when the event may have been offered before: re-enqueued by a new
-        region owner, or offered again after a dispatcher failover or restart."""
+        region owner, offered again after its batch was refused (False, an
+        exception, no ack), or after a dispatcher failover or restart."""
         return self._duplicate
+
+    def as_possible_duplicate(self) -> AsyncEvent:
+        """This event flagged possibleDuplicate: itself when it is already, else a copy (what it
+        caches of its body too).  An event is a value: one a listener kept from an earlier offer
+        keeps saying what that offer said."""
+        if self._duplicate:
+            return self
+        flagged = copy.copy(self)
+        flagged._duplicate = True
+        return flagged
 
     # --- the bytes and the decoded event ---------------------------------------------
 
@@ -280,6 +296,13 @@ def event_id_of(event: AsyncEvent) -> EventID:
     if decoded is not None:
         return decoded.event_id
     return entry_event_id(event._body)  # type: ignore[arg-type]
+
+
+def possible_duplicates(events: list[AsyncEvent]) -> list[AsyncEvent]:
+    """``events`` flagged possibleDuplicate, in order (the same list when every one is already)."""
+    if all(e._duplicate for e in events):
+        return events
+    return [e.as_possible_duplicate() for e in events]
 
 
 def undecodable(events: list[AsyncEvent]) -> list[AsyncEvent]:

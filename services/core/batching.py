@@ -23,6 +23,8 @@ The story of a partition's events, step by step:
    removes the oldest and returns the offset to commit (its last + 1).
    Events its offer found undecodable leave an out batch (``Batch.drop``);
    its offsets stay covered.
+4. A clean start of the queue (``drop_below``) forgets what lies below the
+   new head, out or assembling, and keeps assembling what lies at or after it.
 
 Back-pressure is the caller's: ``buffered_bytes`` tells how much is held.
 """
@@ -339,6 +341,21 @@ class PartitionBatcher(Generic[T]):
             batch.redeliveries += 1
         self.redeliveries += 1
         return self.out[0]
+
+    def drop_below(self, offset: int, now_ms: int) -> int:
+        """A clean of the queue (core/queueclean.py): forget every event below ``offset``, in the batches
+        out and assembling, and start the partition there.  The events at or above it assemble again,
+        in offset order (conflated as they were); batch ids go on.  Returns how many events were
+        forgotten."""
+        a = self._assembling
+        held = [e for batch in self.out for e in batch.events] + a.events[a.head:]
+        kept = sorted((e for e in held if e.offset >= offset), key=lambda e: e.offset)
+        self.out = []
+        self._assembling = _Assembling()
+        self._accepted_end = max(self._accepted_end, offset)
+        for item in kept:
+            self.add(item, now_ms)
+        return len(held) - len(kept)
 
     def accepted(self) -> int:
         """The oldest batch out was accepted: the offset to commit."""

@@ -27,7 +27,11 @@ The story of a partition on its primary, step by step:
    and waits for their acks in order.  It answers how many batches, from the
    oldest, were delivered.  None: the very same batches are delivered again
    with exponential backoff (tenacity), forever, unless the queue is paused,
-   stopped or the partition revoked; nothing after them goes first.  Events
+   stopped or the partition revoked; nothing after them goes first; and from
+   the first failure on, every event of a batch that went out is flagged
+   possibleDuplicate (``redelivering``), as Geode flags the events of a batch
+   whose dispatch failed, so the listener or the remote site knows that part
+   of it may have been applied.  Events
    a listener can never take go to the dead-letter topic during the offer
    (``dead_letter_event``), durably, before the batch counts as delivered.
    So do events whose bodies turn out undecodable when first touched (by
@@ -41,8 +45,12 @@ The story of a partition on its primary, step by step:
 
 ``sluice admin`` steers the queue through the site's control topic (latest
 record per queue wins: RUNNING, PAUSED, STOPPED); pause takes effect at a
-batch boundary and loses nothing, the queue just grows.  The primaries
-report per-partition status to the site's status topic every few seconds.
+batch boundary and loses nothing, the queue just grows.  A control record may
+carry a clean start (``start --clean-queues``): each primary drops what its
+partitions hold below the request's offsets through their removal records,
+before it dispatches them again (core/queueclean.py tells that story).  The
+primaries report per-partition status to the site's status topic every few
+seconds.
 
 Lifecycle::
 
@@ -66,10 +74,11 @@ from tenacity import RetryCallState, Retrying, retry_if_exception_type
 from tenacity.stop import stop_base
 
 from . import telemetry
-from .asyncevent import AsyncEvent, event_id_of, undecodable
+from .asyncevent import AsyncEvent, event_id_of, possible_duplicates, undecodable
 from .batching import Batch, BatchPolicy, PartitionBatcher
 from .codec import get_codec
 from .config import SiteConfig
+from .control import ControlFollower
 from .errors import CodecError, MalformedRecord
 from .events import EntryEvent, EventID
 from .eventwire import (
@@ -81,8 +90,17 @@ from .eventwire import (
     removal_record,
 )
 from .lifecycle import ServiceState
+from .queueclean import (
+    APPLIED,
+    APPLYING,
+    CleanAudit,
+    CleanRequest,
+    audit_key,
+    count_events,
+    encode_audit,
+    read_audits,
+)
 from .kafka import (
-    OFFSET_BEGINNING,
     Consumer,
     Interrupted,
     KafkaError,
@@ -155,6 +173,10 @@ class QueuePartition:
     alerting_since: float = 0.0  # monotonic time of the last ALERT logged; 0 when none is due
     dispatched_yet: bool = False  # a batch of events has gone out since this member took the partition
     head: int = -1  # the first offset not yet removed, once known (a removal, or the first record read)
+    #: A clean start names this partition and is not applied yet: nothing of it is dispatched.
+    clean_due: bool = False
+    #: Records below this offset are not read: a clean start dropped them (-1: none).
+    skip_below: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,12 +232,16 @@ class QueuePrimary:
         )
         self._consumer: Consumer | None = None
         self._producer: Any = None
-        self._control: Consumer | None = None
+        self._control: ControlFollower | None = None
         self._paused_for_memory = False
         #: Removal records produced whose delivery the loop has not taken yet.
         self._removals_unacked = 0
         #: partition -> offset to commit, once its removal is durable; committed once per turn.
         self._commits_due: dict[int, int] = {}
+        #: The latest clean start the control topic carries for this queue, and the partitions this member
+        #: knows it is applied to (core/queueclean.py).
+        self._clean: CleanRequest | None = None
+        self._clean_applied: set[int] = set()
         self.stats = {"batches": 0, "events": 0, "redeliveries": 0, "dead_lettered": 0, "conflated": 0,
                       "filtered": 0, "takeovers": 0, "alerts": 0}
         #: The group has given this member its assignment (possibly none) and it was not lost since.
@@ -250,6 +276,15 @@ class QueuePrimary:
     def max_in_flight(self) -> int:
         """How many batches of a partition may be out at once."""
         return 1
+
+    def redelivering(self, part: QueuePartition, batches: list[Batch[AsyncEvent]]) -> None:
+        """Worker thread: delivering ``batches`` failed (refused, raised, no ack) and they will be
+        delivered again: every event of those that went out is flagged possibleDuplicate from now
+        on, as Geode's ``handleUnSuccessfulBatchDispatch`` does.  A listener that applied half a
+        batch before it failed sees the whole of it again as possible duplicates.  Here: every
+        batch (an async event queue offers its one batch to its listener)."""
+        for batch in batches:
+            flag_possible_duplicates(batch)
 
     def worker_threads(self) -> int:
         """The threads that deliver batches (one partition at a time each)."""
@@ -341,9 +376,9 @@ class QueuePrimary:
         self._producer = make_producer(base, **{"client.id": self.member_id}, **self.cfg.kafka.producer_settings())
         self._consumer = make_consumer(base, self.group_id, **{"client.id": self.member_id},
                                        **self.cfg.kafka.group_settings())
-        self._control = make_consumer(base, None, **{"client.id": f"{self.member_id}-control",
-                                                     "fetch.wait.max.ms": 100})
-        self._read_control_to_end()
+        self._control = ControlFollower(self.cfg, self.kind, self.queue_id, client_id=f"{self.member_id}-control")
+        for record in self._control.read_to_end():
+            self._apply_control(record)
         self.prepare()
         self.state = ServiceState.RUNNING
         log.info("%s %s of queue %s starting (%s)", self.kind, self.member_id, self.queue_id, self.desired.value)
@@ -369,6 +404,7 @@ class QueuePrimary:
                     next_gap_check = time.monotonic() + self.gap_check_interval_s
                 self._poll_control()
                 self._drain_inbox()
+                self._apply_due_cleans()
                 self._dispatch_ready()
                 if self._removals_unacked:
                     self._producer.poll(0)  # the removals' deliveries, into the inbox
@@ -410,39 +446,14 @@ class QueuePrimary:
 
     # --- control ------------------------------------------------------------------
 
-    def _read_control_to_end(self) -> None:
-        control = self._control
-        assert control is not None
-        tp = TopicPartition(self.control_topic, 0)
-        try:
-            low, high = control.get_watermark_offsets(tp, timeout=10)
-        except KafkaException as exc:
-            raise translate(exc, f"reading {self.control_topic}") from exc
-        control.assign([TopicPartition(self.control_topic, 0, OFFSET_BEGINNING)])
-        last = low - 1
-        end = time.monotonic() + 15
-        while last < high - 1 and time.monotonic() < end:
-            for msg in control.consume(500, 0.05):
-                if msg.error() is None:
-                    last = msg.offset()
-                    self._apply_control(msg)
-
     def _poll_control(self) -> None:
-        control = self._control
-        if control is None:
-            return
-        for msg in control.consume(100, 0):
-            if msg.error() is None:
-                self._apply_control(msg)
+        if self._control is not None:
+            for record in self._control.poll_nowait():
+                self._apply_control(record)
 
-    def _apply_control(self, msg: Message) -> None:
-        if msg.key() != f"{self.kind}/{self.queue_id}".encode():
-            return
-        try:
-            record = self._codec.decode_as("ControlRecord", msg.value())
-        except CodecError as exc:
-            log.error("unreadable control record at %d: %s", msg.offset(), exc)
-            return
+    def _apply_control(self, record: dict[str, Any]) -> None:
+        if record.get("clean") is not None:
+            self._take_clean(CleanRequest.from_record(record["clean"]))
         desired = DesiredState(record["state"])
         if desired is not self.desired:
             log.info("queue %s: %s → %s (by %s)", self.queue_id, self.desired.value, desired.value,
@@ -450,6 +461,189 @@ class QueuePrimary:
             self.desired = desired
             if desired is DesiredState.STOPPED:
                 self._pool.submit(self.on_stopped)
+
+    # --- clean starts (core/queueclean.py) ---------------------------------------------
+
+    def _take_clean(self, request: CleanRequest) -> None:
+        """A control record carries a clean start: new to this member, it is due on every partition it owns."""
+        if self._clean is not None and self._clean.request_id == request.request_id:
+            return  # carried on by a later record of the queue: taken already
+        self._clean = request
+        self._clean_applied = set()
+        log.info("queue %s: clean start %s asked by %s: dropping what the queue holds below %s", self.queue_id,
+                 request.request_id, request.issued_by or "?", list(request.offsets))
+        for part in self._partitions.values():
+            self._mark_clean_due(part)
+
+    def _mark_clean_due(self, part: QueuePartition) -> None:
+        """Nothing below the clean's cut is read from now on, and the partition waits for the clean."""
+        request = self._clean
+        cut = request.cut(part.tp.partition) if request is not None else None
+        if cut is None:
+            return
+        part.skip_below = max(part.skip_below, cut)
+        part.clean_due = part.tp.partition not in self._clean_applied
+
+    def _apply_due_cleans(self) -> None:
+        """Apply the due clean to each partition that has no batch out now (one offered before the stop
+        finishes first, and its removal with it)."""
+        for part in list(self._partitions.values()):
+            if not part.clean_due or part.in_flight or part.revoked:
+                continue
+            if self._removals_unacked:
+                # A removal written before must be durable, and taken, before the clean's: the head only
+                # moves forward.
+                self._producer.flush(10)
+                self._drain_inbox()
+                if self._removals_unacked:
+                    return
+            self._apply_clean(part)
+
+    def _apply_clean(self, part: QueuePartition) -> None:
+        """Loop thread: the clean's steps 3 and 4 for one partition (see core/queueclean.py)."""
+        request = self._clean
+        assert request is not None
+        partition = part.tp.partition
+        cut = request.cut(partition)
+        assert cut is not None
+        audits = {a.partition: a for a in until_answered(
+            lambda: self._read_clean_audits(request.request_id),
+            f"queue {self.queue_id}: reading the audits of clean {request.request_id}", stopping=self._stopping)}
+        self._clean_applied.update(p for p, a in audits.items() if a.applied)
+        audit = audits.get(partition)
+        now_ms = int(time.time() * 1000)
+        if audit is None or not audit.applied:
+            head = self._head_for_clean(part)
+            if audit is None:
+                dropped = 0 if head >= cut else until_answered(
+                    lambda: self._count_dropped(partition, head, cut),
+                    f"queue {self.queue_id}: counting {self.topic}[{partition}] from {head} to {cut}",
+                    stopping=self._stopping)
+                audit = CleanAudit(self.kind, self.queue_id, request.request_id, partition, APPLYING, head, cut,
+                                   dropped or 0, request.issued_by, request.issued_at, self.member_id, now_ms)
+                self._write_audit(audit)
+            if head < cut:
+                self._remove_below(part, cut, audit.dropped)
+            audit = CleanAudit(**{**audit.to_record(), "state": APPLIED, "applied_by": self.member_id,
+                                  "applied_at": int(time.time() * 1000)})
+            self._write_audit(audit)
+            log.warning("queue %s[%d]: clean start %s applied: %d events dropped (offsets %d to %d), asked by %s",
+                        self.queue_id, partition, request.request_id, audit.dropped, audit.head_offset, cut - 1,
+                        request.issued_by or "?",
+                        extra={"queue_kind": self.kind, "queue_id": self.queue_id, "partition": partition,
+                               "clean_request": request.request_id, "dropped": audit.dropped})
+        # Whatever this member read below the cut before the request came is forgotten, never dispatched.
+        # An event at or after the cut in a batch that went out (a start raced the request) stays, flagged.
+        for batch in part.batcher.out:
+            flag_possible_duplicates(batch)
+        forgotten = part.batcher.drop_below(cut, int(time.time() * 1000))
+        if forgotten:
+            self.partitions_released([partition])  # a sender forgets the batches it had sent of them
+        part.head = max(part.head, cut)
+        part.last_removed_offset = max(part.last_removed_offset, cut - 1)
+        self._clean_applied.add(partition)
+        part.clean_due = False
+        self._skip_to(part, cut)
+
+    def _head_for_clean(self, part: QueuePartition) -> int:
+        """The first offset of the partition not removed: the highest of what this member knows, the group's
+        committed offset and the removals record (a removal written before a crash ahead of its commit)."""
+        consumer = self._consumer
+        assert consumer is not None
+        tp = part.tp
+        heads = [part.head]
+        committed = until_answered(lambda: consumer.committed([TopicPartition(tp.topic, tp.partition)], timeout=10),
+                                   f"queue {self.queue_id}: reading the committed offset of {tp.topic}[{tp.partition}]",
+                                   stopping=self._stopping)
+        heads += [c.offset for c in committed if c.error is None]
+        removal = until_answered(lambda: self._read_removal(tp.partition),
+                                 f"queue {self.queue_id}: reading {self.removals_topic}", stopping=self._stopping)
+        if removal is not None:
+            heads.append(removal["last_removed_offset"] + 1)
+        head = max(heads)
+        if head < 0:  # nothing removed, nothing committed, nothing read: the partition's start
+            head = int(until_answered(lambda: consumer.get_watermark_offsets(tp, timeout=10),
+                                      f"queue {self.queue_id}: reading the start of {tp.topic}[{tp.partition}]",
+                                      stopping=self._stopping)[0])
+        return head
+
+    def _clean_reader(self) -> Consumer:
+        return make_consumer(self.cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 10,
+                                                                        "client.id": f"{self.member_id}-clean"})
+
+    def _read_removal(self, partition: int) -> dict[str, Any] | None:
+        reader = self._clean_reader()
+        found = None
+        try:
+            for msg in read_to_end(reader, self.removals_topic):
+                if msg.key() == str(partition).encode() and msg.value() is not None:
+                    try:
+                        found = self._codec.decode_as("RemovalRecord", msg.value())
+                    except CodecError:
+                        continue
+        finally:
+            reader.close()
+        return found
+
+    def _read_clean_audits(self, request_id: str) -> list[CleanAudit]:
+        reader = self._clean_reader()
+        try:
+            return read_audits(reader, self.status_topic, self.kind, self.queue_id, request_id)
+        finally:
+            reader.close()
+
+    def _count_dropped(self, partition: int, head: int, cut: int) -> int:
+        """The events between head and cut (progress logged every 5 s of a long count)."""
+        reader = self._clean_reader()
+        logged = [time.monotonic()]
+
+        def progress(counted: int) -> None:
+            if time.monotonic() - logged[0] >= 5:
+                logged[0] = time.monotonic()
+                log.info("queue %s[%d]: counting the events a clean start drops: %d so far", self.queue_id,
+                         partition, counted)
+        try:
+            counted = count_events(reader, self.topic, partition, head, cut, progress=progress)
+        finally:
+            reader.close()
+        assert counted is not None
+        return counted
+
+    def _write_audit(self, audit: CleanAudit) -> None:
+        produce_durably(self._producer, self.status_topic, encode_audit(audit),
+                        audit_key(audit.kind, audit.queue_id, audit.request_id, audit.partition),
+                        what=f"clean audit of {self.queue_id}[{audit.partition}]", stopping=self._stopping)
+
+    def _remove_below(self, part: QueuePartition, cut: int, dropped: int) -> None:
+        """The clean's removal: the partition's removal record at cut - 1, durable, then the group offset."""
+        partition = part.tp.partition
+        # The clean takes a batch id of its own, in the partition's sequence (a sender's epoch goes on).
+        batch_id = part.batcher.next_batch_id
+        part.batcher.next_batch_id += 1
+        value = removal_record(self._removal_header, self.queue_id, partition, batch_id, cut - 1, None, dropped,
+                               int(time.time() * 1000))
+        produce_durably(self._producer, self.removals_topic, value, str(partition).encode(),
+                        what=f"clean removal of {self.queue_id}[{partition}]", stopping=self._stopping)
+        consumer = self._consumer
+        assert consumer is not None
+        until_answered(lambda: consumer.commit(offsets=[TopicPartition(self.topic, partition, cut)],
+                                               asynchronous=False),
+                       f"queue {self.queue_id}: committing {self.topic}[{partition}]@{cut}", stopping=self._stopping)
+        self._commits_due.pop(partition, None)
+
+    def _skip_to(self, part: QueuePartition, cut: int) -> None:
+        """Read on from the cut rather than through what the clean dropped (records below it are passed
+        over either way: ``skip_below``)."""
+        consumer = self._consumer
+        if consumer is None:
+            return
+        try:
+            [position] = consumer.position([part.tp])
+            if 0 <= position.offset < cut:
+                consumer.seek(TopicPartition(self.topic, part.tp.partition, cut))
+        except KafkaException as exc:
+            log.debug("queue %s[%d]: not moved to %d (%s); the records below are passed over as read",
+                      self.queue_id, part.tp.partition, cut, exc)
 
     # --- reading --------------------------------------------------------------------
 
@@ -476,6 +670,8 @@ class QueuePrimary:
             if part is None:
                 continue  # revoked meanwhile
             offset = msg.offset()
+            if offset < part.skip_below:
+                continue  # dropped by a clean start: neither an event nor an offset to cover again
             if part.head < 0:
                 part.head = offset
             try:
@@ -646,7 +842,7 @@ class QueuePrimary:
             return
         now_ms = int(time.time() * 1000)
         for part in self._partitions.values():
-            if part.in_flight or part.revoked:
+            if part.in_flight or part.revoked or part.clean_due:
                 continue
             # What is still out (refused before) goes again first, then new batches.
             while part.batcher.take(now_ms) is not None:
@@ -681,6 +877,9 @@ class QueuePrimary:
                     f"batch {first.batch_id} not delivered")
             except Exception as exc:
                 failure = exc
+            if failure is not None:
+                # Offered again now or later (a stop, a pause): possibleDuplicate from here on.
+                self.redelivering(part, group)
             if failure is not None and not self._must_stop_offering(part):
                 log.warning("queue %s[%d]: batch %d offered again (attempt 2): %s", self.queue_id,
                             part.tp.partition, first.batch_id, failure)
@@ -720,8 +919,13 @@ class QueuePrimary:
         ):
             with attempt:
                 attempts += 1
-                accepted = self._deliver_decodable(part, group)
+                try:
+                    accepted = self._deliver_decodable(part, group)
+                except Exception:
+                    self.redelivering(part, group)
+                    raise
                 if accepted <= 0:
+                    self.redelivering(part, group)
                     raise Refused(f"batch {first.batch_id} not delivered")
         return accepted, attempts
 
@@ -743,12 +947,15 @@ class QueuePrimary:
             except Exception:
                 if not [b for b in group if self.dead_letter_undecodable(b, service)]:
                     raise
+                self.redelivering(part, group)
                 continue
             if accepted > 0 or not [b for b in group if self.dead_letter_undecodable(b, service)]:
                 return accepted
+            self.redelivering(part, group)
 
     def _must_stop_offering(self, part: QueuePartition) -> bool:
-        return self._stopping.is_set() or part.revoked or self.desired is not DesiredState.RUNNING
+        return (self._stopping.is_set() or part.revoked or part.clean_due
+                or self.desired is not DesiredState.RUNNING)
 
     # --- results ----------------------------------------------------------------------
 
@@ -813,8 +1020,8 @@ class QueuePrimary:
             log.warning("removal record for partition %d not written (%s)", partition, err)
             return
         part = self._partitions.get(partition)
-        if part is None:
-            return
+        if part is None or commit <= part.skip_below:
+            return  # revoked; or a clean start moved the head past this removal since it was written
         part.last_removed_offset = commit - 1
         part.head = commit
         self._commits_due[partition] = commit
@@ -845,11 +1052,12 @@ class QueuePrimary:
             # What a previous primary may have offered (everything up to the
             # end as it is now) comes again flagged possibleDuplicate; a
             # partition nobody ever dispatched has nothing to flag.
-            self._partitions[tp.partition] = QueuePartition(
+            part = self._partitions[tp.partition] = QueuePartition(
                 tp=TopicPartition(self.topic, tp.partition),
                 batcher=PartitionBatcher(tp.partition, self.policy, next_batch_id=self.first_batch_id(tp.partition)),
                 duplicate_below=high if dispatched_before is None or tp.partition in dispatched_before else 0,
             )
+            self._mark_clean_due(part)
         log.info("queue %s: primary for partitions %s", self.queue_id, sorted(tp.partition for tp in partitions))
         self.assigned = True
         self._publish_status()
@@ -1028,6 +1236,13 @@ def _read_older(codec: Any, data: bytes | None) -> tuple[int, bytes]:
     if not flags & FLAG_POSSIBLE_DUPLICATE and decode_entry(view.event_body)[0].possible_duplicate:
         flags |= FLAG_POSSIBLE_DUPLICATE
     return flags, view.event_body
+
+
+def flag_possible_duplicates(batch: Batch[AsyncEvent]) -> None:
+    """Every event of ``batch`` possibleDuplicate from now on: the batch (the same object, offered
+    again) holds flagged copies, in one reference swap, as ``Batch.drop`` does, since the loop
+    thread may be reading the old list."""
+    batch.events = possible_duplicates(batch.events)
 
 
 def _last_event_id(events: list[AsyncEvent]) -> EventID | None:

@@ -4,7 +4,8 @@ Geode's AsyncEventQueue on Kafka: the queue's primary loop
 (``core/queueloop.py``: batching, conflation, identical redelivery, removal
 records, failover, pause/resume/stop, status) delivers each batch to the
 queue's listener.  ``process_events`` returning ``False`` or raising means
-the very same batch is offered again.  Returning ``Accepted(dead_letters)``
+the very same batch is offered again, every event of it flagged
+``possible_duplicate`` from then on.  Returning ``Accepted(dead_letters)``
 (issue 17) means the batch is taken except those events, which are written
 to the queue's dead-letter topic, each acknowledged by the broker, before the
 batch counts as delivered; the listener learns it may do so from
@@ -31,7 +32,14 @@ from ..core.asyncevent import Accepted, AsyncEvent, DeadLetter, load_listener_cl
 from ..core.batching import Batch
 from ..core.config import SiteConfig
 from ..core.errors import InvalidRequest, SluiceError
-from ..core.queueloop import DesiredState, QueuePartition, QueuePrimary, ServiceState, event_traceparent
+from ..core.queueloop import (
+    DesiredState,
+    QueuePartition,
+    QueuePrimary,
+    ServiceState,
+    event_traceparent,
+    flag_possible_duplicates,
+)
 
 log = logging.getLogger("sluice.dispatcher")
 
@@ -86,8 +94,10 @@ class DispatcherService(QueuePrimary):
                     result = listener.process_events(batch.events)
                 except Exception:
                     # The listener touched an event whose body does not decode (the first touch
-                    # of it): that event is dead-lettered and the rest offered again at once.
+                    # of it): that event is dead-lettered and the rest offered again at once,
+                    # possibleDuplicate (it may have applied some of them before it raised).
                     if self.dead_letter_undecodable(batch, service):
+                        flag_possible_duplicates(batch)
                         continue
                     raise
                 if isinstance(result, Accepted):
@@ -100,7 +110,9 @@ class DispatcherService(QueuePrimary):
                     self.dead_letter_undecodable(batch, service)
                     accepted = True
                 elif self.dead_letter_undecodable(batch, service):
-                    continue  # refused over an undecodable event: the rest, again, at once
+                    # Refused over an undecodable event: the rest, again, at once, possibleDuplicate.
+                    flag_possible_duplicates(batch)
+                    continue
                 else:
                     accepted = False
                 break

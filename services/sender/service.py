@@ -41,8 +41,9 @@ is a round trip to the remote site, through Kafka only:
    The batches acknowledged, oldest first, are removed, and the filters'
    ``after_acknowledgement`` sees their events.  No ack within
    ``socket_read_timeout_ms`` (or the remote site unreachable): the batch is
-   not delivered and the loop sends it again, with every batch after it, flagged
-   possibleDuplicate, until it is acknowledged; the queue grows meanwhile and
+   not delivered and the loop sends it again, with every batch after it, until
+   it is acknowledged, each batch sent before flagged possibleDuplicate, batch
+   and every event of it (``redelivering``); the queue grows meanwhile and
    the loop's status pass logs an alert while its oldest event is older than
    ``alert_threshold_ms``.
 4. An ack with exceptions still removes the batch: each failed event goes to
@@ -105,7 +106,14 @@ from ..core.kafka import (
 )
 from ..core.gatewayfilters import SenderFilters
 from ..core.signing import Signer, Verifier, site_signer, site_verifier
-from ..core.queueloop import DesiredState, QueuePartition, QueuePrimary, ServiceState, event_traceparent
+from ..core.queueloop import (
+    DesiredState,
+    QueuePartition,
+    QueuePrimary,
+    ServiceState,
+    event_traceparent,
+    flag_possible_duplicates,
+)
 from ..core.topics import TopicNames
 
 log = logging.getLogger("sluice.sender")
@@ -497,6 +505,16 @@ class GatewaySenderService(QueuePrimary):
     def max_in_flight(self) -> int:
         return self.queue.max_batches_in_flight
 
+    def redelivering(self, part: QueuePartition, batches: list[Batch[AsyncEvent]]) -> None:
+        """The batches this primary wrote (or tried to) go again with every event possibleDuplicate
+        (GatewayBatch ``duplicate_events``, and the before_transmit filters see it); those not
+        written yet, having waited behind them, go out the first time as they are."""
+        partition = part.tp.partition
+        with self._acked:
+            sent = [b for b in batches if (partition, b.batch_id) in self._sent]
+        for batch in sent:
+            flag_possible_duplicates(batch)
+
     def worker_threads(self) -> int:
         """Waiting for acks is not dispatching (Geode reads acks on a thread of
         its own): every queue partition may wait at once, besides the
@@ -574,7 +592,10 @@ class GatewaySenderService(QueuePrimary):
         as in flight (before it is written, so its ack cannot be missed)."""
         partition = part.tp.partition
         with self._acked:
-            resend = batch.redeliveries > 0 or (partition, batch.batch_id) in self._sent
+            # Written (or tried: a write that timed out may have landed) by this primary before.  Its
+            # events are flagged possibleDuplicate by then (``redelivering``); a batch that only waited
+            # behind a failed one goes out unflagged the first time.
+            resend = (partition, batch.batch_id) in self._sent
             # Before the write: one that times out may still land, and the next is then a resend.
             self._sent.add((partition, batch.batch_id))
         inbound_partition = self._inbound_partition(partition)
@@ -674,9 +695,10 @@ class GatewaySenderService(QueuePrimary):
                     # partition goes back to the version every receiver reads until an ack says more.
                     self._batch_versions.pop(self._inbound_partition(partition), None)
                     return False
-                if self._stopping.is_set() or part.revoked or self.desired is not DesiredState.RUNNING:
+                if (self._stopping.is_set() or part.revoked or part.clean_due
+                        or self.desired is not DesiredState.RUNNING):
                     why = "stopping" if self._stopping.is_set() else "partition revoked" if part.revoked \
-                        else self.desired.value.lower()
+                        else "a clean start is due" if part.clean_due else self.desired.value.lower()
                     log.info("sender %s[%d]: %s while batch %d waits for its ack; it stays queued", self.queue_id,
                              partition, why, entry.wire_id)
                     return False

@@ -67,7 +67,9 @@ def _wait_delivered(log: Path, expected: set[tuple[str, int, int]], timeout_s: f
 def test_refused_batches_are_redelivered_identically_then_accepted_in_order(
     order_policy: str, site_a, unique_prefix, tmp_path: Path
 ) -> None:
-    """A listener refusing the first 2 offers of every batch gets each batch 3 times, identical, and all in order."""
+    """A listener refusing the first 2 offers of every batch gets each batch 3 times, the same events, and all
+    in order: the first offer's events not possibleDuplicate, every event of the two offers after it
+    possibleDuplicate (Geode's handleUnSuccessfulBatchDispatch)."""
     log = tmp_path / "offers.jsonl"
     queue = _queue("q", log, parallel=False, dispatcher_threads=3, order_policy=order_policy, batch_size=20,
                    settings={"fail_first": 2, "fail_by": "false" if order_policy == "KEY" else "raise"})
@@ -81,14 +83,18 @@ def test_refused_batches_are_redelivered_identically_then_accepted_in_order(
         expected = {(eid.member_id, eid.thread_id, eid.sequence_id) for _, eid, _ in acked}
         offers = _wait_delivered(log, expected)
 
-        # Every batch: offered 3 times, the same events each time, accepted on the third.
+        # Every batch: offered 3 times, the same events each time, accepted on the third; flagged
+        # possibleDuplicate, every event of it, from the second offer on.
         by_batch: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
         for o in offers:
             by_batch[tuple(o["batch"])].append(o)
         for batch, attempts in by_batch.items():
             assert [a["attempt"] for a in attempts] == [1, 2, 3], batch
             assert [a["accepted"] for a in attempts] == [False, False, True], batch
-            assert all(a["events"] == attempts[0]["events"] for a in attempts), f"batch {batch} changed"
+            unflagged = [[e[:7] + e[8:] for e in a["events"]] for a in attempts]
+            assert all(events == unflagged[0] for events in unflagged), f"batch {batch} changed"
+            assert [{e[7] for e in a["events"]} for a in attempts] == [{False}, {True}, {True}], \
+                f"batch {batch}: possibleDuplicate per offer is not False, True, True for every event"
 
         # Total delivered = total written, each once, in order per key and per thread.
         delivered = [e for o in offers if o["accepted"] for e in o["events"]]
@@ -104,6 +110,36 @@ def test_refused_batches_are_redelivered_identically_then_accepted_in_order(
             for stream, seqs in per_thread.items():
                 assert seqs == sorted(seqs), f"thread {stream} out of order"
         print(f"\n{len(by_batch)} batches, each offered 3 times; {len(delivered)} events delivered once")
+    finally:
+        dispatcher.stop()
+        region.stop()
+
+
+def test_a_batch_refused_once_comes_back_with_every_event_possible_duplicate(site_a, unique_prefix,
+                                                                            tmp_path: Path) -> None:
+    """A listener that refuses each batch once (returns False) gets it again with every event
+    possible_duplicate True, having seen the first offer's events all False: a write-behind listener that
+    applied part of the first offer knows to check (Geode's handleUnSuccessfulBatchDispatch)."""
+    log = tmp_path / "offers.jsonl"
+    queue = _queue("q", log, parallel=True, batch_size=25, settings={"fail_first": 1, "fail_by": "false"})
+    write_aeq_site(tmp_path / "site.yaml", site="a", bootstrap=site_a.bootstrap,
+                   prefix=site_a.topic_prefix(unique_prefix), queue=queue)
+    region = RegionProcess(tmp_path / "site.yaml", tmp_path / "region.log")
+    dispatcher = DispatcherProcess(tmp_path / "site.yaml", "q", tmp_path / "dispatcher.log")
+    try:
+        region.wait_ready()
+        acked = _write([region.url], threads=2, per_thread=60, keys=30)
+        offers = _wait_delivered(log, {(eid.member_id, eid.thread_id, eid.sequence_id) for _, eid, _ in acked})
+        by_batch: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
+        for o in offers:
+            by_batch[tuple(o["batch"])].append(o)
+        for batch, attempts in by_batch.items():
+            assert [a["accepted"] for a in attempts] == [False, True], batch
+            first, again = attempts
+            assert [e[7] for e in first["events"]] == [False] * len(first["events"]), f"{batch}: first offer flagged"
+            assert [e[7] for e in again["events"]] == [True] * len(again["events"]), f"{batch}: re-offer not flagged"
+            assert [e[:7] for e in again["events"]] == [e[:7] for e in first["events"]], f"{batch} changed"
+        print(f"\n{len(by_batch)} batches refused once: the first offer all False, the second all True")
     finally:
         dispatcher.stop()
         region.stop()

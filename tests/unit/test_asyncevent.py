@@ -134,3 +134,23 @@ def test_a_traced_event_keeps_its_records_trace_context_either_way() -> None:
     assert lazy.event == decoded.event and lazy == decoded
     assert lazy != TracedEvent(sample(), "q", 2, 8, False, None)
     assert event_traceparent(AsyncEvent(sample(), "q", 2, 8, False)) is None
+
+
+def test_flagging_an_event_possible_duplicate_copies_it_and_leaves_the_original_as_it_was() -> None:
+    """``as_possible_duplicate`` gives an equal event but for the flag (a traced one keeps its trace
+    context, a damaged one its reason); the event a listener kept from an earlier offer still says False,
+    and an event already flagged is returned as it is."""
+    parent = b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    original = TracedEvent.of_body(entry_event_body(sample()), "q", 2, 8, False, parent)
+    flagged = original.as_possible_duplicate()
+    assert flagged.possible_duplicate and not original.possible_duplicate
+    assert isinstance(flagged, TracedEvent) and event_traceparent(flagged) == parent
+    assert (flagged.offset, flagged.key, flagged.body, flagged.event) == (original.offset, original.key,
+                                                                          original.body, original.event)
+    assert flagged.as_possible_duplicate() is flagged
+    damaged = AsyncEvent.of_body(entry_event_body(sample())[:-3], "q", 0, 1, False)
+    with pytest.raises(MalformedRecord):
+        damaged.event  # noqa: B018
+    assert undecodable([damaged.as_possible_duplicate()]), "the copy forgot why its body does not decode"
+    events_ = [AsyncEvent(sample(), "q", 0, 1, True)]
+    assert asyncevent.possible_duplicates(events_) is events_

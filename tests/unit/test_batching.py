@@ -331,3 +331,27 @@ def test_covered_end_is_the_offset_after_everything_added_skipped_out_or_accepte
     assert b.covered_end == 7
     b.skip(9, now_ms=0)
     assert b.covered_end == 10
+
+
+def test_a_clean_forgets_what_lies_below_its_offset_out_or_assembling_and_keeps_the_rest_in_order() -> None:
+    """drop_below: the batches out and the events assembling below the offset are forgotten (counted); what
+    lies at or after it assembles again in offset order, conflated as before; batch ids go on, and the next
+    batch commits from the new start."""
+    b = PartitionBatcher(0, BatchPolicy(batch_size=3, batch_time_interval_ms=0, conflation=True, max_in_flight=2))
+    for i in range(6):
+        b.add(Item(i, f"k{i}"), now_ms=0)
+    first, second = b.take(0), b.take(0)
+    assert first is not None and second is not None and len(b.out) == 2
+    b.add(Item(6, "k7"), now_ms=0)
+    b.add(Item(7, "k8"), now_ms=0)
+    b.add(Item(8, "k7"), now_ms=0)  # conflates k7 at offset 6 away
+    next_id = b.next_batch_id
+    assert b.drop_below(4, now_ms=0) == 4  # offsets 0-3; 4 and 5 (batch out), 7 and 8 (assembling) stay
+    assert b.out == [] and b.covered_end == 9
+    again = b.take(0, force=True)
+    assert again is not None and [i.offset for i in again.events] == [4, 5, 7]
+    assert again.batch_id == next_id and again.first_offset == 4
+    rest = b.take(0, force=True)
+    assert rest is not None and [i.offset for i in rest.events] == [8] and rest.commit_offset == 9
+    empty = PartitionBatcher(0, BatchPolicy())
+    assert empty.drop_below(10, now_ms=0) == 0 and empty.covered_end == 10

@@ -24,7 +24,8 @@ from sluice.core.errors import MalformedRecord
 from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
 from sluice.core.eventwire import FLAG_POSSIBLE_DUPLICATE, FLAG_ROUTED, entry_event_body, queued_event
 from sluice.core.kafka import TopicPartition
-from sluice.core.queueloop import QueuePartition, QueuePrimary
+from sluice.core.queueclean import APPLIED, APPLYING, CleanAudit
+from sluice.core.queueloop import DesiredState, QueuePartition, QueuePrimary
 
 QUEUE = "q"
 
@@ -396,3 +397,128 @@ def test_an_offer_refused_over_an_undecodable_event_goes_on_at_once_without_it(t
     assert (done.accepted, done.attempts) == (1, 1)
     assert loop.offers == [[0, 1], [0]]  # type: ignore[attr-defined]
     assert [d["source_offset"] for d in dead_letters(loop)] == [1]
+
+
+class Recording(Loop):
+    """Delivers by the script (a number: batches delivered; an exception: raised), recording each offer's
+    events as (offset, possibleDuplicate) and keeping the event objects it was handed."""
+
+    script: list[Any] = []
+
+    def deliver_group(self, part: QueuePartition, batches: list[Batch[AsyncEvent]]) -> int:
+        self.offers = getattr(self, "offers", []) + [[(e.offset, e.possible_duplicate) for b in batches
+                                                      for e in b.events]]
+        self.kept = getattr(self, "kept", []) + [[e for b in batches for e in b.events]]
+        answer = self.script.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return int(answer)
+
+
+@pytest.mark.parametrize("refusal", [0, RuntimeError("the database went away mid-batch")], ids=["false", "raise"])
+def test_every_event_of_a_batch_offered_again_is_possible_duplicate_and_the_first_offer_is_not(
+        tmp_path: Path, refusal: Any) -> None:
+    """Geode's handleUnSuccessfulBatchDispatch: a batch refused (False) or failed (raised) once is offered
+    again with every event possibleDuplicate; the first offer's events were not, and the events a listener
+    kept from that offer still say so."""
+    loop = make_loop(tmp_path, Recording)
+    loop.backoff_max_s = 0.001
+    loop.script = [refusal, 1]  # type: ignore[attr-defined]
+    loop._read([FakeMessage(record(entry(f"k{i}", i)), 0, i) for i in range(3)], now_ms=0)
+    part = loop._partitions[0]
+    batch = waiting(loop)
+    loop._offer(part, [batch])
+    kind, done = loop._inbox.get_nowait()
+    assert kind == "done" and (done.accepted, done.attempts) == (1, 2)
+    assert loop.offers == [[(0, False), (1, False), (2, False)],  # type: ignore[attr-defined]
+                           [(0, True), (1, True), (2, True)]]
+    assert [e.possible_duplicate for e in loop.kept[0]] == [False] * 3  # type: ignore[attr-defined]
+
+
+def test_a_batch_refused_when_dispatch_must_stop_is_flagged_for_the_offer_after_the_resume(tmp_path: Path) -> None:
+    """A first offer refused while the queue is being paused is not retried now; when it is offered again
+    after the resume, every event of it is possibleDuplicate."""
+    loop = make_loop(tmp_path, Recording)
+    loop.script = [0, 1]  # type: ignore[attr-defined]
+    loop._read([FakeMessage(record(entry(f"k{i}", i)), 0, i) for i in range(2)], now_ms=0)
+    part = loop._partitions[0]
+    batch = waiting(loop)
+    loop.desired = DesiredState.PAUSED
+    loop._offer(part, [batch])
+    assert loop._inbox.get_nowait()[1].accepted == 0
+    loop.desired = DesiredState.RUNNING
+    loop._offer(part, [batch])
+    assert loop.offers == [[(0, False), (1, False)], [(0, True), (1, True)]]  # type: ignore[attr-defined]
+
+
+# --- clean starts (core/queueclean.py) ---------------------------------------------------------------
+
+
+def produced(loop: QueuePrimary, topic: str) -> list[tuple[bytes | None, dict[str, Any]]]:
+    schema = "QueueCleanAudit" if topic == loop.status_topic else "RemovalRecord"
+    return [(key, get_codec().decode_as(schema, value)) for t, value, key in loop._producer.records if t == topic]
+
+
+def cleaning(tmp_path: Path, audits: list[CleanAudit], heads: dict[int, int]) -> QueuePrimary:
+    """A loop whose reads of the audits and of the partitions' heads are these; counting the events between
+    head and cut gives cut - head."""
+    loop = make_loop(tmp_path)
+    loop._read_clean_audits = lambda request_id: list(audits)  # type: ignore[method-assign]
+    loop._head_for_clean = lambda part: heads[part.tp.partition]  # type: ignore[method-assign]
+    loop._count_dropped = lambda partition, head, cut: cut - head  # type: ignore[method-assign]
+    return loop
+
+
+def test_a_clean_is_applied_through_an_audit_and_a_removal_before_anything_of_the_partition_goes_out(
+        tmp_path: Path) -> None:
+    """A control record with a clean: nothing of a named partition is dispatched until it is applied; then the
+    audit (APPLYING, with the count), the removal record at cut - 1 and the group offset, and the audit
+    APPLIED; what was read below the cut is forgotten and never read again; a partition already at its cut
+    gets an audit of 0 and no removal; a later record carrying the same clean changes nothing."""
+    loop = cleaning(tmp_path, [], heads={0: 0, 1: 5})
+    loop._read([FakeMessage(record(entry(f"k{i}", i)), 0, i) for i in range(5)], now_ms=0)
+    loop._apply_control({"state": "RUNNING", "issued_by": "ops",
+                         "clean": {"request_id": "r1", "offsets": [3, 5], "issued_by": "ops@host", "issued_at": 7}})
+    part = loop._partitions[0]
+    assert part.clean_due and part.skip_below == 3
+    loop._dispatch_ready()
+    assert part.batcher.out == [] and not part.in_flight, "a partition with a clean due was dispatched"
+
+    loop._apply_due_cleans()
+    audits = produced(loop, loop.status_topic)
+    assert [(a["partition"], a["state"], a["head_offset"], a["cut_offset"], a["dropped"]) for _, a in audits] == [
+        (0, "APPLYING", 0, 3, 3), (0, "APPLIED", 0, 3, 3), (1, "APPLYING", 5, 5, 0), (1, "APPLIED", 5, 5, 0)]
+    assert audits[0][0] == b"clean/async-event-queue/q/r1/0" and audits[1][1]["issued_by"] == "ops@host"
+    [(key, removal)] = produced(loop, loop.removals_topic)
+    assert key == b"0" and (removal["last_removed_offset"], removal["removed_count"]) == (2, 3)
+    assert loop._consumer.commits == [[(0, 3)]]  # type: ignore[union-attr]
+    assert not part.clean_due and part.head == 3 and part.last_removed_offset == 2
+    assert [e.offset for e in part.batcher.take(0, force=True).events] == [3, 4]  # type: ignore[union-attr]
+
+    loop._read([FakeMessage(record(entry("again", 9)), 0, 1)], now_ms=0)  # a record below the cut, read again
+    assert part.batcher.take(0, force=True) is None
+    loop._producer.records.clear()
+    loop._apply_control({"state": "PAUSED", "issued_by": "ops",
+                         "clean": {"request_id": "r1", "offsets": [3, 5], "issued_by": "ops@host", "issued_at": 7}})
+    loop._apply_due_cleans()
+    assert loop._producer.records == [] and not part.clean_due
+
+
+def test_a_clean_left_applying_by_a_dead_primary_is_finished_with_its_count_and_one_applied_is_left_alone(
+        tmp_path: Path) -> None:
+    """The next primary finds the audit APPLYING: the removal is written only if the head has not reached the
+    cut yet (never back), nothing is counted again, and the audit goes APPLIED with the first count; a
+    partition whose audit says APPLIED gets nothing more written."""
+    def audit(partition: int, state: str) -> CleanAudit:
+        return CleanAudit("async-event-queue", QUEUE, "r2", partition, state, 10, 17, 7, "ops", 1, "old", 2)
+
+    loop = cleaning(tmp_path, [audit(0, APPLYING), audit(1, APPLIED)], heads={0: 17, 1: 17})
+    loop._count_dropped = None  # type: ignore[assignment,method-assign]  # a recount would fail here
+    loop._apply_control({"state": "RUNNING", "issued_by": "ops",
+                         "clean": {"request_id": "r2", "offsets": [17, 17], "issued_by": "ops", "issued_at": 1}})
+    loop._apply_due_cleans()
+    [(_, finished)] = produced(loop, loop.status_topic)
+    assert (finished["partition"], finished["state"], finished["dropped"]) == (0, "APPLIED", 7)
+    assert finished["applied_by"] == loop.member_id
+    assert produced(loop, loop.removals_topic) == [], "a removal was written at or below the head"
+    assert not loop._partitions[0].clean_due and not loop._partitions[1].clean_due

@@ -1,0 +1,126 @@
+"""A gateway batch sent again (no ack) carries every event of it as possibleDuplicate, as Geode's
+``handleUnSuccessfulBatchDispatch`` flags them; its first send does not.  A→B through Kafka only."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import yaml
+
+from sluice.admin.cli import queue_status
+from sluice.client import RegionClient
+from sluice.core.codec import get_codec
+from sluice.core.config import load_config
+from sluice.core.eventwire import read_gateway_batch
+from sluice.core.processes import ReceiverProcess, SenderProcess
+from sluice.core.topics import apply_topics
+
+from regionkit import RegionProcess, read_topic
+from transmit_recorder import read_transmits
+
+pytestmark = pytest.mark.timeout(300)
+
+HERE = str(Path(__file__).resolve().parent)
+KEYS = [f"r{i}" for i in range(12)]
+
+
+def _sites(tmp_path: Path, bootstrap: str, prefix: str) -> tuple[Path, Path, Any, Any]:
+    kafka = {"bootstrap_servers": bootstrap, "session_timeout_ms": 3000, "heartbeat_interval_ms": 500}
+    site_a = {
+        "site": "a", "dsid": 1, "kafka": {**kafka, "topic_prefix": f"{prefix}a."},
+        "regions": [{"name": "orders", "buckets": 2, "gateway_senders": ["to-b"]}],
+        "gateway_senders": [{
+            "id": "to-b", "remote_dsid": 2, "parallel": True, "batch_size": 4, "batch_time_interval_ms": 20,
+            # No receiver runs at first: each batch waits 1.5 s for its ack, then goes again.
+            "socket_read_timeout_ms": 1500, "retry_interval_ms": 300,
+            "event_filters": ["transmit_recorder:RecordTransmits"],
+            "remote": {"bootstrap_servers": bootstrap, "topic_prefix": f"{prefix}b."},
+        }],
+    }
+    site_b = {
+        "site": "b", "dsid": 2, "kafka": {**kafka, "topic_prefix": f"{prefix}b."},
+        "regions": [{"name": "orders", "buckets": 2}],
+        "receiver": {"inbound_partitions": 2, "accepted_dsids": [1]},
+    }
+    out: list[Any] = []
+    for name, data in (("a", site_a), ("b", site_b)):
+        path = tmp_path / f"site-{name}.yaml"
+        path.write_text(yaml.safe_dump(data))
+        cfg = load_config(path)
+        assert apply_topics(cfg).ok
+        out += [path, cfg]
+    return out[0], out[2], out[1], out[3]
+
+
+def _wait(what: str, check: Callable[[], bool], timeout_s: float = 90) -> None:
+    end = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > end:
+            raise AssertionError(f"{what}: not within {timeout_s}s")
+        time.sleep(0.2)
+
+
+def test_a_batch_sent_again_after_no_ack_has_every_event_possible_duplicate(site_a, unique_prefix, tmp_path: Path):
+    """With B's receiver down, A's sender sends each batch, gets no ack, and sends it again: the first send
+    of every batch carries no possibleDuplicate event and every later send carries all of them so, both as
+    the sender's before_transmit filter sees the events and as B reads them off its inbound topic; once the
+    receiver runs, B has every event and A's queue drains."""
+    path_a, path_b, cfg_a, cfg_b = _sites(tmp_path, site_a.bootstrap, unique_prefix)
+    transmits = tmp_path / "transmits.jsonl"
+    procs: list[Any] = []
+    try:
+        region_a = RegionProcess(path_a, tmp_path / "region-a.log", extra_path=[HERE])
+        region_b = RegionProcess(path_b, tmp_path / "region-b.log")
+        procs += [region_a, region_b]
+        region_a.wait_ready()
+        region_b.wait_ready()
+        procs.append(SenderProcess(path_a, "to-b", tmp_path / "sender-a.log", extra_path=[HERE],
+                                   env={"SLUICE_TEST_TRANSMITS": str(transmits)}))
+        a, b = RegionClient([region_a.url]), RegionClient([region_b.url])
+        for i, key in enumerate(KEYS):
+            a.put("orders", key, {"n": i})
+
+        def sends() -> dict[str, list[bool]]:
+            per_key: dict[str, list[bool]] = defaultdict(list)
+            for key, duplicate in read_transmits(str(transmits)):
+                per_key[key].append(duplicate)
+            return per_key
+
+        # No receiver: the batch at the head of each partition is sent, not acknowledged, and sent again.
+        _wait("a batch sent twice without an ack", lambda: any(len(v) >= 2 for v in sends().values()))
+        procs.append(ReceiverProcess(path_b, tmp_path / "receiver-b.log"))
+        _wait("B has every key", lambda: sum(e is not None for e in b.get_all("orders", KEYS).values()) == len(KEYS))
+        _wait("A's queue is empty", lambda: sum(r.size for r in queue_status(cfg_a, "to-b")) == 0)
+
+        per_key = sends()
+        assert set(per_key) == set(KEYS)
+        for key, flags in per_key.items():
+            assert flags[0] is False, f"{key}: its first send was flagged possibleDuplicate: {flags}"
+            assert all(flags[1:]), f"{key}: sent again without possibleDuplicate: {flags}"
+        resent = [k for k, flags in per_key.items() if len(flags) > 1]
+        assert resent, "no batch was sent twice"
+
+        # What B received: per batch, in the order written.
+        codec = get_codec()
+        writes: dict[tuple[int, int], list[Any]] = defaultdict(list)
+        for _, _, value in sorted(read_topic(site_a.bootstrap, cfg_b.topics.gateway_inbound(), 2)):
+            view = read_gateway_batch(codec, value)
+            writes[(view.queue_partition, view.batch_id)].append(view)
+        assert any(len(w) > 1 for w in writes.values()), "B's inbound topic holds no batch written twice"
+        for batch, views in writes.items():
+            first = [e.possible_duplicate for e in views[0].events()]
+            assert not any(first) and not views[0].possible_duplicate, f"batch {batch}: first send flagged"
+            for again in views[1:]:
+                events = again.events()
+                assert events and all(e.possible_duplicate for e in events), f"batch {batch}: a resend not flagged"
+                if again.current:  # version 3: the events' own flags travel beside their bodies
+                    assert again.duplicate_events == frozenset(range(len(events))), f"batch {batch}"
+        print(f"\n{len(resent)} of {len(KEYS)} events sent more than once, every repeat possibleDuplicate; "
+              f"{sum(len(v) for v in writes.values())} batch records for {len(writes)} batches")
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
