@@ -63,7 +63,10 @@ one batch, step by step:
 4. Only when every event is durably applied (or refused) is the ack written
    to the acks topic (same key, same partition), signed, and then the
    inbound offset committed.  A crash before that means the batch is read
-   again; its events come back as duplicates.
+   again; its events come back as duplicates.  The ack carries the inbound
+   partition's figures over all its owners, this batch counted, in a header
+   of its own (totals.py): the next owner of the partition continues from
+   them, whatever became of this process.
 
 Region-service instances are found through the records they publish on the
 status topic (``sluice.region.directory``: believed only when signed with the
@@ -72,15 +75,24 @@ the receiver's own, so the receiver needs no address list; it calls them with
 ``region_service.member_token``.  Every ack says which GatewayBatch versions
 this receiver reads (``batch_versions``): a sender writes version 3 (events
 as bodies) only to a receiver that said so, and version 2 before.
+
+The receiver follows the site's control topic (core/control.py, key
+``gateway-receiver/receiver``): with ``receiver.manual_start`` it starts
+stopped, out of the inbound topic's consumer group, until ``sluice admin -c
+FILE start --receiver``; ``stop --receiver`` takes it out again.  A remote
+sender whose batches stop coming for ``receiver.max_time_between_pings_ms``
+is reported not connected (``ReceiverService``).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from opentelemetry.trace import SpanKind
@@ -89,6 +101,7 @@ from ..client.region import BatchAnswer, BatchClient, RegionError
 from ..core import telemetry
 from ..core.codec import get_codec
 from ..core.config import SiteConfig
+from ..core.control import RECEIVER_ID, RECEIVER_KIND, ControlFollower
 from ..core.errors import (
     BadSignature,
     CodecError,
@@ -110,6 +123,7 @@ from ..core.eventwire import (
     read_gateway_batch,
 )
 from ..core.lifecycle import ServiceState
+from ..core.queueloop import DesiredState
 from ..core.signing import Headers, Signer, Verifier, site_signer, site_verifier
 from ..region.directory import OwnerDirectory, live_urls, read_instances
 from ..core.kafka import (
@@ -126,6 +140,8 @@ from ..core.kafka import (
     read_to_end,
     translate,
 )
+from . import totals as figures_of
+from .totals import PartitionTotals
 
 log = logging.getLogger("sluice.receiver")
 
@@ -139,6 +155,8 @@ APPLY_BACKOFF_MAX_S = 5.0
 ALERT_REPEAT_S = 30.0
 #: Answers of the region service that say the receiver's credential is wrong, not the events.
 UNAUTHORIZED = (401, 403)
+#: How many of an inbound partition's last acks a new owner keeps to find the newest figures that verify.
+ACKS_WITH_FIGURES_KEPT = 16
 #: How often the receiver's directory thread reads the claims published since its last read.
 DIRECTORY_REFRESH_S = 0.5
 
@@ -150,23 +168,35 @@ class _NoRegionService(SluiceError):
 class _Applied:
     """What became of a batch's events so far, one lane's, as the owners answered."""
 
-    __slots__ = ("exceptions", "last_index", "last_event_id", "applied", "duplicates", "conflicts")
+    __slots__ = ("exceptions", "last_index", "last_event_id", "applied", "duplicates", "conflicts", "recovered",
+                 "unanswered")
 
-    def __init__(self) -> None:
+    def __init__(self, unanswered: set[int] | None = None) -> None:
         self.exceptions: dict[int, dict[str, Any]] = {}  # batch index -> the ack's BatchException
         self.last_index = -1
         self.last_event_id: EventID | None = None
-        self.applied = self.duplicates = self.conflicts = 0
+        self.applied = self.duplicates = self.conflicts = self.recovered = 0
+        #: Events an attempt may have applied without its answer reaching us (a lost answer, or the
+        #: previous owner's attempt at the first batch after a takeover): repeats of them are recoveries.
+        self.unanswered: set[int] = unanswered if unanswered is not None else set()
 
     def refuse(self, index: int, event_id: EventID, exception_class: str, message: str) -> None:
         self.exceptions[index] = {"index": index, "event_id": event_id.to_record(),
                                   "exception_class": exception_class, "message": message}
 
     def took(self, part: list[int], answer: BatchAnswer) -> None:
-        """An owner's answer to the record of the batch's events ``part`` (record index -> batch index)."""
+        """An owner's answer to the record of the batch's events ``part`` (record index -> batch index).
+        Its repeats are recoveries when every event it answered (those it did not refuse) was unanswered
+        before (totals.py, step 4); a request never mixes the two kinds (``ReceiverService._settle``)."""
         self.applied += answer.applied
-        self.duplicates += answer.duplicates
         self.conflicts += answer.conflicts
+        refused = {part[r["index"]] for r in answer.refused}
+        answered = [i for i in part if i not in refused]
+        if answered and self.unanswered.issuperset(answered):
+            self.recovered += answer.duplicates
+        else:
+            self.duplicates += answer.duplicates
+        self.unanswered.difference_update(answered)
         if answer.last_applied is not None:
             index, event_id = answer.last_applied
             if part[index] > self.last_index:
@@ -186,15 +216,22 @@ def region_service_urls(cfg: SiteConfig) -> list[str]:
 
 
 class _Lane:
-    """The batches of one inbound partition, handled in order by one thread."""
+    """The batches of one inbound partition, handled in order by one thread.
 
-    def __init__(self, partition: int, receiver: "ReceiverService") -> None:
+    ``figures`` are the partition's over all its owners (totals.py), replaced whole by the lane's
+    thread once what they count is durable; the main thread only reads them."""
+
+    def __init__(self, partition: int, receiver: "ReceiverService", figures: PartitionTotals) -> None:
         self.partition = partition
         self.queue: queue.Queue[Message | None] = queue.Queue()
         self.stop = threading.Event()  # set on revoke or shutdown
         self.paused = False
         self.error: BaseException | None = None
         self.handled_yet = False  # a batch of this partition was handled since the lane began
+        self.figures = figures
+        #: The next batch past ``figures.offset`` may have been half applied by the owner before
+        #: (totals.py, step 4); cleared once it is handled.
+        self.maybe_half_applied = True
         self.thread = threading.Thread(target=self._run, args=(receiver,), daemon=True,
                                        name=f"receiver-lane-{partition}")
         self.thread.start()
@@ -205,7 +242,7 @@ class _Lane:
                 msg = self.queue.get()
                 if msg is None or self.stop.is_set():
                     return
-                receiver._handle(msg, self.stop)
+                receiver._handle(msg, self)
                 if not self.handled_yet:
                     # The end of a failover, as an operator (and `sluice soak`) measures it.
                     self.handled_yet = True
@@ -225,8 +262,42 @@ class _Lane:
             log.warning("receiver lane %d still busy after %.0f s", self.partition, timeout_s)
 
 
+@dataclass
+class _Sender:
+    """A remote gateway sender as this process hears it (main thread and lanes, under the stats lock)."""
+
+    source_dsid: int
+    sender_id: str
+    last_heard_at_ms: int
+    last_heard_s: float  # time.monotonic()
+    batches: int = 0
+    connected: bool = True
+
+
 class ReceiverService:
-    """One gateway-receiver instance of a site."""
+    """One gateway-receiver instance of a site.
+
+    Lifecycle, and the receiver's desired state (Geode's start and stop of a
+    gateway receiver, steered through the control topic, core/control.py)::
+
+        NEW ──start()──► RUNNING ──stop()──► STOPPING ──► STOPPED
+                            └── a lane or the loop died ──► CRASHED (exit non-zero)
+
+        desired RUNNING ◄── sluice admin start --receiver ──  desired STOPPED
+        (in the consumer group,  ── sluice admin stop --receiver ──►  (out of the group: its partitions
+         applying batches)                                             go to the running receivers)
+
+    The desired state starts STOPPED with ``receiver.manual_start``, RUNNING
+    otherwise, and then is whatever the control topic last said.
+
+    A remote sender counts as connected while a batch of it (one that passed
+    verification) came within ``receiver.max_time_between_pings_ms``: senders
+    reach the receiver through Kafka and send no pings of their own, so a
+    batch is the ping (Geode's receiver likewise takes any message on a
+    connection as a sign of life).  It shows in ``sluice admin status`` and in
+    the gauge ``sluice.gateway.sender.connected``; a sender going quiet or
+    coming back is logged.
+    """
 
     status_interval_s = 2.0
     #: A lane this many batches behind pauses its partition; it resumes below LANE_RESUME.
@@ -264,6 +335,15 @@ class ReceiverService:
         self._batch_max_age_ms = cfg.receiver.batch_max_age_ms
         self._clock_skew_ms = rs.max_clock_skew_ms
         self._apply_events_max = cfg.receiver.apply_events_max
+        self._ping_max_s = cfg.receiver.max_time_between_pings_ms / 1000
+        self.desired = DesiredState.STOPPED if cfg.receiver.manual_start else DesiredState.RUNNING
+        self._control: ControlFollower | None = None
+        #: Subscribed to the inbound topic (the desired state is RUNNING and the loop followed it).
+        self._subscribed = False
+        #: (source dsid, sender id) -> what this process heard of that sender.
+        self._senders: dict[tuple[int, str], _Sender] = {}
+        #: Per inbound partition, the figures last written to the status topic (none: publish them).
+        self._published: dict[int, PartitionTotals] = {}
         # Signing is all or nothing per site (the site file is refused otherwise): with a private
         # key, every accepted dsid has a public key, batches are verified and acks signed.
         self._signer: Signer | None = site_signer(cfg)
@@ -275,8 +355,9 @@ class ReceiverService:
                         "set gateway_private_key and gateway_public_keys", cfg.dsid, sorted(self.accepted))
         self._stats_lock = threading.Lock()
         self.stats = {"batches": 0, "duplicate_batches": 0, "rejected_batches": 0, "bad_signatures": 0,
-                      "stale_batches": 0, "events_applied": 0, "events_duplicate": 0, "conflicts": 0,
-                      "exceptions": 0, "dead_lettered": 0, "acks_unverified": 0, "unauthorized_alerts": 0}
+                      "stale_batches": 0, "events_applied": 0, "events_recovered": 0, "events_duplicate": 0,
+                      "conflicts": 0, "exceptions": 0, "dead_lettered": 0, "acks_unverified": 0,
+                      "unauthorized_alerts": 0}
         self._unauthorized_logged_at = 0.0
         #: The group has given this member its assignment (possibly none) and it was not lost since.
         self.assigned = False
@@ -288,7 +369,10 @@ class ReceiverService:
 
     def readiness(self) -> dict[str, str]:
         """What is not ready (empty when ready), for /readyz: the group's assignment, with
-        the batch tracking rebuilt from this site's acks."""
+        the batch tracking rebuilt from this site's acks.  A receiver stopped on purpose
+        (manual_start, or ``sluice admin stop --receiver``) is ready: it does what it was told."""
+        if self.desired is DesiredState.STOPPED:
+            return {}
         if not self.assigned:
             return {"kafka": f"no assignment from consumer group {self.group_id} yet (joining, or lost)"}
         return {}
@@ -298,11 +382,13 @@ class ReceiverService:
         telemetry.observe(telemetry.DUPLICATES_DISCARDED, self._read_duplicates)
         telemetry.observe(telemetry.CONFLICTS_RESOLVED, self._read_stats("conflicts"))
         telemetry.observe(telemetry.DEAD_LETTERED, self._read_stats("dead_lettered"))
-        telemetry.observe(telemetry.BATCHES_REJECTED, self._read_stats("rejected_batches", "bad_signatures"))
+        # rejected_batches counts the bad signatures too (bad_signatures says how many of them).
+        telemetry.observe(telemetry.BATCHES_REJECTED, self._read_stats("rejected_batches"))
         telemetry.observe(telemetry.BATCHES_ACKNOWLEDGED, self._read_stats("batches", "duplicate_batches"))
         telemetry.observe(telemetry.ALERTS, telemetry.reader(
             self, lambda receiver: receiver.stats["unauthorized_alerts"],
             lambda receiver: receiver._attributes(**{"sluice.alert.name": "region_unauthorized"})))
+        telemetry.observe(telemetry.SENDER_CONNECTED, self._read_senders, gauge=True)
 
     def _attributes(self, **more: Any) -> dict[str, Any]:
         return {**telemetry.base_attributes(self.cfg.site), "sluice.component": "receiver",
@@ -312,6 +398,13 @@ class ReceiverService:
         """A metric reader of the sum of the counters ``names``."""
         return telemetry.reader(self, lambda receiver: sum(receiver.stats[n] for n in names),
                                 lambda receiver: receiver._attributes())
+
+    def _read_senders(self) -> telemetry.Reading:
+        with self._stats_lock:
+            senders = list(self._senders.values())
+        return [(1 if s.connected else 0, self._attributes(**{"sluice.source.dsid": s.source_dsid,
+                                                               "sluice.sender.id": s.sender_id}))
+                for s in senders]
 
     def _read_duplicates(self) -> telemetry.Reading:
         return [(self.stats["events_duplicate"], self._attributes(**{"sluice.duplicate.of": "event"})),
@@ -328,7 +421,24 @@ class ReceiverService:
         self._directory = OwnerDirectory(self.cfg)
         self._directory_thread = threading.Thread(target=self._read_directory, name="receiver-directory", daemon=True)
         self._directory_thread.start()
+        self._control = ControlFollower(self.cfg, RECEIVER_KIND, RECEIVER_ID, client_id=f"{self.member_id}-control")
+        for record in self._control.read_to_end():
+            self._apply_control(record)
         self.state = ServiceState.RUNNING
+        if self.desired is DesiredState.STOPPED:
+            log.info("receiver %s starts stopped (%s): it applies nothing until `sluice admin -c FILE start "
+                     "--receiver`", self.member_id,
+                     "receiver.manual_start" if self.cfg.receiver and self.cfg.receiver.manual_start else
+                     "the control topic says STOPPED")
+
+    def _apply_control(self, record: dict[str, Any]) -> None:
+        """A control record for the site's receiver: RUNNING or STOPPED (PAUSED is not a receiver's state:
+        ``sluice admin`` never writes it; one written by another tool is taken as STOPPED)."""
+        desired = DesiredState.RUNNING if record["state"] == DesiredState.RUNNING.value else DesiredState.STOPPED
+        if desired is not self.desired:
+            log.info("receiver %s: %s → %s (by %s)", self.member_id, self.desired.value, desired.value,
+                     record["issued_by"] or "?")
+            self.desired = desired
 
     def _read_directory(self) -> None:
         """Directory thread: the owners' claims as they are published (the lanes only look them up)."""
@@ -355,11 +465,13 @@ class ReceiverService:
     def run(self) -> None:
         consumer = self._consumer
         assert consumer is not None
-        consumer.subscribe([self.inbound], on_assign=self._on_assign, on_revoke=self._on_revoke,
-                           on_lost=self._on_lost)
         next_status = time.monotonic()
         try:
             while not self._stopping.is_set():
+                if self._control is not None:
+                    for record in self._control.poll_nowait():
+                        self._apply_control(record)
+                self._follow_desired(consumer)
                 try:
                     msgs = consume_available(consumer, 100, 0.1)
                 except KafkaException as exc:
@@ -371,6 +483,7 @@ class ReceiverService:
                             lane.queue.put(msg)
                 self._commit_done(consumer)
                 self._tend_lanes(consumer)
+                self._check_senders()
                 if time.monotonic() >= next_status:
                     self._publish_status()
                     next_status = time.monotonic() + self.status_interval_s
@@ -396,8 +509,63 @@ class ReceiverService:
                 self._directory_thread.join(5)
             if self._directory is not None:
                 self._directory.close()
+            if self._control is not None:
+                self._control.close()
             if self.state is not ServiceState.CRASHED:
                 self.state = ServiceState.STOPPED
+
+    def _follow_desired(self, consumer: Consumer) -> None:
+        """Join the inbound topic's consumer group when the receiver is to run, leave it when it is to
+        stop: the lanes finish or give up the batch in hand (a batch given up is not acknowledged and
+        goes to whoever takes the partition), done offsets are committed, and the running receivers
+        of the site get the partitions."""
+        if self.desired is DesiredState.RUNNING and not self._subscribed:
+            consumer.subscribe([self.inbound], on_assign=self._on_assign, on_revoke=self._on_revoke,
+                               on_lost=self._on_lost)
+            self._subscribed = True
+            log.info("receiver %s started: joining consumer group %s", self.member_id, self.group_id)
+        elif self.desired is DesiredState.STOPPED and self._subscribed:
+            for lane in list(self._lanes.values()):
+                lane.close()
+            self._lanes.clear()
+            self._commit_done(consumer, asynchronous=False)
+            try:
+                consumer.unsubscribe()
+            except KafkaException as exc:
+                raise translate(exc, f"leaving consumer group {self.group_id}") from exc
+            self._subscribed = False
+            self.assigned = False
+            self._published.clear()
+            log.info("receiver %s stopped: out of consumer group %s, applying nothing until started",
+                     self.member_id, self.group_id)
+
+    def _heard(self, batch: BatchView) -> None:
+        """A batch of a sender passed verification: the sender is connected (lane side)."""
+        key = (batch.source_dsid, batch.sender_id)
+        now_s, now_ms = time.monotonic(), int(time.time() * 1000)
+        with self._stats_lock:
+            sender = self._senders.get(key)
+            if sender is None:
+                sender = self._senders[key] = _Sender(batch.source_dsid, batch.sender_id, now_ms, now_s)
+            elif not sender.connected:
+                log.info("receiver %s: sender %s of dsid %d connected again (a batch after %.1f s of silence)",
+                         self.member_id, batch.sender_id, batch.source_dsid, now_s - sender.last_heard_s)
+            sender.last_heard_at_ms, sender.last_heard_s = now_ms, now_s
+            sender.batches += 1
+            sender.connected = True
+
+    def _check_senders(self) -> None:
+        """Senders not heard from within max_time_between_pings_ms are not connected (main thread)."""
+        now_s = time.monotonic()
+        with self._stats_lock:
+            quiet = [s for s in self._senders.values() if s.connected and now_s - s.last_heard_s > self._ping_max_s]
+            for sender in quiet:
+                sender.connected = False
+        for sender in quiet:
+            log.warning("receiver %s: sender %s of dsid %d not connected: no batch for %.1f s "
+                        "(receiver.max_time_between_pings_ms=%d)", self.member_id, sender.sender_id,
+                        sender.source_dsid, now_s - sender.last_heard_s, int(self._ping_max_s * 1000),
+                        extra={"source_dsid": sender.source_dsid, "sender_id": sender.sender_id})
 
     # --- assignment: rebuild the duplicate-batch tracking from our own acks ----------
 
@@ -463,7 +631,8 @@ class ReceiverService:
         # the receiver over a transient fault, so the read is retried.
         while True:
             try:
-                self._read_acks(partitions)
+                found = self._read_acks(partitions)
+                published = self._read_published_figures()
                 break
             except SluiceError as exc:
                 if not exc.retriable:
@@ -471,23 +640,36 @@ class ReceiverService:
                 log.warning("receiver %s: %s; reading them again", self.member_id, exc)
                 if self._stopping.wait(READ_RETRY_BACKOFF_S):
                     return
+        now_ms = int(time.time() * 1000)
         for tp in partitions:
             old = self._lanes.pop(tp.partition, None)
             if old is not None:
                 old.close()
-            self._lanes[tp.partition] = _Lane(tp.partition, self)
+            before = figures_of.newest([found.get(tp.partition), published.get(tp.partition)])
+            figures = (before or PartitionTotals(tp.partition, self.cfg.dsid)).taken_over_by(self.member_id, now_ms)
+            self._published.pop(tp.partition, None)
+            self._lanes[tp.partition] = _Lane(tp.partition, self, figures)
+            if before is not None:
+                log.info("receiver %s: inbound partition %d continues from the figures of %s (up to offset %d: "
+                         "%d batches, %d events applied)", self.member_id, tp.partition, before.member or "?",
+                         before.offset, before.totals["batches"], before.totals["events_applied"])
         log.info("receiver %s: inbound partitions %s, %d sender partitions tracked", self.member_id,
                  sorted(tp.partition for tp in partitions), len(self._last_batch))
         self.assigned = True
 
-    def _read_acks(self, partitions: list[TopicPartition]) -> None:
-        """The highest batch id applied per sender partition, from the acks this site wrote.  An ack not
-        signed with this site's key is left out: whoever else can write the acks topic must not make the
-        receiver take a sender partition's next batches for repeats and drop them."""
+    def _read_acks(self, partitions: list[TopicPartition]) -> dict[int, PartitionTotals]:
+        """The highest batch id applied per sender partition, from the acks this site wrote; and the
+        figures the last of them carries, per partition (totals.py).  An ack not signed with this site's
+        key is left out: whoever else can write the acks topic must not make the receiver take a sender
+        partition's next batches for repeats and drop them."""
         reader = make_consumer(self.cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 10})
         unverified = 0
+        carried: dict[int, PartitionTotals] = {}
         try:
             for tp in partitions:
+                # The headers of the partition's last few acks: the newest figures among them that verify
+                # count, so not every ack's figures are decoded and verified.
+                latest: collections.deque[Headers] = collections.deque(maxlen=ACKS_WITH_FIGURES_KEPT)
                 for msg in read_to_end(reader, self.acks, tp.partition, deadline_s=30):
                     if self._own_acks is not None:
                         try:
@@ -495,6 +677,7 @@ class ReceiverService:
                         except BadSignature:
                             unverified += 1
                             continue
+                    latest.append(msg.headers())
                     try:
                         ack = self._codec.decode_as("GatewayAck", msg.value())
                     except CodecError:
@@ -504,6 +687,10 @@ class ReceiverService:
                     # The key from the signed record, not the record key, which nobody signed.
                     key = f"{ack['source_dsid']}/{ack['sender_id']}/{ack['queue_partition']}"
                     self._last_batch[key] = max(self._last_batch.get(key, -1), ack["batch_id"])
+                found = [figures_of.from_ack(headers, self.cfg.dsid, self._own_acks) for headers in latest]
+                best = figures_of.newest(f for f in found if f is not None and f.partition == tp.partition)
+                if best is not None:
+                    carried[tp.partition] = best
         except KafkaException as exc:
             raise translate(exc, f"reading {self.acks}") from exc
         finally:
@@ -512,57 +699,99 @@ class ReceiverService:
             self._count("acks_unverified", unverified)
             log.warning("receiver %s: %d records of %s not signed with this site's key were left out of the "
                         "duplicate-batch tracking", self.member_id, unverified, self.acks)
+        return carried
+
+    def _read_published_figures(self) -> dict[int, PartitionTotals]:
+        """The inbound partitions' figures in the status topic (written there after a batch refused
+        without an ack, and every few seconds), signed with this site's key when it signs."""
+        reader = make_consumer(self.cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 10})
+        try:
+            return figures_of.read_status_totals(self.cfg, reader, self._own_acks)
+        except KafkaException as exc:
+            raise translate(exc, f"reading {self.cfg.topics.status()}") from exc
+        finally:
+            reader.close()
 
     # --- one batch -----------------------------------------------------------------------
 
     def _publish_status(self) -> None:
-        """What ``sluice admin status`` shows of this receiver, to the site's compacted status topic."""
+        """What ``sluice admin status`` shows of this receiver, to the site's compacted status topic: the
+        process's own figures and the senders it heard from, and the figures of each inbound partition
+        it owns that changed since they were last published (totals.py, step 5)."""
+        now_ms = int(time.time() * 1000)
         with self._stats_lock:
+            senders = [{"source_dsid": s.source_dsid, "sender_id": s.sender_id, "last_heard_at": s.last_heard_at_ms,
+                        "connected": s.connected, "batches": s.batches}
+                       for s in sorted(self._senders.values(), key=lambda s: (s.source_dsid, s.sender_id))]
             record = {"member": self.member_id, "dsid": self.cfg.dsid, "partitions": sorted(self._lanes),
-                      **self.stats, "updated_at": int(time.time() * 1000)}
-        self._producer.produce(self.cfg.topics.status(), self._codec.encode("ReceiverStatus", record),
+                      **self.stats, "updated_at": now_ms,
+                      "state": "running" if self.desired is DesiredState.RUNNING else "stopped",
+                      "senders": senders}
+        status = self.cfg.topics.status()
+        self._producer.produce(status, self._codec.encode("ReceiverStatus", record),
                                f"receiver/{self.member_id}".encode())
+        for partition, lane in list(self._lanes.items()):
+            figures = lane.figures
+            if self._published.get(partition) != figures:
+                value = figures.encode()
+                self._producer.produce(status, value, figures_of.status_key(partition),
+                                       headers=self._signer.headers(value) if self._signer else None)
+                self._published[partition] = figures
         self._producer.poll(0)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._stats_lock:
             self.stats[name] += n
 
-    def _handle(self, msg: Message, stop: threading.Event) -> None:
-        """One batch, on its partition's lane; ``stop`` cuts retries short (revoke, shutdown)."""
+    def _handle(self, msg: Message, lane: _Lane) -> None:
+        """One batch, on its partition's lane; ``lane.stop`` cuts retries short (revoke, shutdown).
+
+        The lane's figures count the batch only when it lies past the offset they cover (a batch read
+        again after a crash was counted by whoever handled it first), and only once what it did is
+        durable: in the header of its ack, or for a batch refused whole, in the status topic."""
+        stop = lane.stop
         value = msg.value()
+        new = msg.offset() > lane.figures.offset
+        maybe_half_applied = new and lane.maybe_half_applied
+        if new:
+            lane.maybe_half_applied = False
         signer = None
         if self._verifier is not None:
             try:
                 # Once per batch, over the bytes as received: nothing is decoded before.
                 signer = self._verifier.signer(value, msg.headers())
             except BadSignature as exc:
-                self._reject(msg, exc, stop)
+                self._reject(msg, exc, lane)
                 return
         try:
             # Down to the events' bodies: the events themselves are decoded by their owners only.
             batch = read_gateway_batch(self._codec, value)
         except CodecError as exc:
+            self._count("rejected_batches")
             self._dead_letter(msg, f"undecodable gateway batch: {exc}", type(exc).__name__, stop)
+            self._refused_whole(msg, lane, rejected_batches=1, dead_lettered=1)
             self._commit(msg)
             return
         now_ms = int(time.time() * 1000)
         problem = self._batch_problem(batch, signer, now_ms)
         if problem is not None:
-            self._reject(msg, problem, stop, batch)
+            self._reject(msg, problem, lane, batch)
             return
+        self._heard(batch)
         key = f"{batch.source_dsid}/{batch.sender_id}/{batch.queue_partition}"
         count = len(batch.bodies)
         if batch.batch_id <= self._last_batch.get(key, -1):
             self._count("duplicate_batches")
+            figures = lane.figures.counting(msg.offset(), now_ms, duplicate_batches=1) if new else lane.figures
             last_id = _event_id_of(batch.bodies[-1]) if count else None
             self._ack(msg, key, batch, last_applied=count - 1, last_event_id=last_id, exceptions=[], duplicate=True,
-                      stop=stop, last_batch_id=self._last_batch[key])
+                      stop=stop, last_batch_id=self._last_batch[key], figures=figures)
+            lane.figures = figures
             self._commit(msg)
             return
         traces, spans = self._receive_spans(msg, batch, count)
         try:
-            applied = self._apply(batch, value, stop, traces)
+            applied = self._apply(batch, value, stop, traces, maybe_half_applied)
         finally:
             for span in spans:
                 span.end()
@@ -571,11 +800,30 @@ class ReceiverService:
         # that never had an ack of it.
         last_batch_id = max(self._last_batch.get(key, -1), batch.batch_id)
         exceptions = [applied.exceptions[i] for i in sorted(applied.exceptions)]
+        figures = lane.figures
+        if new:
+            figures = figures.counting(
+                msg.offset(), int(time.time() * 1000), batches=1, events_applied=applied.applied + applied.recovered,
+                events_recovered=applied.recovered, events_duplicate=applied.duplicates, conflicts=applied.conflicts,
+                exceptions=len(applied.exceptions))
         self._ack(msg, key, batch, last_applied=applied.last_index, last_event_id=applied.last_event_id,
-                  exceptions=exceptions, duplicate=False, stop=stop, last_batch_id=last_batch_id)
+                  exceptions=exceptions, duplicate=False, stop=stop, last_batch_id=last_batch_id, figures=figures)
+        lane.figures = figures
         self._last_batch[key] = last_batch_id
         self._count("batches")
         self._commit(msg)
+
+    def _refused_whole(self, msg: Message, lane: _Lane, **more: int) -> None:
+        """A batch refused without an ack (its dead letter durable): the figures counting it are written
+        to the status topic, durably, before its offset is committed (totals.py, step 2)."""
+        if msg.offset() <= lane.figures.offset:
+            return  # counted by whoever refused it first
+        figures = lane.figures.counting(msg.offset(), int(time.time() * 1000), **more)
+        value = figures.encode()
+        self._write(f"figures of inbound partition {lane.partition}", self.cfg.topics.status(), value,
+                    figures_of.status_key(lane.partition), lane.stop,
+                    headers=self._signer.headers(value) if self._signer else None)
+        lane.figures = figures
 
     def _receive_spans(self, msg: Message, batch: BatchView, count: int) -> tuple[list[str | None], list[Any]]:
         """Each event's trace context from the batch's header (None for one without),
@@ -626,26 +874,29 @@ class ReceiverService:
                               f"{self._clock_skew_ms}")
         return None
 
-    def _reject(self, msg: Message, problem: InvalidRequest, stop: threading.Event,
-                batch: BatchView | None = None) -> None:
+    def _reject(self, msg: Message, problem: InvalidRequest, lane: _Lane, batch: BatchView | None = None) -> None:
         """Counted, logged, dead-lettered, never applied nor acknowledged."""
+        kind = {"bad_signatures": 1} if isinstance(problem, BadSignature) else \
+            {"stale_batches": 1} if isinstance(problem, StaleBatch) else {}
         self._count("rejected_batches")
-        if isinstance(problem, BadSignature):
-            self._count("bad_signatures")
-        elif isinstance(problem, StaleBatch):
-            self._count("stale_batches")
+        for name in kind:
+            self._count(name)
         sender = f" (sender {batch.sender_id})" if batch is not None else ""
         log.warning("batch at %s[%d]@%d rejected%s: %s", msg.topic(), msg.partition(), msg.offset(), sender, problem)
-        self._dead_letter(msg, str(problem), type(problem).__name__, stop)
+        self._dead_letter(msg, str(problem), type(problem).__name__, lane.stop)
+        self._refused_whole(msg, lane, rejected_batches=1, dead_lettered=1, **kind)
         self._commit(msg)
 
     # --- routing a batch to its owners -------------------------------------------------------
 
-    def _apply(self, batch: BatchView, value: bytes, stop: threading.Event, traces: list[str | None]) -> _Applied:
+    def _apply(self, batch: BatchView, value: bytes, stop: threading.Event, traces: list[str | None],
+               maybe_half_applied: bool = False) -> _Applied:
         """Every event applied or refused for good: each routed to its bucket's owner, each owner's in
         requests of at most apply_events_max events, each request settled (retried until nothing in it
-        may still succeed later) before the owner's next one, so a bucket's events apply in order."""
-        applied = _Applied()
+        may still succeed later) before the owner's next one, so a bucket's events apply in order.
+        ``maybe_half_applied``: the owner before may have applied some of the events and died before
+        acknowledging the batch (totals.py, step 4)."""
+        applied = _Applied(set(range(len(batch.bodies))) if maybe_half_applied else None)
         buckets: list[tuple[str, int] | None] = []
         for i, body in enumerate(batch.bodies):
             buckets.append(self._bucket_of(i, body, applied))
@@ -654,7 +905,8 @@ class ReceiverService:
             for start in range(0, len(indexes), self._apply_events_max):
                 self._settle(batch, value, url, indexes[start:start + self._apply_events_max], buckets, traces,
                              applied, stop)
-        self._count("events_applied", applied.applied)
+        self._count("events_applied", applied.applied + applied.recovered)
+        self._count("events_recovered", applied.recovered)
         self._count("events_duplicate", applied.duplicates)
         self._count("conflicts", applied.conflicts)
         self._count("exceptions", len(applied.exceptions))
@@ -725,9 +977,15 @@ class ReceiverService:
             again: list[int] = []
             failure: SluiceError | None = None
             for owner, indexes in targets.items():
-                retry, problem = self._post(batch, value, owner, indexes, traces, applied)
-                again += retry
-                failure = failure or problem
+                # Events an earlier attempt may have applied unanswered go in requests of their own, so that
+                # the repeats an answer counts are known to be theirs or not (``_Applied.took``).
+                unanswered = [i for i in indexes if i in applied.unanswered]
+                answered = [i for i in indexes if i not in applied.unanswered]
+                for request in (unanswered, answered):
+                    if request:
+                        retry, problem = self._post(batch, value, owner, request, traces, applied)
+                        again += retry
+                        failure = failure or problem
             if not again:
                 return
             why = failure if failure is not None else f"{len(again)} events refused for now (their bucket moving)"
@@ -759,6 +1017,7 @@ class ReceiverService:
             second, second_failure = self._post(batch, value, url, part[half:], traces, applied)
             return first + second, first_failure or second_failure
         except SluiceError as exc:  # no answer: the owner or this site's broker away, or a 5xx
+            applied.unanswered.update(part)  # it may have applied them all the same
             return part, exc
         # Every event of the request is answered: applied (in the counts), or refused (listed).
         refused = {r["index"] for r in answer.refused}
@@ -822,10 +1081,13 @@ class ReceiverService:
     # --- acks, dead letters, commits ---------------------------------------------------------
 
     def _ack(self, msg: Message, key: str, batch: BatchView, *, last_applied: int, last_event_id: EventID | None,
-             exceptions: list[dict[str, Any]], duplicate: bool, stop: threading.Event, last_batch_id: int) -> None:
+             exceptions: list[dict[str, Any]], duplicate: bool, stop: threading.Event, last_batch_id: int,
+             figures: PartitionTotals) -> None:
         """The signed ack of a batch.  ``last_batch_id``: the highest batch id applied for its sender
         partition, what a sender whose batch ids started over needs to open an epoch above.  It says
-        which GatewayBatch versions this receiver reads (``batch_versions``)."""
+        which GatewayBatch versions this receiver reads (``batch_versions``), and carries the inbound
+        partition's ``figures`` with the batch counted, in a header of their own (totals.py): what a
+        sender reads of the ack is unchanged."""
         record = {
             "sender_id": batch.sender_id,
             "source_dsid": batch.source_dsid,
@@ -843,8 +1105,10 @@ class ReceiverService:
         # Built from typed values (the owners' answers are read into them): no validation pass, which for
         # an ack's unions costs as much as the rest of its batch's routing.
         value = self._codec.encode("GatewayAck", record, validate=False)
+        headers = figures_of.ack_headers(self._signer.headers(value) if self._signer else None, figures.encode(),
+                                         self._signer)
         self._write(f"ack of batch {batch.batch_id} ({key})", self.acks, value, key.encode(), stop,
-                    partition=msg.partition(), headers=self._signer.headers(value) if self._signer else None)
+                    partition=msg.partition(), headers=headers)
 
     def _dead_letter(self, msg: Message, reason: str, error_class: str, stop: threading.Event) -> None:
         record = {"source_topic": msg.topic(), "source_partition": msg.partition(), "source_offset": msg.offset(),

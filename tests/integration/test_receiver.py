@@ -20,6 +20,7 @@ from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
 from sluice.core.kafka import partition_for_key
 from sluice.core.processes import ReceiverProcess
 from sluice.core.topics import apply_topics
+from sluice.receiver.totals import site_totals, summed
 
 from regionkit import RegionProcess, read_topic
 
@@ -131,6 +132,19 @@ def test_batches_are_applied_acknowledged_deduplicated_and_screened(site_a, uniq
         _send(cfg, site_a.bootstrap, 2, [_event("k5", Operation.UPDATE, b'"late"', 50)])
         fourth = _acks(cfg, site_a.bootstrap, 4)[3]
         assert fourth["duplicate_batch"] is True and client.get("orders", "k5") == 5
+
+        # The inbound partitions' figures went on from where the stopped receiver left them: the site's
+        # sum counts everything once, whichever process did it.
+        end = time.monotonic() + 15
+        rows = site_totals(cfg)
+        while time.monotonic() < end and {r.member for r in rows if r.offset >= 0} != {receiver.member_id}:
+            time.sleep(0.3)  # the partition without an ack since: its figures are published every few seconds
+            rows = site_totals(cfg)
+        site = summed(rows)
+        assert (site["batches"], site["duplicate_batches"], site["rejected_batches"], site["events_applied"],
+                site["exceptions"], site["dead_lettered"]) == (2, 2, 1, 8, 1, 1), rows
+        assert {r.member for r in rows if r.offset >= 0} == {receiver.member_id}
+        assert {r.carried_from for r in rows if r.offset >= 0} == {report["member"]}
     finally:
         receiver.stop()
         region.stop()
