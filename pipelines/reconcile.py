@@ -34,14 +34,34 @@ The report (one row per divergent key, both sides' entries and the winner)
 is written as Parquet; a summary per region is printed; the exit status is
 1 when any region diverges, 0 when the sites agree.
 
+``--repair`` then sends exactly the winners through the gateway, and
+compares again:
+
+4. group the divergent keys with a winner by region and by the site holding
+   it (``plan_repair``); for each group, the gateway sender of that region
+   at that site whose remote site is the other one (a region without one
+   cannot be repaired that way, and the report says so; keys without a
+   winner are left to a person);
+5. for each group, a wan-copy of those keys only, from the site holding the
+   winners (``sluice.admin.wancopy.run_copy``: the region service queues
+   each key's current entry, a tombstone as a destroy, with its own version
+   tag and EventID, for that sender alone);
+6. wait until each sender has delivered what was queued (its queue head past
+   where the queue ended after the copy): the other site applied the
+   winners, through its receiver and its usual conflict checks;
+7. read both changelogs again and compare; the exit status is that of this
+   second comparison.
+
 ``reconcile(spark, cfg_a, cfg_b)`` is the same as a function, for a program
-(the demo's verification) that wants the result rather than the command.
+(the demo's verification) that wants the result rather than the command;
+``plan_repair`` and ``repair`` are the repair's two halves.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -50,7 +70,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sluice.core.config import SiteConfig
-from sluice.core.errors import InvalidRequest
+from sluice.core.errors import InvalidRequest, SluiceError
 from sluice.core.events import DESTROYS, REGION_OPERATIONS
 from sluice.pipelines.jobcli import (
     EXIT_DIVERGED,
@@ -69,8 +89,8 @@ from sluice.pipelines.session import parse_conf, read_topics, spark_session
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
 
-__all__ = ["KINDS", "Reconciliation", "RegionSummary", "add_arguments", "choose_regions", "main", "reconcile",
-           "region_state", "run", "winner_side"]
+__all__ = ["KINDS", "Reconciliation", "RegionSummary", "RepairCopy", "RepairPlan", "add_arguments", "choose_regions",
+           "main", "plan_repair", "reconcile", "region_state", "repair", "run", "winner_side"]
 
 #: What a divergent key can be, in the order the summary shows them.
 KINDS = ("only_in_a", "only_in_b", "value_differs", "version_differs")
@@ -84,6 +104,7 @@ examples:
   sluice pipeline reconcile --site-a deploy/sites/site-a.yaml --site-b deploy/sites/site-b.yaml \\
       --output /data/reconciliation
   sluice pipeline reconcile --site-a a.yaml --site-b b.yaml --region orders --output recon --show 50
+  sluice pipeline reconcile --site-a a.yaml --site-b b.yaml --repair --max-rate 5000
 
   Prints, per region, the keys on each site, how many agree, and each kind of
   divergence with the site whose write should win (Geode's rule: the same
@@ -93,13 +114,20 @@ examples:
 
     spark.read.parquet("/data/reconciliation").where("kind = 'value_differs'")
 
-exit status: 0 the sites agree; 1 they diverge; 2 bad input (site files,
-region names, missing topics); 3 the job failed (Spark, Java or Kafka trouble).
+  --repair sends the winner of every divergent key through the gateway: a
+  wan-copy of exactly those keys from the site holding each winner, through
+  its sender to the other site; it waits until they are delivered, compares
+  again and prints that comparison.  --output keeps the first one.
+
+exit status: 0 the sites agree (with --repair: after it); 1 they diverge; 2 bad
+input (site files, region names, missing topics); 3 the job failed (Spark, Java
+or Kafka trouble, a copy or its delivery that did not finish).
 """
 
 DESCRIPTION = ("Compare two sites' regions, rebuilt from their changelogs: keys on one side only, keys with "
                "different values or version tags, and which site's write should win by the conflict rule.  "
-               "Writes the report as Parquet, prints a summary, exits 1 on divergence.")
+               "Writes the report as Parquet, prints a summary, exits 1 on divergence.  With --repair, sends the "
+               "winners through the gateway and compares again.")
 
 
 # --- one site's state ------------------------------------------------------------------------
@@ -346,6 +374,151 @@ def _compare(a: DataFrame, b: DataFrame, region: str, name_a: str, name_b: str) 
     return joined.select(*columns)
 
 
+# --- the repair ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RepairCopy:
+    """The winners one site holds for one region, and the sender that takes them to the other site."""
+
+    side: str  # "a" or "b": the site holding the winners
+    site: SiteConfig
+    region: str
+    sender_id: str
+    keys: list[str]
+
+
+@dataclass
+class RepairPlan:
+    """What ``--repair`` sends, and what it cannot."""
+
+    copies: list[RepairCopy]
+    #: (region, site holding the winners, keys, why they cannot be sent) of the groups without a sender.
+    unsendable: list[tuple[str, str, int, str]] = field(default_factory=list)
+    #: Divergent keys with no winner (same dsid and entry version, different entries), per region.
+    undecided: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def keys(self) -> int:
+        return sum(len(c.keys) for c in self.copies)
+
+
+def plan_repair(rows: Sequence[tuple[str, str, str | None]], site_a: SiteConfig, site_b: SiteConfig) -> RepairPlan:
+    """The copies that send each divergent key's winner to the other site: ``rows`` are (region, key,
+    winner "a" | "b" | None) of the report.  Each site's copy of a region goes through the first gateway
+    sender of that region whose remote dsid is the other site's."""
+    sites = {"a": (site_a, site_b), "b": (site_b, site_a)}
+    groups: dict[tuple[str, str], list[str]] = {}
+    undecided: dict[str, int] = {}
+    for region, key, winner in rows:
+        if winner is None:
+            undecided[region] = undecided.get(region, 0) + 1
+        else:
+            groups.setdefault((region, winner), []).append(key)
+    plan = RepairPlan(copies=[], undecided=undecided)
+    for (region, side), keys in sorted(groups.items()):
+        holder, other = sites[side]
+        senders = [s for s in holder.region(region).gateway_senders if holder.sender(s).remote_dsid == other.dsid]
+        if not senders:
+            plan.unsendable.append((region, holder.site, len(keys), f"site {holder.site} has no gateway sender of "
+                                    f"region {region} to site {other.site} (dsid {other.dsid})"))
+            continue
+        plan.copies.append(RepairCopy(side, holder, region, senders[0], sorted(keys)))
+    return plan
+
+
+@dataclass
+class RepairOutcome:
+    """What one copy of the repair did."""
+
+    copy: RepairCopy
+    state: str
+    copied: int
+    skipped: dict[str, int]
+    copy_s: float
+    delivered_s: float | None = None
+    error: str | None = None
+
+
+def repair(plan: RepairPlan, *, max_rate: int = 0, timeout_s: float = 600.0,
+           say: Callable[[str], None] | None = None) -> list[RepairOutcome]:
+    """Run the plan's copies (each in chunks of the region service's ``KEYS_MAX`` keys), then wait until each
+    sender has delivered them.  A copy that fails is reported, not raised; one whose delivery does not
+    come within ``timeout_s`` raises ``SluiceError``."""
+    import httpx
+
+    from sluice.admin.wancopy import queue_ends, run_copy, wait_delivered
+    from sluice.region.wancopy import KEYS_MAX
+
+    say = say or (lambda _text: None)
+    outcomes: list[RepairOutcome] = []
+    ends: dict[tuple[str, str], tuple[SiteConfig, list[int]]] = {}
+    for copy in plan.copies:
+        started = time.monotonic()
+        say(f"repair: sending {len(copy.keys):,} winners of region {copy.region} from site {copy.site.site} "
+            f"through sender {copy.sender_id}")
+        outcome = RepairOutcome(copy, "done", 0, {}, 0.0)
+        for i in range(0, len(copy.keys), KEYS_MAX):
+            try:
+                done = run_copy(copy.site, copy.region, copy.sender_id, max_rate=max_rate,
+                                keys=copy.keys[i:i + KEYS_MAX], timeout_s=timeout_s, on_progress=_copy_lines(say))
+            except (SluiceError, httpx.HTTPError) as exc:
+                outcome.state, outcome.error = "failed", str(exc)
+                break
+            outcome.copied += done["copied"]
+            for reason, n in done["skipped"].items():
+                outcome.skipped[reason] = outcome.skipped.get(reason, 0) + n
+            if done["state"] != "done":
+                outcome.state, outcome.error = done["state"], done.get("error")
+                break
+        outcome.copy_s = time.monotonic() - started
+        outcomes.append(outcome)
+        if outcome.copied:
+            ends[(copy.site.site, copy.sender_id)] = (copy.site, queue_ends(copy.site, copy.sender_id))
+    started = time.monotonic()
+    for (site, sender_id), (cfg, queue_end) in ends.items():
+        say(f"repair: waiting until sender {sender_id} of site {site} has delivered the winners")
+        wait_delivered(cfg, sender_id, queue_end, timeout_s, say)
+        for outcome in outcomes:
+            if outcome.copy.site.site == site and outcome.copy.sender_id == sender_id:
+                outcome.delivered_s = time.monotonic() - started
+    return outcomes
+
+
+def _copy_lines(say: Callable[[str], None]) -> Callable[[dict[str, Any]], None]:
+    """A copy's progress as a line every few seconds."""
+    last = [0.0]
+
+    def show(copy: dict[str, Any]) -> None:
+        if copy["state"] == "running" and time.monotonic() - last[0] < 2.0:
+            return
+        last[0] = time.monotonic()
+        say(f"repair: {copy['region']} → {copy['sender_id']}: {copy['copied']:,} of {copy['total']:,} winners "
+            f"queued ({copy['state']})")
+    return show
+
+
+def print_repair(plan: RepairPlan, outcomes: list[RepairOutcome], console: Console) -> None:
+    """A row per copy: where from, through which sender, keys sent and skipped, times."""
+    table = Table(title="repair: the winners of the divergent keys, sent through the gateway", title_justify="left")
+    for column in ("region", "from site", "sender", "to dsid", "winners", "sent", "skipped", "queued in",
+                   "delivered in", "state"):
+        table.add_column(column, justify="left" if column in ("region", "from site", "sender", "state") else "right")
+    for o in outcomes:
+        c = o.copy
+        skipped = ", ".join(f"{n:,} {reason.replace('_', ' ')}" for reason, n in o.skipped.items() if n) or "0"
+        table.add_row(c.region, c.site.site, c.sender_id, str(c.site.sender(c.sender_id).remote_dsid),
+                      f"{len(c.keys):,}", f"{o.copied:,}", skipped, f"{o.copy_s:.1f}s",
+                      "—" if o.delivered_s is None else f"{o.delivered_s:.1f}s",
+                      o.state + (f": {o.error}" if o.error else ""))
+    console.print(table)
+    for region, site, keys, why in plan.unsendable:
+        console.print(f"not repaired: {keys:,} keys of region {region} whose winner is on site {site}: {why}")
+    for region, keys in sorted(plan.undecided.items()):
+        console.print(f"not repaired: {keys:,} keys of region {region} with no winner (same site and entry "
+                      "version, different entries): a person must look")
+
+
 # --- the command --------------------------------------------------------------------------------
 
 
@@ -420,12 +593,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", metavar="DIR", help="write the report (divergent keys) as Parquet here")
     parser.add_argument("--show", type=int, default=SHOW_DEFAULT, metavar="N",
                         help=f"print up to N keys of each kind of divergence per region (default {SHOW_DEFAULT})")
+    repairing = parser.add_argument_group("repair")
+    repairing.add_argument("--repair", action="store_true",
+                           help="send each divergent key's winner through the gateway (a wan-copy of those keys "
+                                "from the site holding it), wait for its delivery, and compare again")
+    repairing.add_argument("--max-rate", type=int, default=0, metavar="N",
+                           help="with --repair: most entries per second each copy sends (default 0: no limit)")
+    repairing.add_argument("--repair-timeout-s", type=float, default=600.0, metavar="S",
+                           help="with --repair: how long a copy and its delivery may take (default 600)")
     add_spark_options(parser)
 
 
 def _run(args: argparse.Namespace) -> int:
     if args.show < 0:
         raise InvalidRequest("--show", args.show, "must be 0 or more")
+    if args.max_rate < 0:
+        raise InvalidRequest("--max-rate", args.max_rate, "entries per second: 0 (no limit) or more")
+    if args.repair_timeout_s <= 0:
+        raise InvalidRequest("--repair-timeout-s", args.repair_timeout_s, "must be more than 0")
     say = Progress("reconcile")
     site_a = load_site(args.site_a, args.bootstrap_a)
     site_b = load_site(args.site_b, args.bootstrap_b)
@@ -439,11 +624,32 @@ def _run(args: argparse.Namespace) -> int:
                 say(f"writing the report to {args.output}")
                 result.write(args.output)
             print_summary(result, console(), args.output)
+            rows = _winners(result) if args.repair and result.diverged else None
         finally:
             result.release()
+        if rows is not None:
+            plan = plan_repair(rows, site_a, site_b)
+            outcomes = repair(plan, max_rate=args.max_rate, timeout_s=args.repair_timeout_s, say=say)
+            print_repair(plan, outcomes, console())
+            say("comparing the sites again")
+            result = reconcile(session.spark, site_a, site_b, args.region, show=args.show, say=say)
+            try:
+                print_summary(result, console(), None)
+            finally:
+                result.release()
+            if any(o.state != "done" for o in outcomes):
+                raise SluiceError("the repair did not finish: "
+                                  + "; ".join(f"{o.copy.region} from {o.copy.site.site}: {o.state} ({o.error})"
+                                              for o in outcomes if o.state != "done"))
     finally:
         session.stop()
     return EXIT_DIVERGED if result.diverged else EXIT_OK
+
+
+def _winners(result: Reconciliation) -> list[tuple[str, str, str | None]]:
+    """(region, key, winner) of every divergent key of the report."""
+    return [(row["region"], row["key"], row["winner"])
+            for row in result.report.select("region", "key", "winner").collect()]
 
 
 def run(args: argparse.Namespace) -> int:

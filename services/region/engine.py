@@ -446,7 +446,7 @@ class RegionEngine:
                       "window_records": 0, "producers_rebuilt": 0, "producers_wedged": 0, "owners_fenced": 0,
                       "hanging_transactions": 0, "loads_skipped": 0,
                       "loads_from_standby": 0, "loads_from_store": 0, "records_replayed": 0,
-                      "buckets_revoked": 0, "windows_rewritten": 0}
+                      "buckets_revoked": 0, "windows_rewritten": 0, "wan_copied": 0}
         #: Standby copies of buckets other instances own (a region with redundant_copies; standby.py).
         self._standby = StandbyKeeper(kafka_settings=kafka_settings, client_id=client_id,
                                       changelog_topics=changelog_topics, dsid=dsid, member_id=member_id,
@@ -748,6 +748,85 @@ class RegionEngine:
             result.event = event
             changelog, queued = self._builder.records(event, trace)
             window.add((ob.region, ob.bucket, ob.epoch), ob.checkpoint, changelog, queued)
+
+    def copy_entries(self, region: str, bucket: int, keys: list[str], sender_id: str, *, destroyed: bool,
+                     on_done: Callable[[SluiceError | None], None]) -> dict[str, int]:
+        """Queue the current entries of ``keys`` (of one bucket this instance owns) for gateway sender
+        ``sender_id``, and nothing else: a wan-copy batch (``wancopy.py``).
+
+        Each entry goes as it is now, read under the lock that orders the
+        bucket's writes, so its record lands in the sender's queue partition
+        after every earlier write of the key and before every later one: an
+        UPDATE (a DESTROY for a tombstone when ``destroyed``), possibleDuplicate,
+        with the entry's own EventID and version tag and this site as origin.
+        No changelog record is written and no other queue gets it.  Left out,
+        and counted by reason: ``absent`` keys, tombstones (``destroyed``,
+        unless asked for), ``invalid`` entries (an invalidate never crosses
+        sites), entries the sender's remote site wrote (``remote_site``: the
+        loop check), and those a before_enqueue filter keeps out
+        (``filtered``).  Returns the counts (``copied`` and the reasons) once
+        the records are in the open window; ``on_done(error or None)`` runs
+        when that window is committed (or failed).  ``NotOwner``,
+        ``BucketUnavailable`` (loading, or the window full) and ``InvalidRequest``
+        (a sender not attached to the region) are raised before anything is queued.
+        """
+        target = next((t for t in self._targets.get(region, ()) if t.id == sender_id and t.kind == "gateway-sender"),
+                      None)
+        if target is None:
+            raise InvalidRequest("sender_id", sender_id, f"region {region!r} is not attached to a gateway sender "
+                                 "of that id")
+        counts = {"copied": 0, "absent": 0, "destroyed": 0, "invalid": 0, "remote_site": 0, "filtered": 0}
+        now_ms = int(time.time() * 1000)
+        with self._lock:
+            ob = self._owned.get((region, bucket))
+            if ob is None or ob.status is BucketStatus.REVOKING:
+                raise NotOwner(region, bucket)
+            if ob.status is not BucketStatus.READY or ob.state is None:
+                raise _loading_error(ob)
+            window = self._window
+            if len(window.records) + len(keys) > self._window_records_max:
+                raise BucketUnavailable(region, bucket, "the owner's writes wait for Kafka "
+                                        f"({len(window.records)} records not yet committed)")
+            slot = (region, bucket, ob.epoch)
+            entries = ob.state.entries
+            records = []
+            for key in keys:
+                entry = entries.get(key)
+                if entry is None:
+                    counts["absent"] += 1
+                    continue
+                if entry.destroyed and not destroyed:
+                    counts["destroyed"] += 1
+                    continue
+                if entry.value is None and not entry.destroyed:
+                    counts["invalid"] += 1
+                    continue
+                if entry.dsid == target.remote_dsid:
+                    counts["remote_site"] += 1
+                    continue
+                event = EntryEvent(region=region, key=key,
+                                   operation=EventOperation.DESTROY if entry.destroyed else EventOperation.UPDATE,
+                                   value=entry.value, event_id=entry.event_id, version=entry.version,
+                                   origin_dsid=self.dsid, bucket=bucket, event_time=now_ms, possible_duplicate=True)
+                record = self._builder.copied(event, target)
+                if record is None:
+                    counts["filtered"] += 1
+                    continue
+                records.append(record)
+            counts["copied"] = len(records)
+            if records:
+                was_empty = window.empty()
+                window.add(slot, ob.checkpoint, None, records)
+                pending = Pending(on_done)
+                pending.add(1)
+                window.waiting.append((pending, frozenset({slot})))
+                if was_empty:
+                    self._window_changed.notify_all()
+                pending.arm()
+                self.stats["wan_copied"] += len(records)
+        if not records:
+            on_done(None)
+        return counts
 
     def read(self, region: str, bucket: int) -> BucketState:
         """The state of a READY bucket (callers read under ``read_lock``)."""

@@ -51,7 +51,10 @@ A queue record's ``changelog_offset`` is -1 when it is written in the same
 transaction as its changelog record: that offset is known only from the
 changelog record's delivery report, and waiting for it would cost a
 per-record callback and a round trip more per window.  The event's EventID
-identifies the write; a re-enqueued record carries its changelog offset.
+identifies the write; a re-enqueued record carries its changelog offset.  A
+wan-copy's records (``RecordBuilder.copied``, wancopy.py) are queue records
+alone, for one gateway sender, with -1 too: they copy an entry's last write,
+which its EventID and version tag identify.
 """
 
 from __future__ import annotations
@@ -235,6 +238,15 @@ class RecordBuilder:
         key = event.key.encode("utf-8")
         return self._queued(event, key, entry_event_body(event), offset, None)
 
+    def copied(self, event: EntryEvent, target: QueueTarget) -> Record | None:
+        """The record of an entry copied into one gateway sender's queue (wan-copy: ``wancopy.py``), or
+        None when one of the sender's before_enqueue filters keeps it out.  ``event`` is the entry as a
+        possibleDuplicate event of this site; the caller has left out what the loop check would (an
+        entry the sender's remote site wrote), and nothing of it goes to the changelog or other queues."""
+        key = event.key.encode("utf-8")
+        return self._record(target, event, key, entry_event_body(event), FLAG_POSSIBLE_DUPLICATE, -1,
+                            int(time.time() * 1000), None)
+
     def _queued(self, event: EntryEvent, key: bytes, body: bytes, offset: int,
                 headers: list[tuple[str, bytes]] | None) -> list[Record]:
         out: list[Record] = []
@@ -246,22 +258,27 @@ class RecordBuilder:
         for target in targets:
             if not target.accepts(event.operation):
                 continue
-            own_flags, own_body = flags, body
-            if target.kind == "gateway-sender":
-                if target.loops_back(event):
-                    continue
-                own_flags |= FLAG_ROUTED
-            partition = target.partition_for(event, key)
-            if target.enqueue is not None:
-                queued = target.enqueue(event, partition)
-                if queued is None:  # a before_enqueue filter kept it out of this queue
-                    continue
-                if queued is not event:
-                    own_body = entry_event_body(queued)
-            out.append((target.topic, partition, key,
-                        queued_event(self._queued_header, own_flags, target.id, event.bucket, offset, now_ms, own_body),
-                        headers))
+            if target.kind == "gateway-sender" and target.loops_back(event):
+                continue
+            record = self._record(target, event, key, body, flags, offset, now_ms, headers)
+            if record is not None:
+                out.append(record)
         return out
+
+    def _record(self, target: QueueTarget, event: EntryEvent, key: bytes, body: bytes, flags: int, offset: int,
+                now_ms: int, headers: list[tuple[str, bytes]] | None) -> Record | None:
+        """The event's record in ``target``'s queue (None: a before_enqueue filter kept it out)."""
+        if target.kind == "gateway-sender":
+            flags |= FLAG_ROUTED
+        partition = target.partition_for(event, key)
+        if target.enqueue is not None:
+            queued = target.enqueue(event, partition)
+            if queued is None:  # a before_enqueue filter kept it out of this queue
+                return None
+            if queued is not event:
+                body = entry_event_body(queued)
+        return (target.topic, partition, key,
+                queued_event(self._queued_header, flags, target.id, event.bucket, offset, now_ms, body), headers)
 
 
 @dataclass(slots=True)

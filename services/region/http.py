@@ -11,12 +11,14 @@ oversized key or value 413, malformed body 400) and 503 when a retry may help.
 Credentials (``Authorization: Bearer <token>``; the checks are in guard.py):
 
 - ``/healthz`` and ``/readyz``: none.
-- ``/internal/*`` (operations, reads and bucket keys forwarded between
-  instances; ``apply_batch``, a gateway batch from this site's receiver) and
+- ``/internal/*`` (operations, reads, bucket keys and wan-copy batches
+  forwarded between instances; ``apply_batch``, a gateway batch from this
+  site's receiver) and
   ``POST /regions/{region}/apply_remote`` (other sites' events as JSON):
   ``region_service.member_token`` only.
 - every other path (entries, bulk operations, ``/regions``, ``/buckets``,
-  ``/stats``, this document): ``region_service.token`` only.
+  ``/stats``, ``wan_copy`` (wancopy.py), this document):
+  ``region_service.token`` only.
 
 A credential that is not configured leaves its paths open (a loopback-only
 development site).  State-changing requests (POST, PUT, DELETE) must be
@@ -41,7 +43,7 @@ from fastapi.responses import Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..core.errors import InvalidRequest, SluiceError
+from ..core.errors import InvalidRequest, NotOwner, SluiceError
 from ..core.eventchecks import ID_MAX, MEMBER_ID_MAX_CHARS, event_id_problem, is_unicode, remote_problem
 from ..core.events import EventID
 from ..core.remotewire import decode_remote
@@ -51,6 +53,7 @@ from .guard import Guard
 from .remote import BATCH_MEDIA_TYPES, apply_batch
 from .service import Outcome, RegionService, _NotOwnedKeys, error_outcome
 from .state import Op
+from .wancopy import BATCH_SIZE_DEFAULT, BATCH_SIZE_MAX, KEYS_MAX, WanCopy
 
 
 def _unicode(text: str) -> str:
@@ -120,6 +123,37 @@ class KeysBody(BaseModel):
     keys: list[str]
     callback_argument: Text | None = None
     event_id: EventIdBody | None = None
+
+
+class WanCopyBody(BaseModel):
+    """Start a wan-copy of the region (or of some of its keys) through one of its gateway senders."""
+
+    model_config = ConfigDict(extra="forbid")
+    sender_id: Text = Field(min_length=1, max_length=256, description="A gateway sender the region feeds.")
+    max_rate: int = Field(0, ge=0, le=10**9, description="Entries per second for the whole copy; 0: no limit.")
+    batch_size: int = Field(BATCH_SIZE_DEFAULT, ge=1, le=BATCH_SIZE_MAX,
+                            description="Entries per batch: one Kafka transaction, one request to a bucket's owner.")
+    keys: list[str] | None = Field(None, min_length=1, max_length=KEYS_MAX,
+                                   description="Copy only these keys, tombstones too (as destroys); "
+                                               "default: every live entry.")
+
+
+class WanCopyCancelBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    sender_id: Text = Field(min_length=1, max_length=256)
+
+
+class WanCopyBatchBody(BaseModel):
+    """One batch of a wan-copy, for the owner of its bucket."""
+
+    model_config = ConfigDict(extra="forbid")
+    copy_id: Text = Field(min_length=1, max_length=64)
+    region: str
+    sender_id: Text = Field(min_length=1, max_length=256)
+    bucket: int = Field(ge=0, le=1023)
+    after: str | None = Field(None, description="The last key copied; the batch starts after it.")
+    count: int = Field(ge=0, le=BATCH_SIZE_MAX, description="Keys in the batch; 0 only counts the bucket's entries.")
+    keys: list[str] | None = Field(None, max_length=BATCH_SIZE_MAX, description="These keys instead.")
 
 
 class ForwardedOp(BaseModel):
@@ -470,6 +504,48 @@ def create_app(service: RegionService) -> Any:
                 answers[i] = outcome
         return _bulk([o for o in answers if o is not None], outcomes)
 
+    # --- wan-copy (wancopy.py) ----------------------------------------------------------
+
+    def no_copy(region: str, sender_id: str, what: str) -> Response:
+        return SafeJSON({"error": "NoWanCopy", "message": f"no {what} wan-copy of region {region!r} through sender "
+                         f"{sender_id!r} on this instance", "field": "sender_id", "reason": f"no {what} copy",
+                         "retriable": False}, status_code=404)
+
+    @app.post("/regions/{region}/wan_copy", tags=["operations"], status_code=202,
+              summary="Start copying the region's entries to a remote site through one of its gateway senders "
+                      "(Geode's wan-copy region); 409 when one runs here for that sender")
+    async def wan_copy(region: RegionName, body: WanCopyBody) -> Response:
+        """This instance coordinates the copy; each bucket's owner copies its own entries into the sender's
+        queue, in batches, at most ``max_rate`` entries per second in all.  Answers at once with the copy's
+        state; ``GET`` the same path follows it, ``POST …/wan_copy/cancel`` stops it."""
+        service.region_config(region)
+        keys = None
+        if body.keys is not None:
+            keys = [service.check_key(region, key, f"keys[{i}]") for i, key in enumerate(body.keys)]
+        copy = service.wan_copies.start(region, body.sender_id, max_rate=body.max_rate, batch_size=body.batch_size,
+                                        keys=keys)
+        return SafeJSON(copy.to_dict(), status_code=202)
+
+    @app.get("/regions/{region}/wan_copy", tags=["operations"],
+             summary="A wan-copy this instance coordinates: the running one for the sender, else the last one")
+    async def wan_copy_status(region: RegionName, sender_id: str = Query(min_length=1, max_length=256),
+                              copy_id: str | None = Query(None, max_length=64)) -> Response:
+        service.region_config(region)
+        copy: WanCopy | None = service.wan_copies.get(copy_id) if copy_id else \
+            service.wan_copies.latest(region, sender_id)
+        if copy is None or copy.region != region or copy.sender_id != sender_id:
+            return no_copy(region, sender_id, "such")
+        return SafeJSON(copy.to_dict())
+
+    @app.post("/regions/{region}/wan_copy/cancel", tags=["operations"],
+              summary="Stop the running wan-copy of the region through the sender; answered once it has stopped")
+    async def wan_copy_cancel(region: RegionName, body: WanCopyCancelBody) -> Response:
+        service.region_config(region)
+        copy = await service.wan_copies.cancel(region, body.sender_id, wait_s=service.request_timeout_s)
+        if copy is None:
+            return no_copy(region, body.sender_id, "running")
+        return SafeJSON(copy.to_dict())
+
     # --- operations ------------------------------------------------------------------
 
     @app.get("/regions", tags=["operations"], summary="Regions of this site")
@@ -568,6 +644,28 @@ def create_app(service: RegionService) -> Any:
             raise InvalidRequest("bucket", body.bucket, f"region {body.region!r} has buckets 0..{config.buckets - 1}")
         return {"region": body.region, "bucket": body.bucket,
                 "keys": await service.keys(body.region, body.bucket, forwarded=True)}
+
+    @app.post("/internal/wan_copy_batch", tags=["internal"],
+              summary="Copy one batch of a bucket this instance owns into a gateway sender's queue (owner only; "
+                      "member token; a wan-copy's coordinator sends it)")
+    async def internal_wan_copy_batch(body: WanCopyBatchBody) -> Response:
+        config = service.region_config(body.region)
+        service.wan_copies.sender_of(body.region, body.sender_id)
+        if body.bucket >= config.buckets:
+            raise InvalidRequest("bucket", body.bucket, f"region {body.region!r} has buckets 0..{config.buckets - 1}")
+        engine = service.engine
+        assert engine is not None
+        if body.after is not None:
+            service.check_key(body.region, body.after, "after")
+        for i, key in enumerate(body.keys or ()):
+            service.check_key(body.region, key, f"keys[{i}]")
+            if engine.bucket_of(body.region, key) != body.bucket:
+                raise InvalidRequest(f"keys[{i}]", key[:80], f"not a key of bucket {body.bucket}")
+        if not engine.owns(body.region, body.bucket):
+            raise NotOwner(body.region, body.bucket)
+        answer = await service.wan_copies.copy_owned(body.copy_id, body.region, body.sender_id, body.bucket,
+                                                     body.after, body.count, body.keys)
+        return SafeJSON(answer.to_dict())
 
     rs = service.cfg.region_service
     return Guard(app, token=service.token, member_token=service.member_token,

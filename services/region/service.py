@@ -84,6 +84,7 @@ from .conflicts import load_resolver
 from .fanout import QueueTarget
 from .state import Op
 from .store import LocalStore
+from .wancopy import WanCopies
 
 log = logging.getLogger("sluice.region")
 
@@ -216,6 +217,8 @@ class RegionService:
         self._unowned_since: dict[tuple[str, int], float] = {}
         self._next_topic_check = 0.0
         self._last_clear_us = 0
+        #: The wan-copy runs this instance coordinates, and the bucket key lists it keeps for them as an owner.
+        self.wan_copies = WanCopies(self)
 
     # --- lifecycle -----------------------------------------------------------
 

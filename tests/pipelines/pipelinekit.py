@@ -19,9 +19,11 @@ __all__ = ["Produced", "encode", "entry_event", "produce", "write_site"]
 
 
 def write_site(path: Path, *, site: str, dsid: int, bootstrap: str, prefix: str,
-               regions: dict[str, int], sender: str | None = None) -> SiteConfig:
+               regions: dict[str, int], sender: str | None = None, remote_prefix: str | None = None,
+               accepted_dsids: list[int] | None = None) -> SiteConfig:
     """A site file with ``regions`` (name → buckets), each feeding parallel gateway sender ``sender``
-    when given; its topics are created."""
+    when given (to the site of topic prefix ``remote_prefix`` on the same cluster, when given), and a
+    gateway receiver when ``accepted_dsids`` is; its topics are created."""
     data: dict[str, Any] = {
         "site": site,
         "dsid": dsid,
@@ -32,6 +34,14 @@ def write_site(path: Path, *, site: str, dsid: int, bootstrap: str, prefix: str,
     if sender:
         data["gateway_senders"] = [{"id": sender, "remote_dsid": 3 - dsid if dsid in (1, 2) else 1,
                                     "parallel": True}]
+        if remote_prefix:
+            data["gateway_senders"][0].update(batch_size=50, batch_time_interval_ms=20,
+                                              remote={"bootstrap_servers": bootstrap, "topic_prefix": remote_prefix})
+    if accepted_dsids:
+        data["receiver"] = {"inbound_partitions": 2, "accepted_dsids": accepted_dsids}
+    if remote_prefix or accepted_dsids:
+        # Its services run: a dead member's work moves within seconds.
+        data["kafka"].update(session_timeout_ms=3000, heartbeat_interval_ms=500)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     cfg = load_config(path)
     report = apply_topics(cfg)
