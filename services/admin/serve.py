@@ -3,17 +3,20 @@
 The page shows what ``sluice admin status`` prints, kept fresh, plus rates and a
 chart of the last minutes.  One process, two threads that share one immutable value:
 
-1. The sampler thread takes a snapshot of the site every ``interval_s``, with the
-   very reads ``sluice admin status`` makes (``queue_status`` for every queue,
-   ``receiver_status``, ``client_status``), plus the region service's consumer
-   group (which instance owns how many buckets of each region).
+1. The sampler thread takes a snapshot of the site every ``interval_s`` with
+   ``statusdoc.sample``, the builder ``sluice admin status --json`` uses too
+   (the very reads ``sluice admin status`` makes for its tables, plus the
+   region instances' claims: which instance owns how many buckets of each
+   region), so ``/api/status`` and ``--json`` are one document
+   (docs/status-json.md).
 2. From two snapshots in a row it derives each queue partition's rates: events
    in/s from its end offset moving (the region service enqueueing), events out/s
    from its head moving (batches removed after the listener or the remote site
    accepted them).  Offsets only grow, so a rate needs no counter of any service
    and survives a failover of the primary.
 3. It appends queue size and rates per queue to a history bounded by
-   ``history_s`` (the chart), renders snapshot and history to JSON bytes once,
+   ``history_s`` (the chart), renders snapshot and history to JSON bytes once
+   (``statusdoc.document``),
    and swaps those bytes in.  Readers take whatever bytes are current: no lock,
    and a hundred open pages cost the brokers nothing more than one.
 4. uvicorn serves the page (one static HTML file, its JS and CSS: no build step,
@@ -21,6 +24,9 @@ chart of the last minutes.  One process, two threads that share one immutable va
    /api/status``.  ``POST /api/queues/{queue}/{action}`` writes the queue's desired
    state to the site's control topic exactly as ``sluice admin pause`` does (it
    calls the same ``set_state``), then asks the sampler for an early snapshot.
+   ``POST /api/queues/{sender}/clean-start`` is ``sluice admin start SENDER
+   --clean-queues`` (clean.py; the page asks for confirmation); the
+   document's ``cleans`` lists the clean starts and what each dropped.
 
 A broker that cannot be reached does not stop the page: the snapshot keeps the
 last good tables, says since when they are stale and why, and sampling goes on.
@@ -62,9 +68,8 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import orjson
 import uvicorn
@@ -75,11 +80,12 @@ from starlette.concurrency import run_in_threadpool
 
 from ..core.config import SiteConfig, load_config
 from ..core.errors import ConfigError, InvalidRequest, SluiceError
-from ..core.kafka import KafkaException, make_admin
+from ..core.kafka import make_admin
 from ..core.webguard import bearer_matches, digest, forgery_problem, host_and_port, is_loopback
-from ..region.directory import owners_of, read_instances, standbys_of
 from ..core.lifecycle import ServiceState
-from .cli import STATES, PartitionStatus, client_status, kind_of, queue_status, receiver_status, set_state
+from . import statusdoc
+from .clean import NotStopped, issuer, plan_clean
+from .cli import STATES, kind_of, set_state
 
 log = logging.getLogger("sluice.admin.serve")
 
@@ -128,15 +134,6 @@ def add_options(parser: argparse.ArgumentParser) -> None:
 # --- the sampler -------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Offsets:
-    """Where one queue partition stood at one sample."""
-
-    at_s: float
-    head: int
-    end: int
-
-
 class StatusSampler:
     """Samples the site in a thread of its own; ``status_json`` is the latest rendering.
 
@@ -160,7 +157,7 @@ class StatusSampler:
         self._stopping = threading.Event()
         self._woken = threading.Event()
         self._thread: threading.Thread | None = None
-        self._offsets: dict[tuple[str, int], _Offsets] = {}
+        self._offsets: dict[tuple[str, int], statusdoc.Offsets] = {}
         # Bounded twice: by count here, and by age in _remember().
         self._history: collections.deque[dict[str, Any]] = collections.deque(
             maxlen=int(history_s / interval_s) + 2)
@@ -211,7 +208,6 @@ class StatusSampler:
             self.state = ServiceState.CRASHED
 
     def _sample_once(self, admin: Any) -> None:
-        started = time.monotonic()
         try:
             snapshot = self._sample(admin)
         except SluiceError as exc:
@@ -223,78 +219,16 @@ class StatusSampler:
             body = self._last_good or self._empty()
             self.status_json = orjson.dumps(self._render(body, error=f"{type(exc).__name__}: {exc}"))
             return
-        snapshot["sample_s"] = round(time.monotonic() - started, 3)
         self._stale_since_ms = None
         self._last_good = snapshot
         self.status_json = orjson.dumps(self._render(snapshot, error=None))
 
     def _sample(self, admin: Any) -> dict[str, Any]:
-        cfg = self.cfg
-        now_s = time.time()
-        queues = []
-        for attached in cfg.all_attached_queues():
-            rows = queue_status(cfg, attached.id)
-            queues.append(self._queue_entry(attached.id, attached.kind, attached.parallel, rows, now_s))
-        # Queues are the page's point: if they cannot be read the sample fails (above).
-        # Receivers and clients only cost their own table.
-        section_errors: dict[str, str] = {}
-        receivers = self._section("receivers", section_errors,
-                                  lambda: receiver_status(cfg) if cfg.receiver is not None else [])
-        clients = self._section("clients", section_errors, lambda: [asdict(c) for c in client_status(cfg)])
-        self._remember(now_s, queues)
-        return {
-            "sampled_at_ms": int(now_s * 1000),
-            "sites": self._sites(queues),
-            "regions": self._regions(admin),
-            "queues": queues,
-            "receivers": receivers,
-            "clients": clients,
-            "section_errors": section_errors,
-        }
-
-    def _section(self, name: str, errors: dict[str, str], read: Callable[[], list[Any]]) -> list[Any]:
-        try:
-            return read()
-        except SluiceError as exc:
-            log.warning("reading the %s of site %s failed: %s", name, self.cfg.site, exc)
-            errors[name] = f"{type(exc).__name__}: {exc}"
-            return []
-
-    def _queue_entry(self, queue_id: str, kind: str, parallel: bool, rows: list[PartitionStatus],
-                     now_s: float) -> dict[str, Any]:
-        partitions = []
-        for r in rows:
-            before = self._offsets.get((queue_id, r.partition))
-            in_per_s = out_per_s = None
-            if before is not None and now_s > before.at_s:
-                elapsed_s = now_s - before.at_s
-                # Offsets only grow; a recreated topic starts again from 0: no rate then.
-                in_per_s = max(0, r.end - before.end) / elapsed_s
-                out_per_s = max(0, r.head - before.head) / elapsed_s
-            self._offsets[(queue_id, r.partition)] = _Offsets(now_s, r.head, r.end)
-            partitions.append({**asdict(r), "size": r.size, "size_counted": r.counted is not None, "in_per_s": in_per_s, "out_per_s": out_per_s})
-        ages = [p["oldest_age_s"] for p in partitions if p["oldest_age_s"] is not None]
-        acks = [p["last_delivered_age_s"] for p in partitions if p["last_delivered_age_s"] is not None]
-        states = sorted({p["state"] for p in partitions})
-        sender = next((s for s in self.cfg.gateway_senders if s.id == queue_id), None)
-        return {
-            "id": queue_id,
-            "kind": kind,
-            "parallel": parallel,
-            "remote_dsid": sender.remote_dsid if sender else None,
-            "regions": [r.name for r in self.cfg.regions_of(queue_id)],
-            "states": states,
-            "primaries": sorted({p["primary"] for p in partitions if p["primary"] != "—"}),
-            "size": sum(p["size"] for p in partitions),
-            "size_counted": all(p["size_counted"] for p in partitions),
-            "oldest_age_s": max(ages) if ages else None,
-            "in_per_s": _sum_rates(p["in_per_s"] for p in partitions),
-            "out_per_s": _sum_rates(p["out_per_s"] for p in partitions),
-            "resends": sum(p["redeliveries"] for p in partitions),
-            "dead_lettered": sum(p["dead_lettered"] for p in partitions),
-            "last_ack_age_s": min(acks) if acks else None,
-            "partitions": partitions,
-        }
+        """One sample, with the same builder as ``sluice admin status --json`` (statusdoc.py); the rates
+        from this sample's offsets and the last one's."""
+        snapshot = statusdoc.sample(self.cfg, self._offsets)
+        self._remember(snapshot["sampled_at_ms"] / 1000, snapshot["queues"])
+        return snapshot
 
     def _remember(self, now_s: float, queues: list[dict[str, Any]]) -> None:
         self._history.append({
@@ -304,91 +238,13 @@ class StatusSampler:
         while self._history and self._history[0]["t_ms"] < (now_s - self.history_s) * 1000:
             self._history.popleft()
 
-    def _sites(self, queues: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """This site, then every site it sends to or accepts from, with what is queued for it."""
-        cfg = self.cfg
-        remote_dsids = sorted({s.remote_dsid for s in cfg.gateway_senders}
-                              | set(cfg.receiver.accepted_dsids if cfg.receiver else ()))
-        sites = [{"dsid": cfg.dsid, "name": cfg.site, "role": "this site",
-                  "bootstrap": cfg.kafka.bootstrap_servers, "senders": [], "queued": None, "out_per_s": None,
-                  "accepted_by_receiver": None}]
-        for dsid in remote_dsids:
-            senders = [s for s in cfg.gateway_senders if s.remote_dsid == dsid]
-            to_it = [q for q in queues if q["remote_dsid"] == dsid]
-            remote = next((s.remote for s in senders if s.remote is not None), None)
-            sites.append({
-                "dsid": dsid, "name": None, "role": "remote",
-                "bootstrap": remote.bootstrap_servers if remote else None,
-                "senders": [s.id for s in senders],
-                "queued": sum(q["size"] for q in to_it) if to_it else None,
-                "out_per_s": _sum_rates(q["out_per_s"] for q in to_it) if to_it else None,
-                "accepted_by_receiver": dsid in cfg.receiver.accepted_dsids if cfg.receiver else False,
-            })
-        return sites
-
-    def _regions(self, admin: Any) -> list[dict[str, Any]]:
-        """Each region and the region-service instances that own its buckets (their published claims,
-        ``sluice.region.directory``)."""
-        cfg = self.cfg
-        try:
-            records = read_instances(cfg)
-            owners = owners_of(records)
-            standbys: dict[tuple[str, int], list[dict[str, Any]]] | None = {
-                rb: [{"instance": inst.instance, "lag": lag, "entries": entries, "value_bytes": size}
-                     for inst, lag, entries, size in copies]
-                for rb, copies in standbys_of(records).items()}
-            members: list[tuple[str, list[tuple[str, int]]]] | None = [
-                (url, [(cfg.topics.region_changelog(r), b) for (r, b), u in owners.items() if u == url])
-                for url in sorted(set(owners.values()))]
-        except (KafkaException, SluiceError) as exc:
-            log.warning("cannot read the region-service instances: %s", exc)
-            members = None
-            standbys = None
-        regions = []
-        for region in cfg.regions:
-            changelog = cfg.topics.region_changelog(region.name)
-            instances: list[dict[str, Any]] | None = None if members is None else []
-            for client_id, tps in members or ():
-                owned = sum(1 for topic, _ in tps if topic == changelog)
-                if owned and instances is not None:
-                    instances.append({"instance": client_id, "buckets": owned})
-            regions.append({
-                "name": region.name,
-                "buckets": region.buckets,
-                "buckets_owned": None if instances is None else sum(i["buckets"] for i in instances),
-                "instances": None if instances is None else sorted(instances, key=lambda i: i["instance"]),
-                "gateway_senders": list(region.gateway_senders),
-                "async_event_queues": list(region.async_event_queues),
-                "redundant_copies": region.redundant_copies,
-                # Per bucket: its standby copies (instance, lag, entries, value bytes); None when unknown.
-                "standbys": None if standbys is None else [
-                    standbys.get((region.name, b), [])
-                    for b in range(region.buckets)],
-            })
-        return regions
-
     def _empty(self) -> dict[str, Any]:
-        return {"sampled_at_ms": None, "sites": [], "regions": [], "queues": [], "receivers": [], "clients": [],
-                "section_errors": {}}
+        return statusdoc.empty_snapshot()
 
     def _render(self, snapshot: dict[str, Any], *, error: str | None) -> dict[str, Any]:
-        cfg = self.cfg
-        return {
-            "site": {"name": cfg.site, "dsid": cfg.dsid, "bootstrap": cfg.kafka.bootstrap_servers},
-            **snapshot,
-            "error": error,
-            "stale_since_ms": self._stale_since_ms,
-            "interval_s": self.interval_s,
-            "actions": sorted(STATES),
-            "token_required": self.token_required,
-            "history": {"window_s": self.history_s, "points": list(self._history)},
-        }
-
-
-def _sum_rates(rates: Any) -> float | None:
-    """The sum of the rates known; None when none is known yet (the first sample)."""
-    known = [r for r in rates if r is not None]
-    return sum(known) if known else None
+        return statusdoc.document(self.cfg, snapshot, error=error, stale_since_ms=self._stale_since_ms,
+                                  interval_s=self.interval_s, token_required=self.token_required,
+                                  history={"window_s": self.history_s, "points": list(self._history)})
 
 
 # --- the HTTP face -----------------------------------------------------------------
@@ -419,12 +275,32 @@ async def _read_body(request: Request) -> bytes | None:
     return bytes(body)
 
 
-def _action_openapi() -> dict[str, Any]:
+async def _empty_body(request: Request) -> JSONResponse | None:
+    """The refusal of a body other than ``{}`` (the actions take no data), or None."""
+    body = await _read_body(request)
+    if body is None:
+        return _refusal(413, "InvalidRequest", "body", None, f"is larger than {BODY_BYTES_MAX} bytes "
+                                                             "(the actions take no data)")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        data = None
+    if data != {}:
+        shown = body.decode("utf-8", "replace")
+        return _refusal(400, "InvalidRequest", "body", shown, "must be the JSON object {} (the actions take "
+                                                              "no data)")
+    return None
+
+
+def _action_openapi(clean: bool = False) -> dict[str, Any]:
     """The action's body and answers, for /api/openapi.json (FastAPI does not read the body itself:
-    it is capped and parsed by hand)."""
+    it is capped and parsed by hand).  ``clean``: the clean start's, which may also find the sender
+    running (409)."""
     def answer(description: str) -> dict[str, Any]:
         return {"description": description, "content": {"application/json": {"schema": {"type": "object"}}}}
 
+    extra = {"409": answer("the sender is not stopped: stop it first (a clean start starts a stopped sender)")} \
+        if clean else {}
     return {
         "requestBody": {"required": True, "description": "the actions take no data: {}", "content": {
             "application/json": {"schema": {"type": "object", "additionalProperties": False, "maxProperties": 0}}}},
@@ -437,6 +313,7 @@ def _action_openapi() -> dict[str, Any]:
             "413": answer(f"the body is larger than {BODY_BYTES_MAX} bytes"),
             "500": answer("the control record could not be written"),
             "503": answer("Kafka did not take the control record; try again"),
+            **extra,
         },
     }
 
@@ -495,6 +372,42 @@ def create_app(sampler: StatusSampler, token: str | None, *, loopback_only: bool
 
     queue_schema = {"enum": queue_ids} if queue_ids else {}
 
+    sender_schema = {"enum": sorted(s.id for s in cfg.gateway_senders)} if cfg.gateway_senders else {}
+
+    @app.post("/api/queues/{queue_id}/clean-start", openapi_extra=_action_openapi(clean=True))
+    async def clean_start(request: Request,
+                          queue_id: str = PathParam(json_schema_extra=sender_schema)) -> JSONResponse:
+        """Start a stopped gateway sender with its queue emptied, as ``sluice admin start SENDER --clean-queues``
+        does: what the queue holds now is dropped by its primaries, through its removals, before they send."""
+        try:
+            if kind_of(cfg, queue_id) != "gateway-sender":
+                raise InvalidRequest("queue", queue_id, "is an async event queue: a clean start is a gateway "
+                                     "sender's (Geode's start gateway-sender --clean-queues)")
+        except InvalidRequest as exc:
+            return JSONResponse(exc.to_dict(), status_code=404)
+        refused = await _empty_body(request)
+        if refused is not None:
+            return refused
+        client = request.client.host if request.client else "?"
+        try:
+            plan = await run_in_threadpool(plan_clean, cfg, queue_id, issuer(f"sluice admin serve, page at {client}"))
+        except NotStopped as exc:
+            return JSONResponse(exc.to_dict(), status_code=409)
+        except SluiceError as exc:
+            return JSONResponse(exc.to_dict(), status_code=503 if exc.retriable else 500)
+        try:
+            await run_in_threadpool(set_state, cfg, queue_id, "RUNNING", issued_by=plan.request.issued_by,
+                                    clean=plan.request)
+        except SluiceError as exc:
+            return JSONResponse(exc.to_dict(), status_code=503 if exc.retriable else 500)
+        sampler.wake()
+        events = f"{plan.events}" if plan.counted else f"up to {plan.events}"
+        return JSONResponse({"queue": queue_id, "action": "clean-start", "state": "RUNNING",
+                             "request_id": plan.request.request_id, "events": plan.events,
+                             "offsets": list(plan.request.offsets),
+                             "message": f"start with clean queues requested: {events} events queued now are dropped "
+                                        "by the sender's primaries before they send; see Clean starts"})
+
     @app.post("/api/queues/{queue_id}/{action}", openapi_extra=_action_openapi())
     async def act(request: Request, queue_id: str = PathParam(json_schema_extra=queue_schema),
                   action: str = PathParam(json_schema_extra={"enum": sorted(STATES)})) -> JSONResponse:
@@ -506,18 +419,9 @@ def create_app(sampler: StatusSampler, token: str | None, *, loopback_only: bool
             kind_of(cfg, queue_id)
         except InvalidRequest as exc:
             return JSONResponse(exc.to_dict(), status_code=404)
-        body = await _read_body(request)
-        if body is None:
-            return _refusal(413, "InvalidRequest", "body", None, f"is larger than {BODY_BYTES_MAX} bytes "
-                                                                 "(the actions take no data)")
-        try:
-            data = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            data = None
-        if data != {}:
-            shown = body.decode("utf-8", "replace")
-            return _refusal(400, "InvalidRequest", "body", shown, "must be the JSON object {} (the actions take "
-                                                                  "no data)")
+        refused = await _empty_body(request)
+        if refused is not None:
+            return refused
         try:
             await run_in_threadpool(set_state, cfg, queue_id, STATES[action], issued_by="sluice admin serve")
         except SluiceError as exc:

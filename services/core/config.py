@@ -541,6 +541,20 @@ class RegionConfig(_Model):
         900_000, ge=1, description="the largest value accepted, in bytes (under Kafka's default 1 MB message size)")
 
 
+def _refuse_persistent(value: Any) -> Any:
+    """Geode's queue persistence is not a setting here, in either direction: a queue is a Kafka topic,
+    replicated and durable whatever the file says (what Geode's persistent queue gives), and a queue held
+    in memory only (Geode's default) cannot be had.  A file that gives it is refused, whatever the value,
+    rather than have it accepted and change nothing."""
+    raise _invalid(PERSISTENT_REFUSED)
+
+
+#: Why ``persistent`` of a gateway sender or async event queue is refused.
+PERSISTENT_REFUSED = ("not supported, because a queue is a Kafka topic and always durable: it outlives every "
+                      "restart, as Geode's persistent=true queue does; Geode's default false, a queue in memory "
+                      "that a restart of every member loses, has no equivalent. Remove the setting")
+
+
 class GatewaySenderConfig(_Model):
     """A gateway sender (Geode defaults): a queue whose events go to a remote site."""
 
@@ -566,8 +580,9 @@ class GatewaySenderConfig(_Model):
         "KEY", description="how a serial queue's events are spread over its partitions: by key, by writing "
         "thread, or by the region bucket; a parallel sender cannot use THREAD",
         json_schema_extra={"geode": "order-policy"})
-    persistent: bool = Field(
-        False, description="accepted as in Geode, changes nothing: a queue is a Kafka topic, always durable",
+    persistent: bool | None = Field(
+        None, description="refused, whatever its value: a queue is a Kafka topic and always durable (Geode's "
+        "enable-persistence true); a queue kept in memory only (Geode's default false) cannot be had",
         json_schema_extra={"geode": "enable-persistence"})
     maximum_queue_memory_mb: int = Field(
         100, ge=0, description="what a sender holds in memory; beyond it, it stops reading until batches are "
@@ -600,6 +615,8 @@ class GatewaySenderConfig(_Model):
     remote: RemoteSiteConfig | None = Field(
         None, description="the remote site's Kafka cluster and topic prefix, where batches are written and acks "
         "read (Geode finds the remote site through its locators)")
+
+    _check_persistent = field_validator("persistent", mode="before")(_refuse_persistent)
 
     @field_validator("event_filters")
     @classmethod
@@ -670,8 +687,9 @@ class AsyncEventQueueConfig(_Model):
         "KEY", description="how a serial queue's events are spread over its partitions: by key, by writing "
         "thread, or by the region bucket; a parallel queue cannot use THREAD",
         json_schema_extra={"geode": "order-policy"})
-    persistent: bool = Field(
-        False, description="accepted as in Geode, changes nothing: a queue is a Kafka topic, always durable",
+    persistent: bool | None = Field(
+        None, description="refused, whatever its value: a queue is a Kafka topic and always durable (Geode's "
+        "persistent true); a queue kept in memory only (Geode's default false) cannot be had",
         json_schema_extra={"geode": "persistent"})
     maximum_queue_memory_mb: int = Field(
         100, ge=0, description="what a dispatcher holds in memory; beyond it, it stops reading until batches are "
@@ -684,6 +702,8 @@ class AsyncEventQueueConfig(_Model):
         json_schema_extra={"geode": "forward-expiration-destroy"})
     listener: ListenerConfig | None = Field(
         None, description="where the batches go", json_schema_extra={"geode": "async-event-listener"})
+
+    _check_persistent = field_validator("persistent", mode="before")(_refuse_persistent)
 
     @model_validator(mode="after")
     def _check_geode_rules(self) -> AsyncEventQueueConfig:
@@ -704,11 +724,15 @@ class ReceiverConfig(_Model):
         description="dsids whose batches are applied; batches from any other site are rejected and counted"
     )
     max_time_between_pings_ms: int = Field(
-        60000, ge=1, description="accepted as in Geode, not used: senders reach the receiver through Kafka, "
-        "with no connection to ping", json_schema_extra={"geode": "maximum-time-between-pings"})
+        60000, ge=1, description="a remote sender none of whose batches reached a receiver process for this long "
+        "is shown not connected (sluice admin status, the gauge sluice.gateway.sender.connected) until its next "
+        "batch. Senders reach the receiver through Kafka and send nothing while their queue is empty: a batch is "
+        "the ping, so an idle sender shows as not connected too",
+        json_schema_extra={"geode": "maximum-time-between-pings"})
     manual_start: bool = Field(
-        False, description="accepted as in Geode, not used: a receiver starts when its service starts",
-        json_schema_extra={"geode": "manual-start"})
+        False, description="true: receiver processes start stopped, outside the inbound topic's consumer group, "
+        "applying nothing until `sluice admin -c FILE start --receiver` (which `stop --receiver` undoes); the "
+        "control topic's last word wins over this at every start", json_schema_extra={"geode": "manual-start"})
     batch_max_age_ms: int = Field(
         86_400_000, ge=1000, description="a batch sent longer ago than this (its created_at; every send, resends "
         "included, stamps it anew) is rejected and dead-lettered, and so is one stamped later than now + "
@@ -747,7 +771,9 @@ class SubscriptionsConfig(_Model):
         100, ge=1, description="how often a client acknowledges what it received",
         json_schema_extra={"geode": "subscription-ack-interval"})
     maximum_message_count: int = Field(
-        230000, ge=1, description="accepted as in Geode, not enforced: a client's queue is a Kafka topic",
+        230000, ge=1, description="the most messages a client's queue holds that its client has not acknowledged; "
+        "an event that finds it full is not queued (counted), and the client is unregistered with an alert and "
+        "resynchronises (a durable client away finds its queue dropped: pending_event_count -1)",
         json_schema_extra={"geode": "maximum-message-count"})
     maximum_time_between_pings_ms: int = Field(
         60000, ge=1, description="a connected client silent this long is taken as crashed",

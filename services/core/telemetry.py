@@ -90,8 +90,10 @@ LISTENER_DURATION = "sluice.listener.duration"
 ALERTS = "sluice.alerts"
 EVENTS_APPLIED = "sluice.events.applied"
 BATCHES_REJECTED = "sluice.batches.rejected"
+SENDER_CONNECTED = "sluice.gateway.sender.connected"
 CLIENTS = "sluice.subscriptions.clients"
 REGISTRATIONS_REFUSED = "sluice.subscriptions.registrations_refused"
+EVENTS_NOT_QUEUED = "sluice.subscriptions.events_not_queued"
 
 #: name → (unit, description): the catalogue every service draws from.
 METRICS: dict[str, tuple[str, str]] = {
@@ -108,11 +110,16 @@ METRICS: dict[str, tuple[str, str]] = {
     FAILOVERS: ("{partition}", "Partitions (queue partitions, registry partitions) this member became primary "
                                "for that a primary had served before: a failover, a rebalance or a restart"),
     LISTENER_DURATION: ("s", "Duration of one listener call (process_events) of an async event queue"),
-    ALERTS: ("{alert}", "Alerts raised: alert-threshold of a queue, durable-client-timeout of a client"),
+    ALERTS: ("{alert}", "Alerts raised: alert-threshold of a queue, durable-client-timeout of a client, "
+                        "maximum-message-count of a client's queue"),
     EVENTS_APPLIED: ("{event}", "Events applied to a region"),
     BATCHES_REJECTED: ("{batch}", "Gateway batches refused (unknown site, bad signature)"),
+    SENDER_CONNECTED: ("{sender}", "1 while a remote gateway sender's batches reach this receiver within "
+                                   "receiver.max_time_between_pings_ms, else 0 (per source dsid and sender id)"),
     CLIENTS: ("{client}", "Subscription clients this member is primary for"),
     REGISTRATIONS_REFUSED: ("{registration}", "Client registrations refused: no token, or the wrong one"),
+    EVENTS_NOT_QUEUED: ("{event}", "Events a client's interest called for that its full queue (maximum-message-count) "
+                                   "did not take; the client is then unregistered and resynchronises"),
 }
 
 #: Histogram buckets in seconds, for batch and listener latencies (1 ms .. 60 s).

@@ -55,6 +55,8 @@ optional_bytes = st.none() | st.binary(max_size=32)
 OPERATION_SYMBOLS = next(
     f["type"]["symbols"] for f in SCHEMA_FILES["EntryEvent"]["fields"] if f["name"] == "operation"
 )
+RECEIVER_COUNTS = [f["name"] for f in next(
+    f["type"]["fields"] for f in SCHEMA_FILES["ReceiverPartitionTotals"]["fields"] if f["name"] == "carried")]
 
 
 def record_strategies(millis: st.SearchStrategy[int] = longs) -> dict[str, st.SearchStrategy[dict[str, Any]]]:
@@ -81,6 +83,7 @@ def record_strategies(millis: st.SearchStrategy[int] = longs) -> dict[str, st.Se
             "transaction": st.none() | st.fixed_dictionaries({"id": texts, "last": st.booleans()}),
         }
     )
+    receiver_counts = st.fixed_dictionaries(dict.fromkeys(RECEIVER_COUNTS, longs))
     batch_exception = st.fixed_dictionaries(
         {"index": ints, "event_id": event_id, "exception_class": texts, "message": texts}
     )
@@ -202,7 +205,14 @@ def record_strategies(millis: st.SearchStrategy[int] = longs) -> dict[str, st.Se
                 "state": st.sampled_from(["RUNNING", "PAUSED", "STOPPED"]),
                 "issued_by": texts,
                 "issued_at": millis,
+                "clean": st.none() | st.fixed_dictionaries({"request_id": texts, "offsets": st.lists(longs, max_size=4),
+                                                            "issued_by": texts, "issued_at": millis}),
             }
+        ),
+        "QueueCleanAudit": st.fixed_dictionaries(
+            {"kind": texts, "queue_id": texts, "request_id": texts, "partition": ints,
+             "state": st.sampled_from(["APPLYING", "APPLIED"]), "head_offset": longs, "cut_offset": longs,
+             "dropped": longs, "issued_by": texts, "issued_at": millis, "applied_by": texts, "applied_at": millis}
         ),
         "QueueStatus": st.fixed_dictionaries(
             {
@@ -237,6 +247,23 @@ def record_strategies(millis: st.SearchStrategy[int] = longs) -> dict[str, st.Se
                 "conflicts": longs,
                 "exceptions": longs,
                 "dead_lettered": longs,
+                "updated_at": millis,
+                "state": texts,
+                "senders": st.lists(st.fixed_dictionaries({"source_dsid": ints, "sender_id": texts,
+                                                           "last_heard_at": millis, "connected": st.booleans(),
+                                                           "batches": longs}), max_size=3),
+            }
+        ),
+        "ReceiverPartitionTotals": st.fixed_dictionaries(
+            {
+                "partition": ints,
+                "dsid": ints,
+                "offset": longs,
+                "member": texts,
+                "owned_since": millis,
+                "carried_from": texts,
+                "carried": receiver_counts,
+                "totals": receiver_counts,
                 "updated_at": millis,
             }
         ),
@@ -311,8 +338,13 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "DeadLetter": {"source_topic": "t", "source_partition": 0, "source_offset": 3, "key": b"k1",
                    "value": b"\x00", "reason": "missing marker", "error_class": "MalformedRecord",
                    "event": ENTRY_EVENT, "service": "region", "failed_at": 1_700_000_000_004},
-    "ControlRecord": {"kind": "async-event-queue", "target_id": "q", "state": "PAUSED", "issued_by": "admin",
-                      "issued_at": 1_700_000_000_005},
+    "ControlRecord": {"kind": "gateway-sender", "target_id": "q", "state": "RUNNING", "issued_by": "admin",
+                      "issued_at": 1_700_000_000_005,
+                      "clean": {"request_id": "r-1", "offsets": [12, 0, 7], "issued_by": "ops@host",
+                                "issued_at": 1_700_000_000_004}},
+    "QueueCleanAudit": {"kind": "gateway-sender", "queue_id": "q", "request_id": "r-1", "partition": 2,
+                        "state": "APPLIED", "head_offset": 3, "cut_offset": 7, "dropped": 4, "issued_by": "ops@host",
+                        "issued_at": 1_700_000_000_004, "applied_by": "a-sender-1", "applied_at": 1_700_000_000_006},
     "QueueStatus": {"kind": "async-event-queue", "queue_id": "q", "partition": 3, "primary": "m-1",
                     "state": "running", "batches_dispatched": 10, "events_dispatched": 1000, "redeliveries": 2,
                     "events_conflated": 0, "dead_lettered": 1, "last_removed_offset": 999, "in_flight": 1,
@@ -340,7 +372,13 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "ReceiverStatus": {"member": "b-receiver-1", "dsid": 2, "partitions": [0, 3], "batches": 40,
                        "duplicate_batches": 2, "rejected_batches": 1, "bad_signatures": 0, "events_applied": 3990,
                        "events_duplicate": 10, "conflicts": 3, "exceptions": 1, "dead_lettered": 1,
-                       "updated_at": 1_700_000_000_007},
+                       "updated_at": 1_700_000_000_007, "state": "running",
+                       "senders": [{"source_dsid": 1, "sender_id": "to-b", "last_heard_at": 1_700_000_000_006,
+                                    "connected": True, "batches": 40}]},
+    "ReceiverPartitionTotals": {"partition": 3, "dsid": 2, "offset": 41, "member": "b-receiver-2",
+                                "owned_since": 1_700_000_000_001, "carried_from": "b-receiver-1",
+                                "carried": dict.fromkeys(RECEIVER_COUNTS, 1),
+                                "totals": dict.fromkeys(RECEIVER_COUNTS, 2), "updated_at": 1_700_000_000_014},
 }
 
 
@@ -662,8 +700,10 @@ def test_encoding_under_an_unknown_schema_name_is_refused() -> None:
 def _with_defaults_of_new_fields(name: str, record: Any) -> Any:
     """The sample as an older writer could have written it: fields added since at their defaults."""
     added = {"EntryEvent": {"transaction": None}, "QueueStatus": {"last_accepted_at": 0, "waiting": 0},
+             "ControlRecord": {"clean": None},
              "FillCheckpoint": {"queues": None}, "GatewayAck": {"last_batch_id": -1, "batch_versions": []},
              "QueuedEvent": {"flags": 0}, "RegionInstance": {"standbys": []},
+             "ReceiverStatus": {"state": "running", "senders": []},
              "GatewayBatch": {"event_bodies": [], "duplicate_events": [], "visited_added": {}, "traceparents": []}}
     out = {**record, **added.get(name, {})}
     if name == "QueuedEvent":

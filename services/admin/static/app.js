@@ -107,6 +107,10 @@ function fmtCount(v) {
   return v === null || v === undefined ? "—" : Number(v).toLocaleString("en");
 }
 
+function fmtDateTime(ms) {
+  return ms ? new Date(ms).toLocaleString("en-GB") : "—";
+}
+
 function fmtClock(ms) {
   return ms ? new Date(ms).toLocaleTimeString("en-GB") : "—";
 }
@@ -265,8 +269,8 @@ function render(data) {
   document.getElementById("receivers-section").hidden = data.receivers.length === 0 && !sectionErrors.receivers;
   fillTable(document.getElementById("receivers-table"), [
     { title: "receiver", value: (r) => r.member },
-    { title: "state", value: (r) => r.age_s < 30 ? "running" : "no report for " + fmtAge(r.age_s),
-      cls: (r) => r.age_s < 30 ? "state-running" : "state-stale" },
+    { title: "state", value: (r) => r.age_s < 30 ? (r.state || "running") : "no report for " + fmtAge(r.age_s),
+      cls: (r) => r.age_s < 30 && r.state !== "stopped" ? "state-running" : "state-stale" },
     { title: "partitions", value: (r) => r.partitions.join(",") || "—" },
     { title: "batches", value: (r) => fmtCount(r.batches), num: true },
     { title: "duplicate batches", value: (r) => fmtCount(r.duplicate_batches), num: true },
@@ -277,12 +281,29 @@ function render(data) {
     { title: "conflicts lost", value: (r) => fmtCount(r.conflicts), num: true },
     { title: "refused events", value: (r) => fmtCount(r.exceptions), num: true },
   ], data.receivers, (r) => ({ "data-receiver": r.member }), cannotRead("receivers", none("no receiver has reported")));
+  const site = data.receiver_totals;
+  const partitionRows = (data.receiver_partitions || []).concat(site ? [{ site: true, totals: site }] : []);
+  fillTable(document.getElementById("receiver-partitions-table"), [
+    { title: "partition", value: (p) => p.site ? "site" : String(p.partition) },
+    { title: "figures by", value: (p) => p.site ? "" : p.member || "—" },
+    { title: "taken over from", value: (p) => p.site ? "" : p.carried_from || "—" },
+    { title: "batches", value: (p) => fmtCount(p.totals.batches), num: true },
+    { title: "duplicate batches", value: (p) => fmtCount(p.totals.duplicate_batches), num: true },
+    { title: "rejected", value: (p) => fmtCount(p.totals.rejected_batches), num: true },
+    { title: "events applied", value: (p) => fmtCount(p.totals.events_applied), num: true },
+    { title: "of them recovered", value: (p) => fmtCount(p.totals.events_recovered), num: true },
+    { title: "repeats discarded", value: (p) => fmtCount(p.totals.events_duplicate), num: true },
+    { title: "conflicts lost", value: (p) => fmtCount(p.totals.conflicts), num: true },
+    { title: "refused events", value: (p) => fmtCount(p.totals.exceptions), num: true },
+  ], partitionRows, (p) => ({ "data-inbound-partition": p.site ? "site" : p.partition }),
+  cannotRead("receiver_partitions", none("no inbound partition")));
 
   const nowMs = data.sampled_at_ms || Date.now();
   fillTable(document.getElementById("clients-table"), [
     { title: "client", value: (c) => c.client_id },
     { title: "durable", value: (c) => c.durable ? "yes" : "no" },
-    { title: "connection", value: (c) => (c.connected ? "connected since " : "away since ") + fmtClock(c.since_ms) +
+    { title: "connection", value: (c) => c.dropped ? "queue dropped at " + fmtClock(c.since_ms) + " (" + c.dropped + ")" :
+        (c.connected ? "connected since " : "away since ") + fmtClock(c.since_ms) +
         (c.connected ? "" : " (" + fmtAge((nowMs - c.since_ms) / 1000) + ")"),
       cls: (c) => c.connected ? "state-running" : "state-stale" },
     { title: "primary", value: (c) => c.primary },
@@ -294,6 +315,23 @@ function render(data) {
     { title: "repeats discarded", value: (c) => fmtCount(c.repeats), num: true },
     { title: "interest", value: (c) => c.interest, wrap: true },
   ], data.clients, (c) => ({ "data-client": c.client_id }), cannotRead("clients", none("no subscription client")));
+
+  // Clean starts (start --clean-queues): who asked, when, and what each partition's primary dropped.
+  const cleans = data.cleans || [];
+  document.getElementById("cleans-section").hidden = cleans.length === 0 && !sectionErrors.cleans;
+  const appliedBy = (c) => [...new Set(c.partitions.map((p) => p.applied_by).filter(Boolean))].join(", ") || "—";
+  fillTable(document.getElementById("cleans-table"), [
+    { title: "sender", value: (c) => c.queue_id },
+    { title: "asked by", value: (c) => c.issued_by || "—", wrap: true },
+    { title: "asked at", value: (c) => fmtDateTime(c.issued_at) },
+    { title: "applied", value: (c) => c.applied + "/" + c.partitions.length, num: true,
+      cls: (c) => c.applied < c.partitions.length ? "state-stale" : "" },
+    { title: "events dropped", value: (c) => fmtCount(c.dropped), num: true },
+    { title: "per partition (events dropped)", wrap: true,
+      value: (c) => c.partitions.map((p) => p.partition + ": " + (p.dropped === null ? p.state : p.dropped)).join(", ") },
+    { title: "applied by", value: appliedBy, wrap: true },
+  ], cleans, (c) => ({ "data-clean": c.request_id, "data-queue": c.queue_id, "data-dropped": c.dropped }),
+  cannotRead("cleans", none("no clean start")));
 
   renderCharts(data, ids);
 }
@@ -323,12 +361,27 @@ function actionButtons(actions, queue) {
     button.addEventListener("click", () => act(queue.id, action));
     box.appendChild(button);
   }
+  if (queue.kind === "gateway-sender") {
+    // Geode's start gateway-sender --clean-queues: for a stopped sender only (the server checks too).
+    const button = document.createElement("button");
+    button.type = "button";
+    button.textContent = "start, clean queue";
+    button.dataset.action = "clean-start";
+    button.dataset.queue = queue.id;
+    button.disabled = states.has("running") || states.has("paused");
+    button.title = "drop every event queued now, then start (stop the sender first)";
+    button.addEventListener("click", () => act(queue.id, "clean-start", queue.size));
+    box.appendChild(button);
+  }
   return box;
 }
 
-async function act(queueId, action) {
+async function act(queueId, action, queued) {
   if (action === "stop" && !confirm("Stop " + queueId + "? Its dispatchers stop and close the listener " +
                                     "(nothing is dropped; start resumes).")) return;
+  if (action === "clean-start" && !confirm("Drop every event queued in " + queueId + " (" + fmtCount(queued) +
+                                           " at the last sample) and start it? The events are not sent, and " +
+                                           "this cannot be undone; events written from now on are kept.")) return;
   const result = document.getElementById("action-result");
   result.textContent = action + " " + queueId + "…";
   try {
