@@ -87,6 +87,11 @@ class AsyncEvent:
 
     __slots__ = ("_queue_id", "_partition", "_offset", "_duplicate", "_event", "_body", "_head", "_error", "_size")
 
+    #: False for an event the remote site applies without firing callbacks (Geode's generateCallbacks):
+    #: an entry wan-copy region queued for a gateway sender.  A class attribute: such events are
+    #: ``queueloop.CopiedEvent``s, so reading a record costs nothing more.
+    generate_callbacks = True
+
     def __init__(self, event: EntryEvent, queue_id: str, partition: int, offset: int,
                  possible_duplicate: bool) -> None:
         """An event already decoded (listeners' tests, filters at enqueue)."""

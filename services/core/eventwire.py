@@ -58,6 +58,9 @@ INT_MIN, INT_MAX = -(2**31), 2**31 - 1
 FLAG_POSSIBLE_DUPLICATE = 1
 #: QueuedEvent ``flags``: the gateway loop check (origin, visited sites) was done when it was queued.
 FLAG_ROUTED = 2
+#: QueuedEvent ``flags``: the remote site fires no callbacks for the event (Geode's generateCallbacks
+#: false): an entry wan-copy region queued for one gateway sender (region/wancopy.py).
+FLAG_NO_CALLBACKS = 4
 
 # --- writing ---------------------------------------------------------------------------------
 
@@ -384,6 +387,10 @@ class QueuedView:
     def routed(self) -> bool:
         return bool(self.flags & FLAG_ROUTED)
 
+    @property
+    def generate_callbacks(self) -> bool:
+        return not self.flags & FLAG_NO_CALLBACKS
+
 
 def read_queued(codec: Codec, data: bytes | None) -> QueuedView:
     """A queue record's fields and event body; ``CodecError`` when it is not a QueuedEvent.
@@ -410,7 +417,7 @@ def read_queued(codec: Codec, data: bytes | None) -> QueuedView:
                       record["enqueued_at"], entry_event_body(event))
 
 
-__all__ = ["FLAG_POSSIBLE_DUPLICATE", "FLAG_ROUTED", "EntryLayout", "QueuedView", "decode_entry",
+__all__ = ["FLAG_NO_CALLBACKS", "FLAG_POSSIBLE_DUPLICATE", "FLAG_ROUTED", "EntryLayout", "QueuedView", "decode_entry",
            "entry_event_body", "entry_region_key", "queued_event", "read_long", "read_queued", "splice_entry",
            "string", "varint", "varint32"]
 
@@ -424,17 +431,23 @@ __all__ = ["FLAG_POSSIBLE_DUPLICATE", "FLAG_ROUTED", "EntryLayout", "QueuedView"
 # receiver reads one down to its bodies (``read_gateway_batch``), routes each by its key
 # (``entry_region_key``) and hands the region's bucket owners the record, or a record of the events
 # each owns, again as bytes; only the owner decodes an event, and it merges the sender's changes in
-# (``visited_after``).  A receiver that has not said it reads version 3 (GatewayAck.batch_versions)
-# gets version 2, events as records with the changes spliced in (``gateway_batch_v2``).
+# (``visited_after``).  Version 4 adds the indexes of the events that fire no callbacks on the
+# receiving site (``no_callback_events``: wan-copy's entries).  A receiver that has not said it reads
+# version 4 (GatewayAck.batch_versions) gets version 3, without them; one that has not said it reads
+# version 3 gets version 2, events as records with the changes spliced in (``gateway_batch_v2``).
 
 #: The GatewayBatch versions this release reads (GatewayAck.batch_versions): 1 and 2 carry their
-#: events as records, 3 as queued bodies.
-BATCH_VERSIONS_READ = (1, 2, 3)
-#: The version of the current GatewayBatch schema, the first whose events travel as bodies.
+#: events as records, 3 and 4 as queued bodies.
+BATCH_VERSIONS_READ = (1, 2, 3, 4)
+#: The first GatewayBatch version whose events travel as bodies.
 BATCH_VERSION_BODIES = 3
+#: The version of the current GatewayBatch schema: version 3 and ``no_callback_events``.
+BATCH_VERSION_CALLBACKS = 4
 #: The single-object header of GatewayBatch version 2 (``avro/history/GatewayBatch.v2.avsc``): the
 #: schema is frozen, so its fingerprint is too (a unit test checks it against the file).
 GATEWAY_BATCH_V2_HEADER = b"\xc3\x01" + bytes.fromhex("caf45773c95cd177")
+#: The single-object header of GatewayBatch version 3 (``avro/history/GatewayBatch.v3.avsc``), frozen too.
+GATEWAY_BATCH_V3_HEADER = b"\xc3\x01" + bytes.fromhex("d1397a0613676b89")
 #: An EventID for an event whose body does not say its own (damaged): no real one has negative ids.
 UNKNOWN_EVENT_ID = EventID("", -1, -1)
 
@@ -462,6 +475,8 @@ class BatchView:
     traceparents: tuple[str, ...]
     #: Written with the current schema (else an older version, read through schema resolution).
     current: bool
+    #: The indexes of the events that fire no callbacks here (wan-copy's entries; version 4 on).
+    no_callback_events: frozenset[int] = frozenset()
 
     def events(self) -> list[EntryEvent]:
         """Every event as the receiving site applies it (``batch_event``); ``MalformedRecord`` for a
@@ -528,9 +543,11 @@ def gateway_batch(header: bytes, *, sender_id: str, source_dsid: int, target_dsi
                   batch_id: int, first_offset: int, last_offset: int, possible_duplicate: bool, created_at: int,
                   bodies: Sequence[bytes], duplicate_events: Sequence[int] = (),
                   visited_added: Mapping[str, Sequence[int]] | None = None,
-                  traceparents: Sequence[str] = ()) -> bytes:
+                  traceparents: Sequence[str] = (), no_callback_events: Sequence[int] | None = ()) -> bytes:
     """A GatewayBatch of the current version (``header``: ``codec.header("GatewayBatch")``) carrying
-    ``bodies`` as they are, byte for byte what fastavro writes of the same record."""
+    ``bodies`` as they are, byte for byte what fastavro writes of the same record.  With
+    ``no_callback_events`` None, a batch of version 3 (``header``: ``GATEWAY_BATCH_V3_HEADER``), for a
+    receiver that does not read version 4."""
     parts = [header, _batch_head(sender_id, source_dsid, target_dsid, queue_partition, batch_id, first_offset,
                                  last_offset, possible_duplicate, created_at),
              b"\x00\x00"]  # events: none as records; signature: null
@@ -551,6 +568,8 @@ def gateway_batch(header: bytes, *, sender_id: str, source_dsid: int, target_dsi
         parts.append(varint(len(traceparents)))
         parts.extend(string(t) for t in traceparents)
     parts.append(b"\x00")
+    if no_callback_events is not None:
+        parts.append(_int_array(tuple(no_callback_events)))
     return b"".join(parts)
 
 
@@ -589,7 +608,7 @@ def read_gateway_batch(codec: Codec, data: bytes | None) -> BatchView:
                      record["possible_duplicate"], record["created_at"], tuple(bodies),
                      frozenset(record["duplicate_events"]),
                      {r: tuple(d) for r, d in record["visited_added"].items()}, tuple(record["traceparents"]),
-                     current=False)
+                     current=False, no_callback_events=frozenset(record["no_callback_events"]))
 
 
 def _read_count(buf: bytes, pos: int) -> tuple[int, int]:
@@ -645,10 +664,12 @@ def _read_batch(buf: bytes, pos: int) -> BatchView:
     pairs, pos = _read_items(buf, pos, _visited_added_pair)
     added: dict[str, tuple[int, ...]] = dict(pairs)
     traces, pos = _read_items(buf, pos, _read_string)
+    quiet, pos = _read_int_array(buf, pos, "GatewayBatch.no_callback_events")
     if pos != len(buf):
         raise MalformedRecord(f"GatewayBatch body has {len(buf) - pos} trailing bytes")
     return BatchView(sender_id, source, target, partition, batch_id, first, last, duplicate, created,
-                     tuple(bodies), frozenset(flags), added, tuple(traces), current=True)
+                     tuple(bodies), frozenset(flags), added, tuple(traces), current=True,
+                     no_callback_events=frozenset(quiet))
 
 
 def entry_event_id(body: bytes, pos: int = 0) -> EventID:
@@ -673,7 +694,8 @@ def entry_event_id(body: bytes, pos: int = 0) -> EventID:
     return EventID(member, thread, sequence)
 
 
-__all__ += ["BATCH_VERSIONS_READ", "BATCH_VERSION_BODIES", "GATEWAY_BATCH_V2_HEADER", "UNKNOWN_EVENT_ID", "BatchView",
+__all__ += ["BATCH_VERSIONS_READ", "BATCH_VERSION_BODIES", "BATCH_VERSION_CALLBACKS", "GATEWAY_BATCH_V2_HEADER",
+            "GATEWAY_BATCH_V3_HEADER", "UNKNOWN_EVENT_ID", "BatchView",
             "batch_event", "batch_event_body", "entry_event_id", "gateway_batch", "gateway_batch_v2",
             "read_gateway_batch", "visited_after"]
 

@@ -82,6 +82,7 @@ from .control import ControlFollower
 from .errors import CodecError, MalformedRecord
 from .events import EntryEvent, EventID
 from .eventwire import (
+    FLAG_NO_CALLBACKS,
     FLAG_POSSIBLE_DUPLICATE,
     FLAG_ROUTED,
     decode_entry,
@@ -147,6 +148,15 @@ class TracedEvent(AsyncEvent):
 
     def _identity(self) -> tuple[Any, ...]:
         return (*super()._identity(), self._traceparent)
+
+
+class CopiedEvent(AsyncEvent):
+    """An entry wan-copy region queued for a gateway sender (QueuedEvent flag ``FLAG_NO_CALLBACKS``):
+    the remote site applies it and fires no callbacks for it, as Geode's copied events carry
+    generateCallbacks false.  It carries no trace context (the copy is no client's operation)."""
+
+    __slots__ = ()
+    generate_callbacks = False
 
 
 def event_traceparent(event: AsyncEvent) -> bytes | None:
@@ -684,9 +694,11 @@ class QueuePrimary:
                 continue
             flags, body = read
             duplicate = bool(flags & FLAG_POSSIBLE_DUPLICATE) or offset < part.duplicate_below
-            if tracing:
-                event: AsyncEvent = TracedEvent.of_body(body, queue_id, partition, offset, duplicate,
-                                                        telemetry.header(msg.headers(), telemetry.TRACEPARENT))
+            if flags & FLAG_NO_CALLBACKS:
+                event: AsyncEvent = CopiedEvent.of_body(body, queue_id, partition, offset, duplicate)
+            elif tracing:
+                event = TracedEvent.of_body(body, queue_id, partition, offset, duplicate,
+                                            telemetry.header(msg.headers(), telemetry.TRACEPARENT))
             else:
                 event = AsyncEvent.of_body(body, queue_id, partition, offset, duplicate)
             try:

@@ -1048,7 +1048,9 @@ class ReceiverService:
                              possible_duplicate=batch.possible_duplicate, created_at=batch.created_at,
                              bodies=[batch.bodies[i] for i in part],
                              duplicate_events=sorted(positions[i] for i in batch.duplicate_events if i in positions),
-                             visited_added=batch.visited_added, traceparents=handed)
+                             visited_added=batch.visited_added, traceparents=handed,
+                             no_callback_events=sorted(positions[i] for i in batch.no_callback_events
+                                                       if i in positions))
 
     def _client_of(self) -> BatchClient:
         client = self._client

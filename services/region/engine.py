@@ -325,6 +325,9 @@ class Operation:
     #: Kafka headers for the event's changelog and queue records (its W3C
     #: ``traceparent``); None when tracing is off.
     trace: list[tuple[str, bytes]] | None = None
+    #: For ``Op.REMOTE``: False when the sending site said the event fires no callbacks here (an
+    #: entry it copied with wan-copy region): applied and written to the changelog, queued nowhere.
+    generate_callbacks: bool = True
 
 
 @dataclass(slots=True)
@@ -718,7 +721,7 @@ class RegionEngine:
                 written.add(slot)
                 if op.transaction is None:
                     body = op.remote_body if outcome is op.remote else None
-                    changelog, queued = self._builder.records(outcome, op.trace, body)
+                    changelog, queued = self._builder.records(outcome, op.trace, body, op.generate_callbacks)
                     window.add(slot, ob.checkpoint, changelog, queued)
                 else:
                     grouped.append((result, ob, op.transaction))

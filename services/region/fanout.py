@@ -69,7 +69,15 @@ from typing import Any, Callable
 from ..core.codec import Codec
 from ..core.errors import BrokerUnavailable, OwnershipUnconfirmed, SluiceError
 from ..core.events import EntryEvent, Operation, goes_to_async_queue, goes_to_gateway
-from ..core.eventwire import FLAG_POSSIBLE_DUPLICATE, FLAG_ROUTED, entry_event_body, queued_event, string, varint
+from ..core.eventwire import (
+    FLAG_NO_CALLBACKS,
+    FLAG_POSSIBLE_DUPLICATE,
+    FLAG_ROUTED,
+    entry_event_body,
+    queued_event,
+    string,
+    varint,
+)
 from ..core.kafka import (
     KafkaError,
     KafkaException,
@@ -221,14 +229,17 @@ class RecordBuilder:
         self._entry_header = codec.header("EntryEvent")
 
     def records(self, event: EntryEvent, headers: list[tuple[str, bytes]] | None = None,
-                body: bytes | None = None) -> tuple[Record, list[Record]]:
+                body: bytes | None = None, generate_callbacks: bool = True) -> tuple[Record, list[Record]]:
         """The changelog record and the queue records of a new event.  ``headers`` (its trace
         context) go on every record; ``body``, when given, is the event's EntryEvent body (another
-        site's event as it came: spliced, not encoded again)."""
+        site's event as it came: spliced, not encoded again).  ``generate_callbacks`` False (another
+        site's wan-copy): the changelog record alone, queued nowhere."""
         key = event.key.encode("utf-8")
         if body is None:
             body = entry_event_body(event)
         changelog = (self._changelog_topics[event.region], event.bucket, key, self._entry_header + body, headers)
+        if not generate_callbacks:
+            return changelog, []
         return changelog, self._queued(event, key, body, -1, headers)
 
     def requeued(self, event: EntryEvent, offset: int) -> list[Record]:
@@ -244,8 +255,9 @@ class RecordBuilder:
         possibleDuplicate event of this site; the caller has left out what the loop check would (an
         entry the sender's remote site wrote), and nothing of it goes to the changelog or other queues."""
         key = event.key.encode("utf-8")
-        return self._record(target, event, key, entry_event_body(event), FLAG_POSSIBLE_DUPLICATE, -1,
-                            int(time.time() * 1000), None)
+        # Flagged no callbacks: the remote site applies it and fires none (Geode's generateCallbacks false).
+        return self._record(target, event, key, entry_event_body(event),
+                            FLAG_POSSIBLE_DUPLICATE | FLAG_NO_CALLBACKS, -1, int(time.time() * 1000), None)
 
     def _queued(self, event: EntryEvent, key: bytes, body: bytes, offset: int,
                 headers: list[tuple[str, bytes]] | None) -> list[Record]:

@@ -31,6 +31,12 @@ Nothing on the way decodes an event; the owner does, once, here:
 An event applied as it came (no conflict resolver changed it) is written to
 the changelog and the queues as that body, spliced, not encoded again
 (``Operation.remote_body``).
+
+An event the batch says fires no callbacks (``no_callback_events``: an entry
+another site copied with wan-copy region, Geode's generateCallbacks false)
+is applied to the region and its changelog, which subscription clients
+follow, and queued for none of the region's async event queues and gateway
+senders: no listener hears of it, and it goes to no other site.
 """
 
 from __future__ import annotations
@@ -88,7 +94,8 @@ async def apply_batch(service: RegionService, data: bytes) -> dict[str, Any]:
             continue
         trace = traces[i] if i < len(traces) else ""
         ops.append(Operation(Op.REMOTE, event.region, event.key, remote=event, remote_body=body,
-                             trace=[(telemetry.TRACEPARENT, trace.encode())] if trace else None))
+                             trace=[(telemetry.TRACEPARENT, trace.encode())] if trace else None,
+                             generate_callbacks=i not in view.no_callback_events))
         where.append(i)
     applied = duplicates = conflicts = skipped = 0
     last: tuple[int, EventID] | None = None

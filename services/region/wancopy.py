@@ -45,13 +45,11 @@ that ``sluice pipeline reconcile --repair`` makes) sends a tombstone as a
 DESTROY with its version.  Entries the sender's remote site wrote are never
 copied to it (the loop check; the remote site refuses its own events anyway).
 
-What Geode does and this does not: Geode's copied events carry "generate
-callbacks: false", so the remote site fires no cache listener and forwards
-them to no other site.  A Sluice event has no such field (``EntryEvent``;
-the queue record and the gateway batch carry its body untouched), so the
-remote site applies a copy as any other gateway event: its async event
-queues and subscription clients hear of it, and its own senders forward it
-to the sites it has not visited.
+Like Geode's, a copy fires no callbacks at the remote site (Geode's
+"generate callbacks: false"): its queue records carry ``FLAG_NO_CALLBACKS``,
+the sender lists those events in the batch (GatewayBatch
+``no_callback_events``), and the remote site applies them to its region and
+changelog and queues them for none of its async event queues and senders.
 """
 
 from __future__ import annotations

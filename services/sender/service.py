@@ -16,12 +16,13 @@ is a round trip to the remote site, through Kafka only:
    sender changes beside them: which are possibleDuplicate, and per region
    the sites to add to their ``visited_dsids`` (this site and every site the
    region's senders send to), so that the receiving site forwards them
-   nowhere those already get them from here.  A receiver says in its acks
+   nowhere those already get them from here, and (version 4) which fire no
+   callbacks there (entries wan-copy region queued).  A receiver says in its acks
    which versions it reads (``batch_versions``), and acks come on the
    inbound partition of their batch: until the latest ack on an inbound
    partition (another sender's too: the ack thread starts at each
    partition's last record, so a sender knows before it sends) has said its
-   receiver reads version 3, and again after an ack timeout (a receiver
+   receiver reads version 3 (version 4 once it says so), and again after an ack timeout (a receiver
    rolled back to a release that does not read it dead-letters such a batch
    and never acknowledges it), batches go to that partition as version 2,
    the events as records with those changes spliced in
@@ -86,6 +87,8 @@ from ..core.errors import BadSignature, CodecError, ConfigError, MalformedRecord
 from ..core.events import EntryEvent, goes_to_gateway
 from ..core.eventwire import (
     BATCH_VERSION_BODIES,
+    BATCH_VERSION_CALLBACKS,
+    GATEWAY_BATCH_V3_HEADER,
     decode_entry,
     gateway_batch,
     gateway_batch_v2,
@@ -357,7 +360,9 @@ class GatewaySenderService(QueuePrimary):
 
     def _take_versions(self, inbound_partition: int, ack: dict[str, Any]) -> None:
         """The batch version to write to an inbound partition, from its receiver's ack (under _acked)."""
-        version = BATCH_VERSION_BODIES if BATCH_VERSION_BODIES in ack["batch_versions"] else BATCH_VERSION_RECORDS
+        versions = ack["batch_versions"]
+        version = (BATCH_VERSION_CALLBACKS if BATCH_VERSION_CALLBACKS in versions
+                   else BATCH_VERSION_BODIES if BATCH_VERSION_BODIES in versions else BATCH_VERSION_RECORDS)
         if self._batch_versions.get(inbound_partition, BATCH_VERSION_RECORDS) != version:
             log.info("sender %s: the receiver of dsid %d's inbound partition %d reads GatewayBatch version %d; "
                      "batches go to it as version %d", self.queue_id, self.remote_dsid, inbound_partition, version,
@@ -621,9 +626,13 @@ class GatewaySenderService(QueuePrimary):
             "created_at": int(time.time() * 1000),
         }
         if version >= BATCH_VERSION_BODIES:
-            value = gateway_batch(self._batch_header, **fields, bodies=[e.body for e in events],
+            # A receiver of version 3 applies wan-copy's entries as any other (it cannot be told otherwise).
+            quiet = ([i for i, e in enumerate(events) if not e.generate_callbacks]
+                     if version >= BATCH_VERSION_CALLBACKS else None)
+            value = gateway_batch(self._batch_header if quiet is not None else GATEWAY_BATCH_V3_HEADER, **fields,
+                                  bodies=[e.body for e in events],
                                   duplicate_events=[i for i, e in enumerate(events) if e.possible_duplicate],
-                                  visited_added=self._visited_added)
+                                  visited_added=self._visited_added, no_callback_events=quiet)
         else:
             value = gateway_batch_v2(**fields, bodies=[self._outgoing(e, resend) for e in events])
         spans, headers = self._send_spans(part, batch, events) if self._tracing else ([], None)

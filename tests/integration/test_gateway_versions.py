@@ -9,7 +9,8 @@ site is upgraded before the other:
   it, and says in its ack which versions it reads;
 * today's sender writes version 2 until its receiver says it reads version 3
   (a receiver of the release before says nothing: its acks have no
-  ``batch_versions``), and version 3 once it has; a queue holding records of
+  ``batch_versions``), version 3 while it says it reads no later one, and
+  version 4 (``no_callback_events``) once it has; a queue holding records of
   the QueuedEvent version before is read and sent like any other.  Every
   event lands at the remote site with the same visited sites either way.
 """
@@ -29,7 +30,12 @@ from fastavro.schema import fingerprint, to_parsing_canonical_form
 from sluice.client import RegionClient
 from sluice.core.codec import MARKER, get_codec, schema_dir
 from sluice.core.events import EntryEvent, EventID
-from sluice.core.eventwire import BATCH_VERSIONS_READ, GATEWAY_BATCH_V2_HEADER, read_gateway_batch
+from sluice.core.eventwire import (
+    BATCH_VERSIONS_READ,
+    GATEWAY_BATCH_V2_HEADER,
+    GATEWAY_BATCH_V3_HEADER,
+    read_gateway_batch,
+)
 from sluice.core.kafka import partition_for_key
 from sluice.core.processes import ReceiverProcess, RegionProcess, SenderProcess
 
@@ -121,9 +127,10 @@ def test_a_sender_writes_version_2_until_its_receiver_says_it_reads_version_3(si
     inbound, acks = cfg_b.topics.gateway_inbound(), cfg_b.topics.gateway_acks()
     handled: set[tuple[int, bytes]] = set()
 
-    def play_old_receiver(client: RegionClient, keys: list[str]) -> list[bytes]:
+    def play_old_receiver(client: RegionClient, keys: list[str], reads: list[int] | None = None) -> list[bytes]:
         """Apply and acknowledge, as a receiver of the release before, every batch until ``keys`` are all
-        acknowledged; the headers of the batches it took."""
+        acknowledged; the headers of the batches it took.  With ``reads``, as a receiver that reads those
+        batch versions (acks of today's version saying so)."""
         acked: set[str] = set()
         headers_seen: list[bytes] = []
         end = time.monotonic() + 60
@@ -135,19 +142,21 @@ def test_a_sender_writes_version_2_until_its_receiver_says_it_reads_version_3(si
                 handled.add((partition, value))
                 assert _verifier("a", 1).signer(value, headers) == 1
                 headers_seen.append(value[:10])
-                batch = codec.decode_as("GatewayBatch", value)
-                answer = client.apply_remote("orders", [EntryEvent.from_record(e) for e in batch["events"]],
-                                             outcomes="all")
+                view = read_gateway_batch(codec, value)
+                events = view.events()
+                answer = client.apply_remote("orders", events, outcomes="all")
                 assert answer["failed"] == 0, answer
-                ack = _written_with("GatewayAck", 2, {
+                fields = {
                     "sender_id": "to-b", "source_dsid": 1, "receiver_dsid": 2,
-                    "queue_partition": batch["queue_partition"], "batch_id": batch["batch_id"],
-                    "last_applied_index": len(batch["events"]) - 1,
-                    "last_applied_event_id": batch["events"][-1]["event_id"], "duplicate_batch": False,
-                    "exceptions": [], "acked_at": int(time.time() * 1000), "last_batch_id": batch["batch_id"]})
-                key = f"1/to-b/{batch['queue_partition']}".encode()
+                    "queue_partition": view.queue_partition, "batch_id": view.batch_id,
+                    "last_applied_index": len(events) - 1,
+                    "last_applied_event_id": events[-1].event_id.to_record(), "duplicate_batch": False,
+                    "exceptions": [], "acked_at": int(time.time() * 1000), "last_batch_id": view.batch_id}
+                ack = (_written_with("GatewayAck", 2, fields) if reads is None
+                       else codec.encode("GatewayAck", {**fields, "batch_versions": reads}))
+                key = f"1/to-b/{view.queue_partition}".encode()
                 _produce(site_a.bootstrap, acks, [(partition, key, ack, _signer("b", 2).headers(ack))])
-                acked.update(e["key"] for e in batch["events"])
+                acked.update(e.key for e in events)
             time.sleep(0.2)
         return headers_seen
 
@@ -172,19 +181,29 @@ def test_a_sender_writes_version_2_until_its_receiver_says_it_reads_version_3(si
         assert set(play_old_receiver(client, [e["key"] for e in second])) == {GATEWAY_BATCH_V2_HEADER}, \
             "an ack without batch_versions must keep the sender on version 2"
 
+        # A receiver that reads versions up to 3: once it has said so, version 3 (no_callback_events unsaid).
+        told = [_event(f"tell-v3-{i}", 40 + i) for i in range(2)]
+        _enqueue(site_a.bootstrap, cfg_a, 0, told)
+        play_old_receiver(client, [e["key"] for e in told], reads=[1, 2, 3])
+        _wait("the sender hearing version 3", lambda: "reads GatewayBatch version 3" in sender.log_tail(200_000))
+        v3 = [_event(f"v3rx-{i}", 50 + i) for i in range(3)]
+        _enqueue(site_a.bootstrap, cfg_a, 0, v3)
+        assert set(play_old_receiver(client, [e["key"] for e in v3], reads=[1, 2, 3])) == \
+            {GATEWAY_BATCH_V3_HEADER}, "a receiver reading up to version 3 must get version 3"
+
         procs.append(ReceiverProcess(path_b, tmp_path / "receiver-b.log"))
         _enqueue(site_a.bootstrap, cfg_a, 0, [_event("to-new-rx", 20)])
-        _wait("the sender hearing version 3", lambda: "reads GatewayBatch version 3" in sender.log_tail(200_000))
+        _wait("the sender hearing version 4", lambda: "reads GatewayBatch version 4" in sender.log_tail(200_000))
         third = [_event(f"v3-{i}", 30 + i) for i in range(5)]
         _enqueue(site_a.bootstrap, cfg_a, 0, third)
-        keys = [e["key"] for e in first + second + third] + ["to-new-rx"]
+        keys = [e["key"] for e in first + second + told + v3 + third] + ["to-new-rx"]
         _wait("every event at b", lambda: all(e is not None for e in client.get_all("orders", keys).values()))
 
         carried: dict[str, bytes] = {}
         for _, value, _ in _read(site_a.bootstrap, inbound, INBOUND_PARTITIONS):
             for event in read_gateway_batch(codec, value).events():
                 carried.setdefault(event.key, value[:10])
-        assert {carried[e["key"]] for e in third} == {codec.header("GatewayBatch")}, "not sent as version 3"
+        assert {carried[e["key"]] for e in third} == {codec.header("GatewayBatch")}, "not sent as version 4"
         changelog = _changelog(site_a.bootstrap, cfg_b)
         assert {r["key"]: (r["visited_dsids"], r["origin_dsid"]) for r in changelog} == \
             {k: ([2], 1) for k in keys}, "the visited sites differ between versions"

@@ -5,7 +5,10 @@
    on two instances), and ``sluice admin wan-copy --wait`` copies A's
    entries through it, each instance those of the buckets it owns.  B ends equal to A, key by key (value and version tag), B's changelog
    holds no EventID twice, and every entry B holds came through the copy or
-   the live stream.  The figures (entries, time, rate) are printed.
+   the live stream.  The copied entries fire no callbacks at B (Geode's
+   generateCallbacks false): B's async event queue and its gateway sender to
+   a third site queue every event B applied but those that came only by the
+   copy.  The figures (entries, time, rate) are printed.
 2. ``--max-rate``: the copy's mean rate, measured from the queue records'
    own timestamps and from the service's report, is within 10 % of it.
 3. ``--cancel`` from another command stops a running copy: the first command
@@ -34,6 +37,7 @@ from sluice.client import RegionClient, RegionError
 from sluice.core.codec import get_codec
 from sluice.core.config import SiteConfig, load_config
 from sluice.core.events import EventID
+from sluice.core.eventwire import FLAG_NO_CALLBACKS
 from sluice.core.kafka import partition_for_key
 from sluice.core.processes import ReceiverProcess, RegionProcess, SenderProcess
 from sluice.core.topics import apply_topics
@@ -48,7 +52,8 @@ KAFKA_TIMING = {"session_timeout_ms": 3000, "heartbeat_interval_ms": 500}
 
 def _site_files(tmp_path: Path, bootstrap: str, prefix: str) -> dict[str, Path]:
     """A (dsid 1) with region ``orders`` and no sender (``a-new``), A with a parallel sender to B
-    (``a``), and B (dsid 2) with a receiver; both sites on one broker, apart by topic prefix."""
+    (``a``), and B (dsid 2) with a receiver, an async event queue and a sender to a site C (dsid 3) that
+    no process serves (their queues only grow); the sites on one broker, apart by topic prefix."""
     remote_b = {"bootstrap_servers": bootstrap, "topic_prefix": f"{prefix}b."}
     kafka_a = {"bootstrap_servers": bootstrap, "topic_prefix": f"{prefix}a.", **KAFKA_TIMING}
     region = {"name": "orders", "buckets": BUCKETS}
@@ -61,7 +66,11 @@ def _site_files(tmp_path: Path, bootstrap: str, prefix: str) -> dict[str, Path]:
                                    "remote": remote_b}]},
         "b": {"site": "b", "dsid": 2, "kafka": {"bootstrap_servers": bootstrap, "topic_prefix": f"{prefix}b.",
                                                 **KAFKA_TIMING},
-              "regions": [region], "receiver": {"inbound_partitions": 4, "accepted_dsids": [1]}},
+              "regions": [{**region, "async_event_queues": ["audit-b"], "gateway_senders": ["to-c"]}],
+              "async_event_queues": [{"id": "audit-b", "parallel": True}],
+              "gateway_senders": [{"id": "to-c", "remote_dsid": 3, "parallel": True,
+                                   "remote": {"bootstrap_servers": bootstrap, "topic_prefix": f"{prefix}c."}}],
+              "receiver": {"inbound_partitions": 4, "accepted_dsids": [1]}},
     }
     paths = {}
     for name, data in files.items():
@@ -198,9 +207,25 @@ def test_a_new_site_catches_up_with_50000_entries_while_a_keeps_writing(site_a, 
         twice = [eid for eid, n in applied.items() if n > 1]
         assert not twice, f"{len(twice)} events applied twice at B, e.g. {twice[:3]}"
 
-        # The copy sent each entry once: as many copy records (possibleDuplicate) as entries copied, no key twice.
-        copies = [r for r in _queued(site_a.bootstrap, cfg_a) if r["event"]["possible_duplicate"]]
+        # The copy sent each entry once: as many copy records (flagged no callbacks) as entries copied, no key
+        # twice.
+        queued_a = _queued(site_a.bootstrap, cfg_a)
+        copies = [r for r in queued_a if r["flags"] & FLAG_NO_CALLBACKS]
+        assert all(r["event"]["possible_duplicate"] for r in copies)
         assert len(copies) == copy["copied"] == len({r["event"]["key"] for r in copies})
+
+        # No callbacks at B for what came only by the copy: B's async event queue and its sender to C queue
+        # exactly the events B applied less those (an entry the live stream also carried fires them once).
+        def ids(records: list[dict[str, Any]]) -> set[EventID]:
+            return {EventID.from_record(r["event"]["event_id"]) for r in records}
+
+        copied_only = ids(copies) - ids([r for r in queued_a if not r["flags"] & FLAG_NO_CALLBACKS])
+        assert copied_only and copied_only <= set(applied)
+        for queue_id in ("audit-b", "to-c"):
+            queued_b = [codec.decode_as("QueuedEvent", v)
+                        for _, _, v in read_topic(site_a.bootstrap, cfg_b.topics.queue(queue_id), BUCKETS)]
+            assert ids(queued_b) == set(applied) - copied_only, queue_id
+            assert len(queued_b) == len(applied) - len(copied_only), queue_id
         assert copy["copied"] + copy["skipped"]["destroyed"] >= entries - writes["destroy"]
         stats_b = region_b.stats()
         print(f"\nwan-copy of {copy['copied']:,} entries (of {copy['total']:,}; skipped {copy['skipped']}) in "

@@ -155,6 +155,7 @@ def record_strategies(millis: st.SearchStrategy[int] = longs) -> dict[str, st.Se
                 "duplicate_events": st.lists(ints, max_size=4),
                 "visited_added": st.dictionaries(texts, st.lists(ints, max_size=3), max_size=3),
                 "traceparents": st.lists(texts, max_size=4),
+                "no_callback_events": st.lists(ints, max_size=4),
             }
         ),
         "GatewayAck": st.fixed_dictionaries(
@@ -319,6 +320,7 @@ GATEWAY_BATCH = {
     "events": [ENTRY_EVENT, {**ENTRY_EVENT, "operation": "DESTROY", "value": None}], "signature": None,
     "event_bodies": [b"\x0corders\x04k2"], "duplicate_events": [1, 2], "visited_added": {"orders": [1, 2]},
     "traceparents": ["00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "", ""],
+    "no_callback_events": [2],
 }
 SAMPLES: dict[str, dict[str, Any]] = {
     "EventID": EVENT_ID,
@@ -704,7 +706,8 @@ def _with_defaults_of_new_fields(name: str, record: Any) -> Any:
              "FillCheckpoint": {"queues": None}, "GatewayAck": {"last_batch_id": -1, "batch_versions": []},
              "QueuedEvent": {"flags": 0}, "RegionInstance": {"standbys": []},
              "ReceiverStatus": {"state": "running", "senders": []},
-             "GatewayBatch": {"event_bodies": [], "duplicate_events": [], "visited_added": {}, "traceparents": []}}
+             "GatewayBatch": {"event_bodies": [], "duplicate_events": [], "visited_added": {}, "traceparents": [],
+                              "no_callback_events": []}}
     out = {**record, **added.get(name, {})}
     if name == "QueuedEvent":
         out["event"] = _with_defaults_of_new_fields("EntryEvent", record["event"])

@@ -217,17 +217,18 @@ def test_a_batch_of_bodies_is_byte_identical_to_fastavro_and_reads_back(evs: lis
     flags = sorted(data.draw(st.sets(st.integers(min_value=0, max_value=max(len(evs) - 1, 0)), max_size=len(evs))))
     added = data.draw(st.dictionaries(TEXT, st.lists(DSIDS, max_size=4), max_size=3))
     traces = data.draw(st.just([]) | st.lists(TEXT, min_size=len(evs), max_size=len(evs)))
+    quiet = sorted(data.draw(st.sets(st.integers(min_value=0, max_value=max(len(evs) - 1, 0)), max_size=len(evs))))
     fields = {**_batch_fields(data.draw(INT64), data.draw(st.booleans())), "sender_id": data.draw(TEXT)}
     codec = get_codec()
     value = wire.gateway_batch(codec.header("GatewayBatch"), **fields, bodies=bodies, duplicate_events=flags,
-                               visited_added=added, traceparents=traces)
+                               visited_added=added, traceparents=traces, no_callback_events=quiet)
     record = {**fields, "events": [], "signature": None, "event_bodies": bodies, "duplicate_events": flags,
-              "visited_added": added, "traceparents": traces}
+              "visited_added": added, "traceparents": traces, "no_callback_events": quiet}
     assert value == codec.encode("GatewayBatch", record)
     view = wire.read_gateway_batch(codec, value)
     assert view.current and view.bodies == tuple(bodies) and view.traceparents == tuple(traces)
     assert view.visited_added == {r: tuple(d) for r, d in added.items()}
-    assert view.duplicate_events == frozenset(flags)
+    assert view.duplicate_events == frozenset(flags) and view.no_callback_events == frozenset(quiet)
     assert {k: getattr(view, k) for k in fields} == fields
 
 
@@ -260,10 +261,34 @@ def test_a_batch_of_an_older_version_reads_as_bodies(version: int) -> None:
     assert (view.batch_id, view.sender_id, view.created_at) == (9, "to-b", 1_700_000_000_000)
 
 
-def test_the_version_2_header_is_the_fingerprint_of_its_history_file() -> None:
-    """GATEWAY_BATCH_V2_HEADER is frozen in code: it must be the fingerprint of avro/history/GatewayBatch.v2."""
+def test_the_version_2_and_3_headers_are_the_fingerprints_of_their_history_files() -> None:
+    """GATEWAY_BATCH_V2_HEADER and _V3_ are frozen in code: each must be the fingerprint of its file in
+    avro/history."""
     assert wire.GATEWAY_BATCH_V2_HEADER == _older_schema(2)[1]
-    assert get_codec().schema_of(wire.GATEWAY_BATCH_V2_HEADER) == "GatewayBatch"
+    assert wire.GATEWAY_BATCH_V3_HEADER == _older_schema(3)[1]
+    for header in (wire.GATEWAY_BATCH_V2_HEADER, wire.GATEWAY_BATCH_V3_HEADER):
+        assert get_codec().schema_of(header) == "GatewayBatch"
+
+
+@settings(max_examples=100, deadline=None, database=None)
+@given(st.lists(events, max_size=4), st.data())
+def test_a_version_3_batch_for_an_older_receiver_is_fastavro_with_the_old_schema(evs: list[EntryEvent],
+                                                                               data: st.DataObject) -> None:
+    """With no_callback_events None, gateway_batch writes version 3 (what a receiver that does not read 4
+    takes): byte for byte fastavro with avro/history/GatewayBatch.v3.avsc; it reads back with no event
+    quiet."""
+    schema, header = _older_schema(3)
+    bodies = [entry_event_body(e) for e in evs]
+    flags = sorted(data.draw(st.sets(st.integers(min_value=0, max_value=max(len(evs) - 1, 0)), max_size=len(evs))))
+    fields = _batch_fields(duplicate=data.draw(st.booleans()))
+    value = wire.gateway_batch(wire.GATEWAY_BATCH_V3_HEADER, **fields, bodies=bodies, duplicate_events=flags,
+                               visited_added={"orders": [1, 2]}, no_callback_events=None)
+    assert value == _written_with(schema, header, {**fields, "events": [], "signature": None, "event_bodies": bodies,
+                                                   "duplicate_events": flags, "visited_added": {"orders": [1, 2]},
+                                                   "traceparents": []})
+    view = wire.read_gateway_batch(get_codec(), value)
+    assert view.bodies == tuple(bodies) and view.duplicate_events == frozenset(flags)
+    assert view.no_callback_events == frozenset() and not view.current
 
 
 @settings(max_examples=200, deadline=None, database=None)

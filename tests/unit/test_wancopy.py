@@ -29,7 +29,7 @@ from sluice.cli import main as sluice_main
 from sluice.core.codec import get_codec
 from sluice.core.errors import BucketUnavailable, InvalidRequest, NotOwner, SluiceError
 from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
-from sluice.core.eventwire import FLAG_POSSIBLE_DUPLICATE, FLAG_ROUTED
+from sluice.core.eventwire import FLAG_NO_CALLBACKS, FLAG_POSSIBLE_DUPLICATE, FLAG_ROUTED
 from sluice.core.kafka import partition_for_key
 from sluice.region import wancopy
 from sluice.region.engine import BucketStatus, OwnedBucket, RegionEngine
@@ -99,7 +99,8 @@ def test_an_owner_queues_each_entry_as_it_is_for_the_named_sender_only() -> None
     window = engine._window
     assert window.last_changelog == {} and window.checkpoints == {("orders", BUCKET, 1): 40}
     records = [queued(r) for r, _ in window.records]
-    assert [(t, p, f) for t, p, f, _ in records] == [("q.to-b", BUCKET, FLAG_POSSIBLE_DUPLICATE | FLAG_ROUTED)] * 2
+    flags = FLAG_POSSIBLE_DUPLICATE | FLAG_ROUTED | FLAG_NO_CALLBACKS
+    assert [(t, p, f) for t, p, f, _ in records] == [("q.to-b", BUCKET, flags)] * 2
     for (_, _, _, event), source in zip(records, (live, from_c)):
         assert (event.key, event.operation, event.value) == (source.key, Operation.UPDATE, source.value)
         assert (event.event_id, event.version) == (source.event_id, source.version)
