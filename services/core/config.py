@@ -470,13 +470,15 @@ class KafkaConfig(KafkaConnection):
         "session_timeout_ms", json_schema_extra={"kafka": "max.poll.interval.ms"})
     producer_linger_ms: int = Field(
         0, ge=0, description="0 sends at once: a write waits for two sequential records (changelog, then "
-        "queues); batches still form under load", json_schema_extra={"kafka": "linger.ms"})
+        "queues); batches still form under load. The subscription service fills client queues with a linger of "
+        "its own", json_schema_extra={"kafka": "linger.ms"})
     delivery_timeout_ms: int = Field(
         120000, ge=1, description="how long a produced record may take to be acknowledged before the write "
-        "fails; at least producer_linger_ms + request_timeout_ms", json_schema_extra={"kafka": "delivery.timeout.ms"})
+        "fails; at least producer_linger_ms + request_timeout_ms. A region's transactional writes take at most "
+        "their transaction timeout (10 s)", json_schema_extra={"kafka": "delivery.timeout.ms"})
     request_timeout_ms: int = Field(
-        30000, ge=1, description="how long a client waits for a broker's answer to one request",
-        json_schema_extra={"kafka": "request.timeout.ms"})
+        30000, ge=1, description="how long a client waits for a broker's answer to one request; a region's "
+        "transactional writes take at most 9 s", json_schema_extra={"kafka": "request.timeout.ms"})
 
     @field_validator("replication_factor")
     @classmethod
@@ -549,6 +551,10 @@ def _refuse_persistent(value: Any) -> Any:
     raise _invalid(PERSISTENT_REFUSED)
 
 
+#: Why ``forward_expiration_destroy: true`` of an async event queue is refused.
+EXPIRATION_REFUSED = ("not supported, because regions have no entry expiration (no entry-time-to-live or "
+                      "entry-idle-time), so no expiration destroy ever happens to forward; leave it false")
+
 #: Why ``persistent`` of a gateway sender or async event queue is refused.
 PERSISTENT_REFUSED = ("not supported, because a queue is a Kafka topic and always durable: it outlives every "
                       "restart, as Geode's persistent=true queue does; Geode's default false, a queue in memory "
@@ -585,7 +591,7 @@ class GatewaySenderConfig(_Model):
         "enable-persistence true); a queue kept in memory only (Geode's default false) cannot be had",
         json_schema_extra={"geode": "enable-persistence"})
     maximum_queue_memory_mb: int = Field(
-        100, ge=0, description="what a sender holds in memory; beyond it, it stops reading until batches are "
+        100, ge=1, description="what a sender holds in memory; beyond it, it stops reading until batches are "
         "removed (the rest waits in Kafka)", json_schema_extra={"geode": "maximum-queue-memory"})
     alert_threshold_ms: int = Field(
         0, ge=0, description="log an alert while the queue's oldest event is older than this; 0 = no alert",
@@ -692,18 +698,26 @@ class AsyncEventQueueConfig(_Model):
         "persistent true); a queue kept in memory only (Geode's default false) cannot be had",
         json_schema_extra={"geode": "persistent"})
     maximum_queue_memory_mb: int = Field(
-        100, ge=0, description="what a dispatcher holds in memory; beyond it, it stops reading until batches are "
+        100, ge=1, description="what a dispatcher holds in memory; beyond it, it stops reading until batches are "
         "removed (the rest waits in Kafka)", json_schema_extra={"geode": "maximum-queue-memory"})
     pause_event_processing: bool = Field(
         False, description="true: the queue starts paused (events queue up) until `sluice admin resume`",
         json_schema_extra={"geode": "pause-event-processing"})
     forward_expiration_destroy: bool = Field(
-        False, description="expiration destroys are queued too",
+        False, description="true is refused: regions have no entry expiration (no entry-time-to-live or "
+        "entry-idle-time), so there is no expiration destroy to forward; false, Geode's default, is what happens",
         json_schema_extra={"geode": "forward-expiration-destroy"})
     listener: ListenerConfig | None = Field(
         None, description="where the batches go", json_schema_extra={"geode": "async-event-listener"})
 
     _check_persistent = field_validator("persistent", mode="before")(_refuse_persistent)
+
+    @field_validator("forward_expiration_destroy")
+    @classmethod
+    def _refuse_expiration(cls, value: bool) -> bool:
+        if value:
+            raise _invalid(EXPIRATION_REFUSED)
+        return value
 
     @model_validator(mode="after")
     def _check_geode_rules(self) -> AsyncEventQueueConfig:
@@ -942,7 +956,7 @@ class AttachedQueue:
 class SiteConfig(_Model):
     """One site: its dsid, its Kafka cluster, regions, queues, receiver and services."""
 
-    site: str = Field(pattern=SITE_PATTERN, description="the site's name, in logs, metrics and consumer-group ids")
+    site: str = Field(pattern=SITE_PATTERN, description="the site's name, in logs, metrics, member and client ids")
     dsid: int = Field(ge=1, le=255, description="the site's id, unique among the sites that exchange events",
                       json_schema_extra={"geode": "distributed-system-id"})
     kafka: KafkaConfig = Field(description="this site's Kafka cluster and the client settings every service shares")

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from sluice.core.config import PERSISTENT_REFUSED, load_config, parse_config
+from sluice.core.config import EXPIRATION_REFUSED, PERSISTENT_REFUSED, load_config, parse_config
 from sluice.core.configcli import config_reference
 from sluice.core.errors import ConfigError
 
@@ -60,3 +60,15 @@ def test_no_site_file_shipped_gives_persistent() -> None:
              if "persistent:" in p.read_text(encoding="utf-8", errors="replace")
              and "gateway_senders" in p.read_text(encoding="utf-8", errors="replace")]
     assert found == [], f"site files giving persistent: {found}"
+
+
+def test_forwarding_expiration_destroys_is_refused_and_false_is_what_happens() -> None:
+    """forward_expiration_destroy true would forward destroys that never happen (regions have no entry
+    expiration): a ConfigError naming the field and why; false, Geode's default, loads."""
+    with pytest.raises(ConfigError) as caught:
+        parse_config(site(queue={"forward_expiration_destroy": True}), source="site.yaml")
+    problems = {field: reason for field, _shown, reason in caught.value.problems}
+    assert problems["async_event_queues[0].forward_expiration_destroy"] == EXPIRATION_REFUSED
+    assert "no entry expiration" in EXPIRATION_REFUSED
+    cfg = parse_config(site(queue={"forward_expiration_destroy": False}), source="site.yaml")
+    assert cfg.queue("jdbc").forward_expiration_destroy is False
