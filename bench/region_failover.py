@@ -338,9 +338,36 @@ def standby_failover(ctx: Context, workdir: Path, prefix: str, keys: list[str]) 
             inst.stop()
 
 
+def wait_share_loaded(survivor: RegionProcess, joining: RegionProcess) -> float:
+    """Seconds from ``joining``'s spawn until it holds its share of the buckets, loaded.
+
+    ``/readyz`` alone is not that: under cooperative rebalancing the first
+    assignment a joining member gets is empty (the owners revoke the buckets
+    that move first), and it answers ready with nothing to load.  So: every
+    bucket has one owner of the two, as the survivor's ``/buckets`` says,
+    ``joining`` owns ``BUCKETS // 2`` of them (cooperative-sticky balances two
+    members), and its ``/readyz`` answers 200 (each of them loaded)."""
+    end = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        joining.wait_ready(max(1.0, end - time.monotonic()))
+        try:
+            rows = httpx.get(f"{survivor.url}/buckets", timeout=5).json()["buckets"]
+            owners = [r["owner"] for r in rows]
+            settled = (len(owners) == BUCKETS and set(owners) <= {survivor.url, joining.url}
+                       and owners.count(joining.url) == BUCKETS // 2
+                       and httpx.get(f"{joining.url}/readyz", timeout=5).status_code == 200)
+        except httpx.HTTPError:
+            settled = False
+        if settled:
+            return time.monotonic() - joining.started
+        if time.monotonic() > end:
+            raise TimeoutError(f"{joining.url} did not take and load its share within {READY_TIMEOUT_S:g} s")
+        time.sleep(0.05)
+
+
 def rejoin_stall(survivor: RegionProcess, joining: RegionProcess, keys: list[str]) -> tuple[float, float]:
     """Step 6: the longest a key of a bucket ``survivor`` keeps went unanswered while ``joining`` joined,
-    and the seconds from ``joining``'s spawn until it was ready."""
+    and the seconds from ``joining``'s spawn until it held its share of the buckets, loaded."""
     last_ok = {k: time.monotonic() for k in keys}
     worst = {k: 0.0 for k in keys}
     done = threading.Event()
@@ -364,8 +391,7 @@ def rejoin_stall(survivor: RegionProcess, joining: RegionProcess, keys: list[str
     for prober in probers:
         prober.start()
     try:
-        joining.wait_ready(READY_TIMEOUT_S)
-        ready_s = time.monotonic() - joining.started
+        ready_s = wait_share_loaded(survivor, joining)
         time.sleep(2.0)  # the last answers of the buckets that moved
     finally:
         done.set()
@@ -397,6 +423,34 @@ def store_failover(ctx: Context, workdir: Path, prefix: str, keys: list[str], en
         return {"rss": rss, "anon_per_entry": anon_per_entry, "disk_per_entry": disk_per_entry, "gap": gap,
                 "restart": restart, "stall": stall, "loads_from_store": stats["loads_from_store"],
                 "records_replayed": stats["records_replayed"], "loads": stats["loads"]}
+    finally:
+        for inst in instances:
+            inst.stop()
+
+
+def store_restart_with_copy(ctx: Context, workdir: Path, prefix: str, keys: list[str]) -> dict[str, Any]:
+    """Step 8: the restart of a killed instance with its local store and ``redundant_copies: 1``: its store
+    holds every bucket (those it owned and its copies of the others), so whichever buckets the group gives
+    it back, it replays only what their changelogs gained since."""
+    path = site_file(workdir / "site-store-copies.yaml", ctx.bootstrap, prefix, redundant_copies=1)
+    stores = [workdir / f"store-copies-{i}" for i in range(2)]
+    instances = [RegionProcess(path, workdir / f"region-store-copies-{i}.log", store_dir=stores[i]) for i in range(2)]
+    try:
+        for inst in instances:
+            inst.wait_ready(READY_TIMEOUT_S)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not copies_ready(instances):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the standby copies did not catch up in {READY_TIMEOUT_S:g}s")
+            time.sleep(0.2)
+        victim, survivor = instances
+        kill_and_time(victim, survivor, keys)
+        instances.append(RegionProcess(path, workdir / "region-store-copies-restarted.log", store_dir=stores[0]))
+        stall, restart = rejoin_stall(survivor, instances[-1], keys)
+        stats = instances[-1].stats()
+        return {"restart": restart, "stall": stall, "loads_from_store": stats["loads_from_store"],
+                "loads_from_standby": stats["loads_from_standby"], "records_replayed": stats["records_replayed"],
+                "loads": stats["loads"]}
     finally:
         for inst in instances:
             inst.stop()
@@ -436,6 +490,7 @@ def one_size(ctx: Context, entries: int, group_gap: float) -> list[Result]:
         read_s = min(reads)
         copies_gap, copies_rss, copies_stats = standby_failover(ctx, workdir, prefix, keys)
         stored = store_failover(ctx, workdir, prefix, keys, entries, empty_anon)
+        kept = store_restart_with_copy(ctx, workdir, prefix, keys)
     finally:
         for inst in [*instances, *([late] if late else [])]:
             inst.stop()
@@ -455,6 +510,10 @@ def one_size(ctx: Context, entries: int, group_gap: float) -> list[Result]:
              f"killed instance restarted in {stored['restart']:.1f}s ({stored['loads_from_store']} of its "
              f"{stored['loads']} buckets from its store, {stored['records_replayed']:,} records replayed in all), "
              f"stalling the survivor's kept buckets {stored['stall']:.2f}s at most")
+    ctx.note(f"N={entries:,}, local store and redundant_copies 1: the killed instance restarted in "
+             f"{kept['restart']:.1f}s ({kept['loads_from_store']} of its {kept['loads']} buckets from its store, "
+             f"{kept['loads_from_standby']} from a copy it resumed, {kept['records_replayed']:,} records replayed in "
+             f"all), stalling the survivor's kept buckets {kept['stall']:.2f}s at most")
     value_bytes = len(orjson.dumps(make_value(0)))
     return [
         Result(f"region.failover.gap.{entries}", gap, "s", "kafka.group.failover", group_gap),
@@ -472,6 +531,9 @@ def one_size(ctx: Context, entries: int, group_gap: float) -> list[Result]:
         Result(f"region.failover.restart_with_store.{entries}", stored["restart"], "s",
                f"raw.consumer.read.{entries}", read_s),
         Result(f"region.failover.store_rejoin_stall.{entries}", stored["stall"], "s"),
+        Result(f"region.failover.restart_with_store_and_copy.{entries}", kept["restart"], "s",
+               f"raw.consumer.read.{entries}", read_s),
+        Result(f"region.failover.records_replayed_on_restart.{entries}", kept["records_replayed"], "records"),
     ]
 
 
