@@ -68,7 +68,7 @@ soak: jars
 	$(PY) -m sluice.cli soak --seed $(SEED) --minutes $(MINUTES) --report .sluice/soak-$(SEED).json
 
 # docs/configuration.md, the site file reference, is generated from the
-# configuration model (services/core/config.py); tests/unit/test_config_reference.py
+# configuration model (services/core/config/); tests/unit/test_config_reference.py
 # fails when the checked-in file is out of date.
 docs: install
 	@mkdir -p docs

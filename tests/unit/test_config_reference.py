@@ -51,7 +51,7 @@ def test_checked_in_reference_is_what_the_command_generates_now() -> None:
     assert generated == config_reference()
     assert CHECKED_IN.is_file(), "docs/configuration.md is missing: run `make docs` and commit it"
     assert CHECKED_IN.read_text(encoding="utf-8") == generated, (
-        "docs/configuration.md is out of date with services/core/config.py: run `make docs` and commit the result"
+        "docs/configuration.md is out of date with services/core/config/: run `make docs` and commit the result"
     )
 
 
