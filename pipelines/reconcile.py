@@ -448,7 +448,7 @@ def repair(plan: RepairPlan, *, max_rate: int = 0, timeout_s: float = 600.0,
     import httpx
 
     from sluice.admin.wancopy import queue_ends, run_copy, wait_delivered
-    from sluice.region.wancopy import KEYS_MAX
+    from sluice.core.wancopy import KEYS_MAX
 
     say = say or (lambda _text: None)
     outcomes: list[RepairOutcome] = []

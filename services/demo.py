@@ -94,7 +94,7 @@ def add_parser(subparsers: Any) -> None:
 def queue_table(sites: TwoSites, previous: dict[tuple[str, int], tuple[float, int]]) -> Table:
     """Per sender and queue: size, oldest event, events/s since the last look, resends, dead letters; and the
     duplicates each site's receivers discarded."""
-    from .admin.cli import queue_status, receiver_status
+    from .core.statusread import queue_status, receiver_status
 
     table = Table(title="queues (live)", title_justify="left")
     for col in ("site", "queue", "primaries", "queue size", "oldest event", "events/s", "resends", "dead letters"):

@@ -30,19 +30,14 @@ from rich.table import Table
 
 from ..core.codec import get_codec
 from ..core.config import SiteConfig
-from ..core.errors import CodecError, InvalidRequest
-from ..core.kafka import KafkaException, TopicPartition, make_consumer, read_to_end, translate
+from ..core.errors import CodecError, InvalidRequest, NotStopped
+from ..core.kafka import TopicPartition, kafka_errors, make_consumer, read_to_end
 from ..core.queueclean import CleanAudit, CleanRequest, count_events, read_audits
-from .cli import SIZE_COUNT_LIMIT, _read_compacted, control_record, kind_of, set_state
+from ..core.statusread import SIZE_COUNT_LIMIT, kind_of, read_compacted
+from .cli import control_record, set_state
 
 #: How long ``start --clean-queues`` waits for the primaries' audits by default.
 WAIT_S = 60.0
-
-
-class NotStopped(InvalidRequest):
-    """A clean start of a sender that is not stopped (Geode refuses it too)."""
-
-    http_status = 409
 
 
 @dataclass(frozen=True)
@@ -111,22 +106,22 @@ def plan_clean(cfg: SiteConfig, queue_id: str, issued_by: str) -> CleanPlan:
     codec = get_codec()
     consumer = make_consumer(cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 50})
     try:
-        heads: dict[int, int] = {}
-        for msg in read_to_end(consumer, cfg.topics.removals(queue_id)):
-            try:
-                heads[int(msg.key() or b"")] = codec.decode_as("RemovalRecord", msg.value())["last_removed_offset"] + 1
-            except (CodecError, ValueError):
-                continue  # another kind of record (a sender's epoch marker)
-        plans = []
-        for p in range(partitions):
-            # A read_committed reader's end: the last stable offset.  Below it everything is decided; an event
-            # whose transaction is still open lies at or above it and is kept.
-            low, cut = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
-            head = max(low, heads.get(p, low))
-            events = count_events(consumer, topic, p, head, cut, limit=SIZE_COUNT_LIMIT) if head < cut else 0
-            plans.append(PartitionPlan(p, head, max(cut, head), events))
-    except KafkaException as exc:
-        raise translate(exc, f"reading the queue of {queue_id}") from exc
+        with kafka_errors(f"reading the queue of {queue_id}"):
+            heads: dict[int, int] = {}
+            for msg in read_to_end(consumer, cfg.topics.removals(queue_id)):
+                try:
+                    removal = codec.decode_as("RemovalRecord", msg.value())
+                    heads[int(msg.key() or b"")] = removal["last_removed_offset"] + 1
+                except (CodecError, ValueError):
+                    continue  # another kind of record (a sender's epoch marker)
+            plans = []
+            for p in range(partitions):
+                # A read_committed reader's end: the last stable offset.  Below it everything is decided; an event
+                # whose transaction is still open lies at or above it and is kept.
+                low, cut = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+                head = max(low, heads.get(p, low))
+                events = count_events(consumer, topic, p, head, cut, limit=SIZE_COUNT_LIMIT) if head < cut else 0
+                plans.append(PartitionPlan(p, head, max(cut, head), events))
     finally:
         consumer.close()
     return CleanPlan(queue_id, kind, plans, CleanRequest.new([p.cut for p in plans], issued_by))
@@ -173,9 +168,8 @@ def _audits(cfg: SiteConfig, kind: str | None = None, queue_id: str | None = Non
             request_id: str | None = None) -> list[CleanAudit]:
     consumer = make_consumer(cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 50})
     try:
-        return read_audits(consumer, cfg.topics.status(), kind, queue_id, request_id)
-    except KafkaException as exc:
-        raise translate(exc, "reading the clean audits") from exc
+        with kafka_errors("reading the clean audits"):
+            return read_audits(consumer, cfg.topics.status(), kind, queue_id, request_id)
     finally:
         consumer.close()
 
@@ -266,9 +260,8 @@ def clean_history(cfg: SiteConfig, queue_id: str | None = None) -> list[CleanRow
     current: dict[str, CleanRequest] = {}
     consumer = make_consumer(cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 50})
     try:
-        controls = _read_compacted(consumer, cfg.topics.control())
-    except KafkaException as exc:
-        raise translate(exc, f"reading {cfg.topics.control()}") from exc
+        with kafka_errors(f"reading {cfg.topics.control()}"):
+            controls = read_compacted(consumer, cfg.topics.control())
     finally:
         consumer.close()
     codec = get_codec()

@@ -8,6 +8,13 @@ the head (its age), and what each partition's primary last reported.
 Subscription clients come from the registry and acks topics, each client's
 queue (its end, and the age of its oldest unacknowledged message) and the
 subscription instances' consumer group (who is primary for whom).
+
+What this command reads, other parts of Sluice read too, so the readers are
+in the core and this module only shows them: queue and receiver reports
+(``sluice.core.statusread``, which the fault harness also waits on), the
+receivers' figures per inbound partition (``sluice.core.receivertotals``),
+the region instances' claims (``sluice.core.directory``) and the rules a
+subscription client's records must pass (``sluice.core.clientregistry``).
 """
 
 from __future__ import annotations
@@ -22,23 +29,7 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from ..core.codec import get_codec
-from ..core.config import SiteConfig, load_config
-from ..core.control import RECEIVER_ID, RECEIVER_KIND, write_desired_state
-from ..core.errors import CodecError, ConfigError, InvalidRequest, SluiceError
-from ..core.queueclean import CleanRequest
-from ..core.kafka import (
-    KafkaException,
-    TopicPartition,
-    describe_group_members,
-    make_admin,
-    make_consumer,
-    make_producer,
-    read_to_end,
-    translate,
-)
-from ..receiver.totals import PartitionTotals, site_totals, summed
-from ..subscriptions.registry import (
+from ..core.clientregistry import (
     DURABLE_CLIENT_TIMEOUT,
     QUEUE_DROPPED,
     check_ack,
@@ -49,10 +40,23 @@ from ..subscriptions.registry import (
     registry_partition,
     unregistered_reason,
 )
-
-#: Offsets of a partition's backlog read to count its events exactly; a longer backlog shows as an
-#: upper bound (its span in offsets), so a status of a deep queue stays quick.
-SIZE_COUNT_LIMIT = 50_000
+from ..core.codec import get_codec
+from ..core.config import SiteConfig, load_config
+from ..core.control import RECEIVER_ID, RECEIVER_KIND, write_desired_state
+from ..core.directory import owners_of, read_instances, standbys_of
+from ..core.errors import CodecError, ConfigError, InvalidRequest, SluiceError
+from ..core.queueclean import CleanRequest
+from ..core.kafka import (
+    TopicPartition,
+    describe_group_members,
+    kafka_errors,
+    make_admin,
+    make_consumer,
+    make_producer,
+    read_to_end,
+)
+from ..core.receivertotals import PartitionTotals, site_totals, summed
+from ..core.statusread import PartitionStatus, kind_of, queue_status, read_compacted, receiver_status
 
 STATES = {"pause": "PAUSED", "resume": "RUNNING", "stop": "STOPPED", "start": "RUNNING"}
 
@@ -106,37 +110,6 @@ def add_parser(subparsers: Any) -> None:
     serve.add_options(p)
     wancopy.add_options(p)
     p.set_defaults(func=lambda args: wancopy.run(args) if args.command == "wan-copy" else run(args))
-
-
-@dataclass
-class PartitionStatus:
-    queue_id: str
-    partition: int
-    primary: str
-    state: str
-    head: int
-    end: int
-    oldest_age_s: float | None
-    batches: int
-    events: int
-    redeliveries: int
-    dead_lettered: int
-    updated_age_s: float | None
-    in_flight: int = 0
-    last_delivered_age_s: float | None = None
-    #: The committed events between head and end, counted one by one; None when the span is
-    #: longer than SIZE_COUNT_LIMIT offsets (``size`` is then the span, an upper bound).
-    counted: int | None = None
-
-    @property
-    def size(self) -> int:
-        """Events in the queue.  Offsets are not events: the queues are written in Kafka
-        transactions, whose markers (and aborted records) occupy offsets too."""
-        return self.counted if self.counted is not None else max(0, self.end - self.head)
-
-    @property
-    def size_text(self) -> str:
-        return str(self.size) if self.counted is not None or self.size == 0 else f"≤{self.size}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -200,16 +173,6 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
-def kind_of(cfg: SiteConfig, queue_id: str) -> str:
-    """ "gateway-sender" or "async-event-queue"; InvalidRequest naming an unknown id."""
-    if any(s.id == queue_id for s in cfg.gateway_senders):
-        return "gateway-sender"
-    if any(q.id == queue_id for q in cfg.async_event_queues):
-        return "async-event-queue"
-    known = [s.id for s in cfg.gateway_senders] + [q.id for q in cfg.async_event_queues]
-    raise InvalidRequest("queue", queue_id, f"no gateway sender or async event queue of that id (have: {known})")
-
-
 def set_state(cfg: SiteConfig, queue_id: str, state: str, issued_by: str = "",
               clean: CleanRequest | None = None) -> None:
     """Write the queue's desired state to the control topic and wait until it is durable.
@@ -234,9 +197,8 @@ def control_record(cfg: SiteConfig, queue_id: str) -> dict[str, Any] | None:
     key = f"{kind_of(cfg, queue_id)}/{queue_id}".encode()
     consumer = make_consumer(cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 50})
     try:
-        value = _read_compacted(consumer, cfg.topics.control()).get(key)
-    except KafkaException as exc:
-        raise translate(exc, f"reading {cfg.topics.control()}") from exc
+        with kafka_errors(f"reading {cfg.topics.control()}"):
+            value = read_compacted(consumer, cfg.topics.control()).get(key)
     finally:
         consumer.close()
     if value is None:
@@ -245,116 +207,6 @@ def control_record(cfg: SiteConfig, queue_id: str) -> dict[str, Any] | None:
         return get_codec().decode_as("ControlRecord", value)
     except CodecError as exc:
         raise SluiceError(f"the control record of {queue_id} does not read: {exc}") from exc
-
-
-def _read_compacted(consumer: Any, topic: str) -> dict[bytes, bytes]:
-    """Latest value per key of a one-partition topic."""
-    return {msg.key(): msg.value() for msg in read_to_end(consumer, topic)
-            if msg.key() is not None and msg.value() is not None}
-
-
-def _first_and_count(consumer: Any, topic: str, partition: int, head: int, end: int) -> tuple[bytes | None, int | None]:
-    """The value of the first committed event at or after ``head``, and the number of them up to the
-    end (None past SIZE_COUNT_LIMIT offsets, when only the first is read)."""
-    if end - head > SIZE_COUNT_LIMIT:
-        consumer.assign([TopicPartition(topic, partition, head)])
-        try:
-            for msg in consumer.consume(1, 2.0):
-                if msg.error() is None:
-                    return msg.value(), None
-            return None, None
-        finally:
-            consumer.unassign()
-    first, count = None, 0
-    for msg in read_to_end(consumer, topic, partition, start=head):
-        if first is None:
-            first = msg.value()
-        count += 1
-    return first, count
-
-
-def queue_status(cfg: SiteConfig, queue_id: str) -> list[PartitionStatus]:
-    """Per partition of the queue: head, end, size, oldest event age, and the primary's report."""
-    codec = get_codec()
-    kind = kind_of(cfg, queue_id)
-    names = cfg.topics
-    topic = names.queue(queue_id)
-    partitions = next(q.partitions for q in cfg.all_attached_queues() if q.id == queue_id)
-    consumer = make_consumer(cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 50})
-    now_ms = int(time.time() * 1000)
-    try:
-        removals = {}
-        for key, value in _read_compacted(consumer, names.removals(queue_id)).items():
-            try:
-                removals[int(key)] = codec.decode_as("RemovalRecord", value)
-            except (CodecError, ValueError):
-                continue
-        reports = {}
-        for key, value in _read_compacted(consumer, names.status()).items():
-            if key.startswith(f"{kind}/{queue_id}/".encode()):
-                try:
-                    reports[int(key.rsplit(b"/", 1)[1])] = codec.decode_as("QueueStatus", value)
-                except (CodecError, ValueError):
-                    continue
-        rows = []
-        for p in range(partitions):
-            low, end = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
-            removal = removals.get(p)
-            head = max(low, removal["last_removed_offset"] + 1 if removal else low)
-            oldest, counted = None, 0 if head >= end else None
-            if head < end:
-                first, counted = _first_and_count(consumer, topic, p, head, end)
-                if first is not None:
-                    try:
-                        oldest = max(0.0, (now_ms - codec.decode_as("QueuedEvent", first)["enqueued_at"]) / 1000)
-                    except CodecError:
-                        oldest = None
-            report = reports.get(p)
-            fresh = report is not None and now_ms - report["updated_at"] < 30_000
-            rows.append(PartitionStatus(
-                queue_id=queue_id,
-                partition=p,
-                primary=report["primary"] if fresh else "—",
-                state=report["state"] if fresh else ("no primary" if report is None else "stale report"),
-                head=head,
-                end=end,
-                oldest_age_s=oldest,
-                batches=report["batches_dispatched"] if report else 0,
-                events=report["events_dispatched"] if report else 0,
-                redeliveries=report["redeliveries"] if report else 0,
-                dead_lettered=report["dead_lettered"] if report else 0,
-                updated_age_s=(now_ms - report["updated_at"]) / 1000 if report else None,
-                in_flight=report["in_flight"] if fresh else 0,
-                last_delivered_age_s=(now_ms - report["last_accepted_at"]) / 1000
-                if report and report["last_accepted_at"] else None,
-                counted=counted,
-            ))
-        return rows
-    except KafkaException as exc:
-        raise translate(exc, f"reading the status of {queue_id}") from exc
-    finally:
-        consumer.close()
-
-
-def receiver_status(cfg: SiteConfig) -> list[dict[str, Any]]:
-    """What each gateway receiver of the site last reported, with ``age_s``, newest first."""
-    codec = get_codec()
-    consumer = make_consumer(cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 50})
-    now_ms = int(time.time() * 1000)
-    try:
-        reports = []
-        for key, value in _read_compacted(consumer, cfg.topics.status()).items():
-            if key.startswith(b"receiver/"):
-                try:
-                    report = codec.decode_as("ReceiverStatus", value)
-                except CodecError:
-                    continue
-                reports.append({**report, "age_s": (now_ms - report["updated_at"]) / 1000})
-        return sorted(reports, key=lambda r: r["age_s"])
-    except KafkaException as exc:
-        raise translate(exc, "reading the receivers' status") from exc
-    finally:
-        consumer.close()
 
 
 def print_receivers(console: Console, cfg: SiteConfig, reports: list[dict[str, Any]]) -> None:
@@ -372,7 +224,7 @@ def print_receivers(console: Console, cfg: SiteConfig, reports: list[dict[str, A
 
 
 def print_receiver_partitions(console: Console, cfg: SiteConfig, rows: list[PartitionTotals]) -> None:
-    """The figures of each inbound partition over all its owners, and the site's sum (receiver/totals.py):
+    """The figures of each inbound partition over all its owners, and the site's sum (core/receivertotals.py):
     who wrote them, what that process did itself and what it took over from whom."""
     table = Table(title=f"gateway receivers of site {cfg.site}: figures per inbound partition, over every receiver "
                         "that owned it (carried with the partition: a receiver killed loses none)")
@@ -499,72 +351,72 @@ def client_status(cfg: SiteConfig) -> list[ClientStatus]:
     consumer = make_consumer(cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 50})
     now_ms = int(time.time() * 1000)
     try:
-        tables: dict[str, dict[str, dict[str, Any]]] = {"ClientRegistration": {}, "ClientAck": {}}
-        #: Clients whose queue the service dropped: (why, when, their last registration if still read).
-        dropped: dict[str, tuple[str, int, dict[str, Any] | None]] = {}
-        token = configured_token(cfg)
-        checks = {"ClientRegistration": check_registration, "ClientAck": check_ack}
-        for topic, schema in ((names.subscription_registry(), "ClientRegistration"),
-                              (names.subscription_acks(), "ClientAck")):
-            for p in range(partitions):
-                for msg in read_to_end(consumer, topic, p):
-                    # What the subscription service refuses (a forged or malformed record) is not shown
-                    # either, and never names the queue this command then reads.
-                    key = (msg.key() or b"").decode("utf-8", "replace")
-                    try:
-                        check_authorized(msg.headers(), token, "record")
-                        if msg.value() is None:
-                            last = tables[schema].pop(key, None)
-                            reason = unregistered_reason(msg.headers()) if schema == "ClientRegistration" else None
-                            if reason in QUEUE_DROPPED:
-                                dropped[key] = (reason, msg.timestamp()[1], last)
+        with kafka_errors("reading the subscription clients"):
+            tables: dict[str, dict[str, dict[str, Any]]] = {"ClientRegistration": {}, "ClientAck": {}}
+            #: Clients whose queue the service dropped: (why, when, their last registration if still read).
+            dropped: dict[str, tuple[str, int, dict[str, Any] | None]] = {}
+            token = configured_token(cfg)
+            checks = {"ClientRegistration": check_registration, "ClientAck": check_ack}
+            for topic, schema in ((names.subscription_registry(), "ClientRegistration"),
+                                  (names.subscription_acks(), "ClientAck")):
+                for p in range(partitions):
+                    for msg in read_to_end(consumer, topic, p):
+                        # What the subscription service refuses (a forged or malformed record) is not shown
+                        # either, and never names the queue this command then reads.
+                        key = (msg.key() or b"").decode("utf-8", "replace")
+                        try:
+                            check_authorized(msg.headers(), token, "record")
+                            if msg.value() is None:
+                                last = tables[schema].pop(key, None)
+                                reason = unregistered_reason(msg.headers()) if schema == "ClientRegistration" else None
+                                if reason in QUEUE_DROPPED:
+                                    dropped[key] = (reason, msg.timestamp()[1], last)
+                                continue
+                            record = codec.decode_as(schema, msg.value())
+                            checks[schema](cfg, key, p, record)
+                        except (CodecError, InvalidRequest):
                             continue
-                        record = codec.decode_as(schema, msg.value())
-                        checks[schema](cfg, key, p, record)
-                    except (CodecError, InvalidRequest):
-                        continue
-                    tables[schema][key] = record
-                    if schema == "ClientRegistration":
-                        dropped.pop(key, None)
-        try:
-            members = describe_group_members(make_admin(cfg.kafka.client_settings()),
-                                             f"{cfg.kafka.topic_prefix}subscriptions")
-        except SluiceError:
-            members = []
-        owners = {p: member for member, tps in members for t, p in tps if t == names.subscription_registry()}
-        standbys = max(0, len(members) - 1)
-        rows = []
-        for client_id, reg in sorted(tables["ClientRegistration"].items()):
-            ack = tables["ClientAck"].get(client_id)
-            head = ack["next_offset"] if ack is not None and ack["queue_topic"] == reg["queue_topic"] else 0
-            size = oldest = None
+                        tables[schema][key] = record
+                        if schema == "ClientRegistration":
+                            dropped.pop(key, None)
             try:
-                low, high = consumer.get_watermark_offsets(TopicPartition(reg["queue_topic"], 0), timeout=5)
-                head = max(head, low)
-                size = max(0, high - head)
-                if size:
-                    consumer.assign([TopicPartition(reg["queue_topic"], 0, head)])
-                    msg = consumer.poll(5)
-                    if msg is not None and msg.error() is None:
-                        oldest = (now_ms - msg.timestamp()[1]) / 1000
-                    consumer.unassign()
-            except KafkaException:
-                pass
-            heard = last_heard(reg, ack)
-            connected = reg["connected"] and now_ms - heard <= cfg.subscriptions.maximum_time_between_pings_ms
-            since = reg["changed_at"] if connected or not reg["connected"] else heard
-            rows.append(ClientStatus(
-                client_id, reg["durable"], connected, since,
-                owners.get(registry_partition(client_id, partitions), "none"), size, oldest, reg["redundancy"],
-                standbys, _interest_text(reg), ack["received"] if ack else 0, ack["repeats"] if ack else 0))
-        for client_id, (reason, at_ms, last) in sorted(dropped.items()):
-            rows.append(ClientStatus(
-                client_id, last["durable"] if last else reason == DURABLE_CLIENT_TIMEOUT, False, at_ms,
-                owners.get(registry_partition(client_id, partitions), "none"), None, None,
-                last["redundancy"] if last else 0, standbys, _interest_text(last), 0, 0, dropped=reason))
-        return rows
-    except KafkaException as exc:
-        raise translate(exc, "reading the subscription clients") from exc
+                members = describe_group_members(make_admin(cfg.kafka.client_settings()),
+                                                 f"{cfg.kafka.topic_prefix}subscriptions")
+            except SluiceError:
+                members = []
+            owners = {p: member for member, tps in members for t, p in tps if t == names.subscription_registry()}
+            standbys = max(0, len(members) - 1)
+            rows = []
+            for client_id, reg in sorted(tables["ClientRegistration"].items()):
+                ack = tables["ClientAck"].get(client_id)
+                head = ack["next_offset"] if ack is not None and ack["queue_topic"] == reg["queue_topic"] else 0
+                size = oldest = None
+                try:
+                    with kafka_errors(f"reading {reg['queue_topic']}"):
+                        low, high = consumer.get_watermark_offsets(TopicPartition(reg["queue_topic"], 0), timeout=5)
+                        head = max(head, low)
+                        size = max(0, high - head)
+                        if size:
+                            consumer.assign([TopicPartition(reg["queue_topic"], 0, head)])
+                            msg = consumer.poll(5)
+                            if msg is not None and msg.error() is None:
+                                oldest = (now_ms - msg.timestamp()[1]) / 1000
+                            consumer.unassign()
+                except SluiceError:
+                    pass  # the queue's size and age are not known now: shown as such
+                heard = last_heard(reg, ack)
+                connected = reg["connected"] and now_ms - heard <= cfg.subscriptions.maximum_time_between_pings_ms
+                since = reg["changed_at"] if connected or not reg["connected"] else heard
+                rows.append(ClientStatus(
+                    client_id, reg["durable"], connected, since,
+                    owners.get(registry_partition(client_id, partitions), "none"), size, oldest, reg["redundancy"],
+                    standbys, _interest_text(reg), ack["received"] if ack else 0, ack["repeats"] if ack else 0))
+            for client_id, (reason, at_ms, last) in sorted(dropped.items()):
+                rows.append(ClientStatus(
+                    client_id, last["durable"] if last else reason == DURABLE_CLIENT_TIMEOUT, False, at_ms,
+                    owners.get(registry_partition(client_id, partitions), "none"), None, None,
+                    last["redundancy"] if last else 0, standbys, _interest_text(last), 0, 0, dropped=reason))
+            return rows
     finally:
         consumer.close()
 
@@ -605,8 +457,6 @@ class BucketStatus:
 
 def bucket_status(cfg: SiteConfig) -> list[BucketStatus]:
     """Every bucket of every region with redundant copies, as the live region-service instances' records say."""
-    from ..region.directory import owners_of, read_instances, standbys_of
-
     wanted = {r.name: r for r in cfg.regions if r.redundant_copies}
     if not wanted:
         return []

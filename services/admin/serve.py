@@ -83,9 +83,10 @@ from ..core.errors import ConfigError, InvalidRequest, SluiceError
 from ..core.kafka import make_admin
 from ..core.webguard import bearer_matches, digest, forgery_problem, host_and_port, is_loopback
 from ..core.lifecycle import ServiceState
+from ..core.statusread import kind_of
 from . import statusdoc
 from .clean import NotStopped, issuer, plan_clean
-from .cli import STATES, kind_of, set_state
+from .cli import STATES, set_state
 
 log = logging.getLogger("sluice.admin.serve")
 

@@ -4,7 +4,7 @@ Both build it the same way, so a script may read either:
 
 1. ``sample(cfg, offsets)`` makes one pass of reads, the very reads ``sluice
    admin status`` makes for its tables (``queue_status`` of every queue,
-   ``receiver_status``, ``receiver/totals.site_totals``, ``client_status``,
+   ``receiver_status``, ``receivertotals.site_totals``, ``client_status``,
    ``bucket_status``, the region instances' claims), into the document's
    data sections.  Rates need the offsets of the sample before: the page's
    sampler keeps them between samples (``offsets``), a single command has
@@ -27,12 +27,13 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from ..core.config import SiteConfig
+from ..core.directory import owners_of, read_instances, standbys_of
 from ..core.errors import SluiceError
-from ..core.kafka import KafkaException
-from ..receiver.totals import PartitionTotals, site_totals, summed
-from ..region.directory import owners_of, read_instances, standbys_of
+from ..core.kafka import kafka_errors
+from ..core.receivertotals import PartitionTotals, site_totals, summed
+from ..core.statusread import PartitionStatus, queue_status, receiver_status
 from .clean import clean_history
-from .cli import STATES, PartitionStatus, bucket_status, client_status, queue_status, receiver_status
+from .cli import STATES, bucket_status, client_status
 
 log = logging.getLogger("sluice.admin.status")
 
@@ -112,8 +113,9 @@ def document(cfg: SiteConfig, snapshot: dict[str, Any], *, error: str | None = N
 
 def _section(cfg: SiteConfig, name: str, errors: dict[str, str], read: Callable[[], list[Any]]) -> list[Any]:
     try:
-        return read()
-    except (SluiceError, KafkaException) as exc:
+        with kafka_errors(f"reading the {name}"):
+            return read()
+    except SluiceError as exc:
         log.warning("reading the %s of site %s failed: %s", name, cfg.site, exc)
         errors[name] = f"{type(exc).__name__}: {exc}"
         return []
@@ -187,9 +189,10 @@ def _sites(cfg: SiteConfig, queues: list[dict[str, Any]]) -> list[dict[str, Any]
 
 def _regions(cfg: SiteConfig) -> list[dict[str, Any]]:
     """Each region and the region-service instances that own its buckets (their published claims,
-    ``sluice.region.directory``)."""
+    ``sluice.core.directory``)."""
     try:
-        records = read_instances(cfg)
+        with kafka_errors("reading the owner directory"):
+            records = read_instances(cfg)
         owners = owners_of(records)
         standbys: dict[tuple[str, int], list[dict[str, Any]]] | None = {
             rb: [{"instance": inst.instance, "lag": lag, "entries": entries, "value_bytes": size}
@@ -198,7 +201,7 @@ def _regions(cfg: SiteConfig) -> list[dict[str, Any]]:
         members: list[tuple[str, list[tuple[str, int]]]] | None = [
             (url, [(cfg.topics.region_changelog(r), b) for (r, b), u in owners.items() if u == url])
             for url in sorted(set(owners.values()))]
-    except (KafkaException, SluiceError) as exc:
+    except SluiceError as exc:
         log.warning("cannot read the region-service instances: %s", exc)
         members = None
         standbys = None

@@ -32,10 +32,10 @@ from rich.table import Table
 
 from ..core.codec import get_codec
 from ..core.config import SiteConfig, load_config
+from ..core.directory import MemberTrust, live_urls, read_instances
 from ..core.errors import CodecError, ConfigError, InvalidRequest, SluiceError
-from ..core.kafka import KafkaException, TopicPartition, make_consumer, read_to_end, translate
-from ..region.directory import MemberTrust, live_urls, read_instances
-from ..region.wancopy import BATCH_SIZE_DEFAULT, BATCH_SIZE_MAX
+from ..core.kafka import TopicPartition, kafka_errors, make_consumer, read_to_end
+from ..core.wancopy import BATCH_SIZE_DEFAULT, BATCH_SIZE_MAX
 
 __all__ = ["CopyClient", "EXAMPLE", "add_options", "instance_urls", "queue_ends", "run", "run_copy",
            "wait_delivered"]
@@ -84,10 +84,8 @@ def add_options(parser: argparse.ArgumentParser) -> None:
 
 def instance_urls(cfg: SiteConfig) -> list[str]:
     """The live region-service instances of the site, from its owner directory (believed records only)."""
-    try:
+    with kafka_errors(f"reading the owner directory of site {cfg.site}"):
         instances = read_instances(cfg)
-    except KafkaException as exc:
-        raise translate(exc, f"reading the owner directory of site {cfg.site}") from exc
     urls = live_urls(instances, trust=MemberTrust.from_config(cfg))
     if not urls:
         raise SluiceError(f"no region-service instance of site {cfg.site} is running (none in its owner "
@@ -204,9 +202,8 @@ def queue_ends(cfg: SiteConfig, sender_id: str) -> list[int]:
     partitions = next(q.partitions for q in cfg.all_attached_queues() if q.id == sender_id)
     consumer = make_consumer(cfg.kafka.client_settings(), None)
     try:
-        return [consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(partitions)]
-    except KafkaException as exc:
-        raise translate(exc, f"reading the end of queue {sender_id}") from exc
+        with kafka_errors(f"reading the end of queue {sender_id}"):
+            return [consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(partitions)]
     finally:
         consumer.close()
 
@@ -220,26 +217,26 @@ def undelivered(cfg: SiteConfig, sender_id: str, ends: list[int]) -> list[int]:
     consumer = make_consumer(cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 50,
                                                                     "isolation.level": "read_committed"})
     try:
-        heads: dict[int, int] = {}
-        for msg in read_to_end(consumer, names.removals(sender_id)):
-            if msg.key() is None or msg.value() is None:
-                continue
-            try:
-                heads[int(msg.key())] = codec.decode_as("RemovalRecord", msg.value())["last_removed_offset"] + 1
-            except (CodecError, ValueError):
-                continue
-        waiting = []
-        for p, end in enumerate(ends):
-            head = heads.get(p, 0)
-            if head >= end:
-                continue
-            for msg in read_to_end(consumer, names.queue(sender_id), p, start=head):
-                if msg.offset() < end:
-                    waiting.append(p)
-                break
-        return waiting
-    except KafkaException as exc:
-        raise translate(exc, f"reading the head of queue {sender_id}") from exc
+        with kafka_errors(f"reading the head of queue {sender_id}"):
+            heads: dict[int, int] = {}
+            for msg in read_to_end(consumer, names.removals(sender_id)):
+                if msg.key() is None or msg.value() is None:
+                    continue
+                try:
+                    removal = codec.decode_as("RemovalRecord", msg.value())
+                    heads[int(msg.key())] = removal["last_removed_offset"] + 1
+                except (CodecError, ValueError):
+                    continue
+            waiting = []
+            for p, end in enumerate(ends):
+                head = heads.get(p, 0)
+                if head >= end:
+                    continue
+                for msg in read_to_end(consumer, names.queue(sender_id), p, start=head):
+                    if msg.offset() < end:
+                        waiting.append(p)
+                    break
+            return waiting
     finally:
         consumer.close()
 

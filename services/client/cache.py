@@ -9,7 +9,7 @@ Register interest follows Geode, in three steps:
    interest covers (the listed keys; the keys a regex matches; every entry
    for ALL_KEYS)
    and starts noting which keys application operations and events touch;
-2. the interest is recorded (``interest.RegionInterest``);
+2. the interest is recorded (``sluice.core.interest.RegionInterest``);
 3. ``finish_load`` applies the initial load (per result policy) without
    events, and application operations win over it: a key made valid since
    step 1 keeps its value, a key invalidated takes the loaded value, a key
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.events import EventID
-from .interest import ResultPolicy
+from ..core.interest import ResultPolicy
 
 _VALID, _INVALID, _DESTROYED = "valid", "invalid", "destroyed"
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..core.events import CREATES, DESTROYS, EventID, Operation
+from ..core.interest import Delivery
 from .cache import EventTracker, RegionCache
-from .interest import Delivery
 
 log = logging.getLogger("sluice.client")
 

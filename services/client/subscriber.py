@@ -51,28 +51,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from ..core.codec import get_codec
-from ..core.config import SiteConfig, load_config
-from ..core.errors import CacheWriterAbort, ClosedError, CodecError, InvalidRequest, NoServersAvailable, SluiceError
-from ..core.events import EventID, Operation
-from ..core.jsonvalue import decode as decode_value
-from ..core.kafka import (
-    KafkaError,
-    KafkaException,
-    TopicPartition,
-    consume_available,
-    make_admin,
-    partition_for_key,
-    make_consumer,
-    make_producer,
-    read_to_end,
-    translate,
-)
-from .cache import EventTracker, RegionCache
-from .interest import ALL_KEYS, Delivery, Registration, RegionInterest, ResultPolicy, compile_regex
-from .messages import ClientEvent, MessageProcessor
-from .region import RegionClient, RegionError
-from ..subscriptions.registry import (
+from ..core.clientregistry import (
     CLIENT_ID,
     QUEUE_DROPPED,
     bearer,
@@ -85,11 +64,41 @@ from ..subscriptions.registry import (
     registry_partition,
     unregistered_reason,
 )
+from ..core.codec import get_codec
+from ..core.config import SiteConfig, load_config
+from ..core.errors import (
+    CacheWriterAbort,
+    ClosedError,
+    CodecError,
+    InvalidRequest,
+    KafkaCallFailed,
+    NoServersAvailable,
+    RegionUnavailable,
+    RegistrationRefused,
+    SluiceError,
+)
+from ..core.events import EventID, Operation
+from ..core.interest import ALL_KEYS, Delivery, Registration, RegionInterest, ResultPolicy, compile_regex
+from ..core.jsonvalue import decode as decode_value
+from ..core.kafka import (
+    TOPIC_MISSING,
+    KafkaError,
+    TopicPartition,
+    consume_available,
+    kafka_errors,
+    make_admin,
+    partition_for_key,
+    make_consumer,
+    make_producer,
+    read_to_end,
+)
+from ..core.regionclient import RegionClient
+from .cache import EventTracker, RegionCache
+from .messages import ClientEvent, MessageProcessor
 
 log = logging.getLogger("sluice.client")
 #: What a deleted queue looks like to a consumer.
-MISSING = frozenset({KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC, KafkaError._UNKNOWN_PARTITION,
-                     getattr(KafkaError, "UNKNOWN_TOPIC_ID", 100)})
+MISSING = TOPIC_MISSING | {getattr(KafkaError, "UNKNOWN_TOPIC_ID", 100)}
 #: How long the broker holds an idle client's fetch (a message ends the wait at once): an idle
 #: client costs two fetches a second, not fifty.
 IDLE_FETCH_WAIT_MS = 500
@@ -106,18 +115,6 @@ PENDING_NO_QUEUE = -2
 PENDING_QUEUE_DROPPED = -1
 #: How long reading a resumed queue's waiting events (to count them) may take.
 PENDING_READ_S = 120.0
-
-
-class RegistrationRefused(SluiceError):
-    """The subscription service refused the client's registration (``subscriptions.token``)."""
-
-    retriable = False
-
-    def __init__(self, client_id: str, reason: str) -> None:
-        self.client_id = client_id
-        self.reason = reason
-        super().__init__(f"client {client_id}: {reason}; give the site's subscriptions token "
-                         f"(ClientCache(..., subscription_token=...) or subscriptions.token in the site file)")
 
 
 class ClientRegion:
@@ -154,10 +151,10 @@ class ClientRegion:
                 return self.cache.get(key)
         try:
             entry = self._owner._region_client().get_entry(self.name, key)
-        except (NoServersAvailable, SluiceError) as exc:
-            if isinstance(exc, RegionError) and not exc.retriable:
-                raise
-            return default
+        except SluiceError as exc:
+            if not exc.retriable:
+                raise  # the region service refused the read
+            return default  # no server answered: the local cache's answer
         if entry is None or entry.get("invalid"):
             return default
         with self._owner._lock:
@@ -535,7 +532,7 @@ class ClientCache:
         end now: each EventID once (a refill after a failover repeats messages; a region clear is one
         message per bucket)."""
         events: set[tuple[str, int, int]] = set()
-        try:
+        with kafka_errors(f"counting the events waiting in {queue_topic}"):
             for msg in read_to_end(self._consumer, queue_topic, 0, deadline_s=PENDING_READ_S, start=self._next):
                 try:
                     message = self._codec.decode_as("ClientMessage", msg.value())
@@ -544,18 +541,16 @@ class ClientCache:
                 if message["kind"] == "EVENT" and message["event"] is not None:
                     e = message["event"]["event_id"]
                     events.add((e["member_id"], e["thread_id"], e["sequence_id"]))
-        except KafkaException as exc:
-            raise translate(exc, f"counting the events waiting in {queue_topic}") from exc
         return len(events)
 
     def _queue_end(self, queue_topic: str) -> int:
         """The queue's end offset now (0 when it cannot be read: the search for the marker starts at its start)."""
         probe = make_consumer(self.cfg.kafka.client_settings(), None, **{"client.id": f"{self.client_id}-ready"})
         try:
-            return int(probe.get_watermark_offsets(TopicPartition(queue_topic, 0), timeout=10)[1])
-        except KafkaException as exc:
-            log.warning("client %s: the end of %s could not be read (%s); looking for the marker from its start",
-                        self.client_id, queue_topic, exc)
+            with kafka_errors(f"reading the end of {queue_topic}"):
+                return int(probe.get_watermark_offsets(TopicPartition(queue_topic, 0), timeout=10)[1])
+        except SluiceError as exc:
+            log.warning("client %s: %s; looking for the marker from its start", self.client_id, exc)
             return 0
         finally:
             probe.close()
@@ -590,10 +585,8 @@ class ClientCache:
                 if assigned != (session, topic, start):
                     finder.assign([TopicPartition(topic, 0, start)])
                     assigned = (session, topic, start)
-                try:
+                with kafka_errors(f"reading {topic} for the marker"):
                     msgs = consume_available(finder, 500, min(left, 0.25))
-                except KafkaException as exc:
-                    raise translate(exc, f"reading {topic} for the marker") from exc
                 for msg in msgs:
                     if msg.error() is not None:
                         continue  # a queue gone is the reader's to handle (it starts over)
@@ -630,9 +623,10 @@ class ClientCache:
         """Delete this client's previous queue (only ever a queue of its own: checked by the caller)."""
         assert queue_topic_problem(self.cfg, self.client_id, topic) is None, topic
         try:
-            for fut in self._admin.delete_topics([topic], operation_timeout=10).values():
-                fut.result(timeout=15)
-        except KafkaException:
+            with kafka_errors(f"deleting {topic}"):
+                for fut in self._admin.delete_topics([topic], operation_timeout=10).values():
+                    fut.result(timeout=15)
+        except SluiceError:
             pass  # already gone
 
     def _publish(self) -> None:
@@ -728,14 +722,10 @@ class ClientCache:
         """Send to the region service; no instance reachable → NoServersAvailable (nothing applied)."""
         try:
             return send()
-        except RegionError:
-            raise
-        except SluiceError as exc:
-            if exc.retriable:
-                raise NoServersAvailable(
-                    f"no region service instance answered ({', '.join(self.region_urls)}): {what} was not "
-                    f"applied; reads are served from the local cache ({exc})") from exc
-            raise
+        except RegionUnavailable as exc:
+            raise NoServersAvailable(
+                f"no region service instance answered ({', '.join(self.region_urls)}): {what} was not "
+                f"applied; reads are served from the local cache ({exc})") from exc
 
     def _region_client(self) -> RegionClient:
         with self._lock:
@@ -751,10 +741,8 @@ class ClientCache:
         acked, last_ack = self._next, 0.0
         try:
             while not self._stopping.is_set():
-                try:
+                with kafka_errors(f"reading {self.queue_topic}"):
                     msgs = consume_available(self._consumer, 500, 0.1)
-                except KafkaException as exc:
-                    raise translate(exc, f"reading {self.queue_topic}") from exc
                 for msg in msgs:
                     err = msg.error()
                     if err is not None:
@@ -783,13 +771,15 @@ class ClientCache:
     def _queue_lost(self) -> str | None:
         """Why the queue can no longer be read from where this client is, or None when it can."""
         try:
-            low, high = self._consumer.get_watermark_offsets(TopicPartition(self.queue_topic, 0), timeout=5)
-        except KafkaException as exc:
-            if exc.args[0].code() not in MISSING:
+            with kafka_errors(f"reading the ends of {self.queue_topic}"):
+                low, high = self._consumer.get_watermark_offsets(TopicPartition(self.queue_topic, 0), timeout=5)
+        except KafkaCallFailed as exc:
+            if exc.code not in MISSING:
                 return None  # the broker is away: nothing to conclude
             try:  # the cluster's own answer, not a cached one
-                listed = self._consumer.list_topics(self.queue_topic, timeout=5).topics.get(self.queue_topic)
-            except KafkaException:
+                with kafka_errors(f"listing {self.queue_topic}"):
+                    listed = self._consumer.list_topics(self.queue_topic, timeout=5).topics.get(self.queue_topic)
+            except SluiceError:
                 return None
             if listed is None or (listed.error is not None and listed.error.code() in MISSING):
                 return f"its queue {self.queue_topic} is gone"

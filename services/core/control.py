@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from .codec import get_codec
 from .errors import CodecError, SluiceError
-from .kafka import OFFSET_BEGINNING, KafkaException, TopicPartition, make_consumer, make_producer, translate
+from .kafka import OFFSET_BEGINNING, TopicPartition, kafka_errors, make_consumer, make_producer
 
 if TYPE_CHECKING:
     from .config import SiteConfig
@@ -72,10 +72,8 @@ class ControlFollower:
         stays assigned, for ``poll_nowait``."""
         consumer = self._consumer
         tp = TopicPartition(self.topic, 0)
-        try:
+        with kafka_errors(f"reading {self.topic}"):
             low, high = consumer.get_watermark_offsets(tp, timeout=10)
-        except KafkaException as exc:
-            raise translate(exc, f"reading {self.topic}") from exc
         consumer.assign([TopicPartition(self.topic, 0, OFFSET_BEGINNING)])
         records: list[dict[str, Any]] = []
         last = low - 1

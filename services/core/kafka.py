@@ -2,8 +2,21 @@
 
 Everything else asks this module for producers, consumers and admin clients,
 and gets Sluice errors instead of ``KafkaException``: the translation happens
-once, here (``translate``), using librdkafka's own classification
-(``fatal()``, ``retriable()``, ``txn_requires_abort()``).
+once, here, using librdkafka's own classification (``fatal()``,
+``retriable()``, ``txn_requires_abort()``).  A service makes its Kafka calls
+inside ``with kafka_errors("reading the acks"):``, which raises
+
+* ``KafkaFatal`` for a fatal error (the client must be rebuilt),
+* ``TransactionAbortable`` when the transaction must be aborted,
+* ``BrokerUnavailable`` otherwise, ``retriable`` as librdkafka says (and for
+  the codes of a broker briefly away, ``_TRANSIENT``), and for a full producer
+  queue (``BufferError``, back-pressure: retriable),
+
+each with ``__cause__`` set, ``what`` in its message and librdkafka's error
+code as ``code``: a caller that handles one code (a topic gone, a topic that
+already exists, a stale group generation) compares ``exc.code`` with the
+code sets here (``TOPIC_MISSING``, ``GROUP_FENCING``) or ``KafkaError``'s
+constants.  Nothing outside this module catches ``KafkaException``.
 
 Settings are passed explicitly: a service states the librdkafka options it
 relies on (idempotence, acks, offset storage, isolation level) rather than
@@ -45,7 +58,7 @@ from confluent_kafka import (  # re-exported for the services
 )
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
 
-from .errors import BrokerUnavailable, KafkaFatal, SluiceError
+from .errors import BrokerUnavailable, KafkaFatal, SluiceError, Stopping, TransactionAbortable
 
 log = logging.getLogger("sluice.kafka")
 
@@ -55,10 +68,11 @@ __all__ = [
     "OFFSET_INVALID",
     "AdminClient",
     "ConfigResource",
+    "close_consumer",
     "close_producer",
     "Consumer",
     "ConsumerGroupTopicPartitions",
-    "Interrupted",
+    "GROUP_FENCING",
     "KafkaError",
     "Message",
     "NewTopic",
@@ -69,9 +83,9 @@ __all__ = [
     "consumed_position",
     "consumer_group_generation",
     "fence_transactional_id",
-    "is_fatal",
-    "is_group_fencing",
-    "is_retriable",
+    "TOPIC_MISSING",
+    "error_from_kafka_error",
+    "kafka_errors",
     "make_admin",
     "make_consumer",
     "make_producer",
@@ -81,25 +95,57 @@ __all__ = [
     "partition_for_key",
     "produce_durably",
     "read_to_end",
-    "requires_abort",
     "translate",
     "until_answered",
 ]
 
 
 def translate(exc: BaseException, what: str) -> SluiceError:
-    """Turn a confluent-kafka exception into a Sluice error, keeping the cause."""
+    """A confluent-kafka exception (or a full producer queue's ``BufferError``) as a Sluice error,
+    ``exc`` its cause.  Use ``kafka_errors``; this is its translation, for the few places that
+    hold an exception already (a future's, a callback's)."""
     error = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
+    out: SluiceError
     if isinstance(error, KafkaError):
+        code = error.code()
         if error.fatal():
-            out: SluiceError = KafkaFatal(f"{what}: {error.str()}")
+            out = KafkaFatal(f"{what}: {error.str()}", code=code)
+        elif error.txn_requires_abort():
+            out = TransactionAbortable(f"{what}: {error.str()}", code=code)
         else:
-            out = BrokerUnavailable(f"{what}: {error.str()}")
-            out.retriable = bool(error.retriable()) or error.code() in _TRANSIENT
+            out = BrokerUnavailable(f"{what}: {error.str()}", code=code,
+                                    retriable=bool(error.retriable()) or code in _TRANSIENT)
+    elif isinstance(exc, BufferError):
+        # librdkafka's local queue is full: back-pressure, over once the broker takes what it holds.
+        out = BrokerUnavailable(f"{what}: the producer queue is full ({exc})", code=KafkaError._QUEUE_FULL,
+                                retriable=True)
     else:
         out = BrokerUnavailable(f"{what}: {exc}")
     out.__cause__ = exc
     return out
+
+
+class kafka_errors:  # noqa: N801 - used as a statement, as contextlib.suppress
+    """``with kafka_errors("reading the acks"):`` -- the Kafka calls of the block raise Sluice errors
+    (module docstring): a ``KafkaException`` or a ``BufferError`` leaving the block is raised as
+    ``translate(exc, what)``, from it.  Anything else passes unchanged (a ``SluiceError`` raised
+    inside keeps its own message).  As httpx's ``map_httpcore_exceptions``.
+
+    A class, not a generator: entering and leaving costs two plain calls, so a hot loop may hold
+    one made once (``WRITING = kafka_errors("writing ...")``) and enter it per record."""
+
+    __slots__ = ("what",)
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        if exc is not None and isinstance(exc, (KafkaException, BufferError)):
+            raise translate(exc, self.what) from exc
+        return False
 
 
 _TRANSIENT = {
@@ -118,12 +164,35 @@ _TRANSIENT = {
     # metadata lacks partitions it knew, or a broker handle is replaced.
     KafkaError._UNKNOWN_PARTITION,
     KafkaError._DESTROY_BROKER,
+    # Retriable in Kafka's own protocol (the Java client's RetriableException): a
+    # coordinator, a leader or enough replicas not there yet, a request timed out.
+    # librdkafka flags retriable() only on the errors of its transactional calls, so
+    # every loop that reads ``retriable`` depends on this list for the rest.
+    KafkaError._WAIT_COORD,
+    KafkaError._TIMED_OUT_QUEUE,
+    KafkaError._RESOLVE,
+    KafkaError.NETWORK_EXCEPTION,
+    KafkaError.NOT_ENOUGH_REPLICAS,
+    KafkaError.NOT_ENOUGH_REPLICAS_AFTER_APPEND,
+    KafkaError.KAFKA_STORAGE_ERROR,
+    KafkaError.OFFSET_NOT_AVAILABLE,
+    KafkaError.FENCED_LEADER_EPOCH,
+    KafkaError.UNKNOWN_LEADER_EPOCH,
+    KafkaError.PREFERRED_LEADER_NOT_AVAILABLE,
+    KafkaError.UNSTABLE_OFFSET_COMMIT,
+    KafkaError.CONCURRENT_TRANSACTIONS,
+    KafkaError.THROTTLING_QUOTA_EXCEEDED,
 }
 
 
 def error_from_kafka_error(error: KafkaError, what: str) -> SluiceError:
-    """The same translation for a ``KafkaError`` handed to a callback."""
+    """The same translation for a ``KafkaError`` handed to a callback (a delivery report, ``error_cb``)."""
     return translate(KafkaException(error), what)
+
+
+#: Error codes of a topic or partition that does not exist (any more): the broker's, and librdkafka's
+#: own once its metadata lacks it.
+TOPIC_MISSING = frozenset({KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC, KafkaError._UNKNOWN_PARTITION})
 
 
 #: librdkafka refreshes its metadata every 5 minutes by default; a client that cached a broker's answer
@@ -151,10 +220,8 @@ def make_producer(base: dict[str, Any], **settings: Any) -> Producer:
     }
     conf.update(base)
     conf.update({k.replace("_", "."): v for k, v in settings.items()})
-    try:
+    with kafka_errors("creating a producer"):
         return Producer(conf)
-    except KafkaException as exc:
-        raise translate(exc, "creating a producer") from exc
 
 
 #: How long librdkafka waits before fetching a partition again once its local queue is over
@@ -183,10 +250,8 @@ def make_consumer(base: dict[str, Any], group_id: str | None = None, **settings:
     }
     conf.update(base)
     conf.update({k.replace("_", "."): v for k, v in settings.items()})
-    try:
+    with kafka_errors("creating a consumer"):
         return Consumer(conf)
-    except KafkaException as exc:
-        raise translate(exc, "creating a consumer") from exc
 
 
 #: A transactional producer's ``retry.backoff.ms``.  The coordinator answers a
@@ -234,9 +299,8 @@ def fence_transactional_id(base: dict[str, Any], transactional_id: str, timeout_
     producer = make_transactional_producer(base, transactional_id, max(1000, int(timeout_s * 1000)),
                                            **{"client.id": f"fence-{transactional_id}"})
     try:
-        producer.init_transactions(timeout_s)
-    except KafkaException as exc:
-        raise translate(exc, f"fencing transactional.id {transactional_id}") from exc
+        with kafka_errors(f"fencing transactional.id {transactional_id}"):
+            producer.init_transactions(timeout_s)
     finally:
         close_producer(producer, min(timeout_s, 5.0))
 
@@ -250,38 +314,25 @@ def close_producer(producer: Producer, timeout_s: float) -> None:
         log.debug("closing a producer: %s", exc)
 
 
+def close_consumer(consumer: Consumer, what: str, logger: logging.Logger = log, level: int = logging.WARNING) -> None:
+    """Close a consumer (leaving its group: its revoke callback runs), whatever state it is in: a
+    failure to leave cleanly (the broker away, the consumer closed already) is logged to ``logger``
+    as ``what: why``, and there is nothing more to do with the consumer then.  What its callbacks
+    raise is raised."""
+    try:
+        consumer.close()
+    except (KafkaException, RuntimeError) as exc:
+        logger.log(level, "%s: %s", what, exc)
+
+
 #: Error codes with which the group coordinator refuses a transaction's offsets
 #: (KIP-447): the member is no longer in the group, or not in this generation.
-_GROUP_FENCING = {
+GROUP_FENCING = frozenset({
     KafkaError.ILLEGAL_GENERATION,
     KafkaError.UNKNOWN_MEMBER_ID,
     KafkaError.FENCED_INSTANCE_ID,
     KafkaError.REBALANCE_IN_PROGRESS,
-}
-
-
-def is_group_fencing(exc: KafkaException) -> bool:
-    """Whether ``exc`` is the group coordinator refusing a transaction's offsets (a stale generation)."""
-    error = exc.args[0] if exc.args else None
-    return isinstance(error, KafkaError) and error.code() in _GROUP_FENCING
-
-
-def requires_abort(exc: KafkaException) -> bool:
-    """Whether the transaction ``exc`` failed must be aborted before the producer goes on."""
-    error = exc.args[0] if exc.args else None
-    return isinstance(error, KafkaError) and bool(error.txn_requires_abort())
-
-
-def is_fatal(exc: KafkaException) -> bool:
-    """Whether ``exc`` left its client unusable (a fenced or timed-out transactional producer)."""
-    error = exc.args[0] if exc.args else None
-    return isinstance(error, KafkaError) and bool(error.fatal())
-
-
-def is_retriable(exc: KafkaException) -> bool:
-    """Whether the same call may be made again (librdkafka says so)."""
-    error = exc.args[0] if exc.args else None
-    return isinstance(error, KafkaError) and bool(error.retriable())
+})
 
 
 _CGMD_MAGIC = b"CGMDv2:"
@@ -320,21 +371,23 @@ def partition_end(committed: Consumer, uncommitted: Consumer, tp: TopicPartition
 
 
 def make_admin(base: dict[str, Any]) -> AdminClient:
-    try:
+    with kafka_errors("creating an admin client"):
         return AdminClient({"topic.metadata.refresh.interval.ms": METADATA_REFRESH_MS, **base})
-    except KafkaException as exc:
-        raise translate(exc, "creating an admin client") from exc
 
 
 def wait_futures(futures: dict[Any, Any], what: str, timeout_s: float = 30.0) -> dict[Any, Any]:
     """Resolve an admin call's futures, translating each failure."""
     results: dict[Any, Any] = {}
     for key, fut in futures.items():
-        try:
+        with kafka_errors(f"{what} {key}"):
             results[key] = fut.result(timeout=timeout_s)
-        except KafkaException as exc:
-            raise translate(exc, f"{what} {key}") from exc
     return results
+
+
+def wait_future(future: Any, what: str, timeout_s: float) -> Any:
+    """An admin call's future resolved, its failure translated (``kafka_errors``)."""
+    with kafka_errors(what):
+        return future.result(timeout=timeout_s)
 
 
 # --- murmur2, exactly as Kafka's default partitioner -----------------------
@@ -431,10 +484,8 @@ def consume_available(consumer: Consumer, max_messages: int, timeout_s: float) -
 def iter_messages(consumer: Consumer, timeout_s: float, batch: int = 1000) -> Iterable[Message]:
     """Yield messages from ``consume`` until a call returns none within ``timeout_s``."""
     while True:
-        try:
+        with kafka_errors("consuming"):
             msgs = consumer.consume(batch, timeout_s)
-        except KafkaException as exc:
-            raise translate(exc, "consuming") from exc
         if not msgs:
             return
         yield from msgs
@@ -493,10 +544,6 @@ def consumed_position(consumer: Consumer, tp: TopicPartition) -> int:
     return -1
 
 
-class Interrupted(Exception):
-    """``produce_durably`` gave up because the caller is stopping."""
-
-
 T = TypeVar("T")
 
 #: until_answered: the pause before asking the broker again.
@@ -504,21 +551,21 @@ ASK_AGAIN_AFTER_S = 1.0
 
 
 def until_answered(ask: Callable[[], T], what: str, *, stopping: threading.Event) -> T:
-    """``ask()``, asked again while the broker does not answer (a retriable ``KafkaException``:
-    paused, restarting, 'Unknown partition' while its metadata comes back).  For reads a service
-    cannot go on without, in a rebalance callback above all, where an exception would leave the
-    callback and end the service.  A non-retriable failure raises its ``SluiceError``; ``stopping``
-    set raises ``Interrupted``."""
+    """``ask()``, asked again while it fails retriably (the broker does not answer: paused,
+    restarting, 'Unknown partition' while its metadata comes back; its Kafka errors are translated
+    here, ``kafka_errors(what)``).  For reads a service cannot go on without, in a rebalance callback
+    above all, where an exception would leave the callback and end the service.  A failure that is
+    not ``retriable`` is raised at once; ``stopping`` set raises ``Stopping``."""
     while True:
         try:
-            return ask()
-        except KafkaException as exc:
-            error = translate(exc, what)
+            with kafka_errors(what):
+                return ask()
+        except SluiceError as error:
             if not error.retriable:
-                raise error from exc
+                raise
             log.warning("%s; asking again", error)
             if stopping.wait(ASK_AGAIN_AFTER_S):
-                raise Interrupted(what) from exc
+                raise Stopping(what) from error
 
 
 #: produce_durably: one flush's wait, when to warn that the broker is not
@@ -540,8 +587,8 @@ def produce_durably(producer: Producer, topic: str, value: bytes, key: bytes | N
     runs out, ``_TRANSPORT``, …) is produced again, so callers must write
     records whose repetition changes nothing (acks, dead letters, removal
     and epoch records).  A full producer queue is back-pressure: it waits.
-    Only a non-retriable failure raises (a ``SluiceError``); ``stopping``
-    set raises ``Interrupted``.
+    Only a failure that is not ``retriable`` raises (a ``SluiceError``);
+    ``stopping`` set raises ``Stopping``.
     """
     extra: dict[str, Any] = {} if partition is None else {"partition": partition}
     if headers is not None:
@@ -554,13 +601,20 @@ def produce_durably(producer: Producer, topic: str, value: bytes, key: bytes | N
             try:
                 producer.produce(topic, value, key, on_delivery=lambda err, _m: outcome.append(err), **extra)
                 break
-            except BufferError:
+            except BufferError:  # back-pressure: waited out while the broker takes what the producer holds
                 if stopping.is_set():
-                    raise Interrupted(what) from None
+                    raise Stopping(what) from None
                 producer.poll(WRITE_WAIT_STEP_S)
+            except KafkaException as exc:
+                refused = translate(exc, what)
+                if not refused.retriable:
+                    raise refused from exc
+                log.warning("%s; producing it again", refused)
+                if stopping.wait(WRITE_RETRY_BACKOFF_S):
+                    raise Stopping(what) from refused
         while not outcome:
             if stopping.is_set():
-                raise Interrupted(what)
+                raise Stopping(what)
             producer.flush(WRITE_WAIT_STEP_S)
             waited_s = time.monotonic() - started
             if not outcome and not warned and waited_s >= WRITE_WARN_AFTER_S:
@@ -576,4 +630,4 @@ def produce_durably(producer: Producer, topic: str, value: bytes, key: bytes | N
             raise failure
         log.warning("%s: %s; producing it again", what, error.str())
         if stopping.wait(WRITE_RETRY_BACKOFF_S):
-            raise Interrupted(what)
+            raise Stopping(what) from failure

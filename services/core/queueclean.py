@@ -49,8 +49,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from .codec import get_codec
-from .errors import CodecError
-from .kafka import KafkaError, KafkaException, TopicPartition, consumed_position, read_to_end
+from .errors import BrokerUnavailable, CodecError
+from .kafka import KafkaError, TopicPartition, consumed_position, read_to_end
 
 #: The prefix of the audit records' keys in the status topic.
 AUDIT_KEY_PREFIX = "clean/"
@@ -154,7 +154,7 @@ def count_events(consumer: Any, topic: str, partition: int, start: int, stop: in
     """The records a read_committed reader gets from ``topic[partition]`` at offsets ``start`` to ``stop - 1``:
     a queue's events there (transaction markers and aborted records take offsets too, and are not events).
     None once ``limit`` is passed.  ``consumer`` is assigned for the read and unassigned after.  A read that
-    makes no progress for ``stall_s`` raises a retriable ``KafkaException`` (a broker away) rather than count
+    makes no progress for ``stall_s`` raises a retriable ``BrokerUnavailable`` (a broker away) rather than count
     short."""
     if stop <= start:
         return 0
@@ -178,9 +178,8 @@ def count_events(consumer: Any, topic: str, partition: int, start: int, stop: in
                 if progress is not None:
                     progress(counted)
             elif time.monotonic() - moved_at > stall_s:
-                raise KafkaException(KafkaError(
-                    KafkaError._TIMED_OUT, f"counting {topic}[{partition}] from {start} to {stop}: no progress past "
-                                           f"offset {position} in {stall_s:g} s", retriable=True))
+                raise BrokerUnavailable(f"counting {topic}[{partition}] from {start} to {stop}: no progress past "
+                                        f"offset {position} in {stall_s:g} s", code=KafkaError._TIMED_OUT)
         return counted
     finally:
         consumer.unassign()

@@ -31,7 +31,11 @@ The story of a partition on its primary, step by step:
    the first failure on, every event of a batch that went out is flagged
    possibleDuplicate (``redelivering``), as Geode flags the events of a batch
    whose dispatch failed, so the listener or the remote site knows that part
-   of it may have been applied.  Events
+   of it may have been applied.  An offer that raised is made again when
+   its error is ``retriable`` (a listener's own exception is, as Geode
+   offers a batch again whose ``processEvents`` threw: ``offered_again``);
+   one that is not (a dead-letter topic that refuses writes, a fatal
+   producer) stops the queue as crashed, the batch kept.  Events
    a listener can never take go to the dead-letter topic during the offer
    (``dead_letter_event``), durably, before the batch counts as delivered.
    So do events whose bodies turn out undecodable when first touched (by
@@ -70,7 +74,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from tenacity import RetryCallState, Retrying, retry_if_exception_type
+from tenacity import RetryCallState, Retrying, retry_if_exception
 from tenacity.stop import stop_base
 
 from . import telemetry
@@ -79,7 +83,7 @@ from .batching import Batch, BatchPolicy, PartitionBatcher
 from .codec import get_codec
 from .config import SiteConfig
 from .control import ControlFollower
-from .errors import CodecError, MalformedRecord
+from .errors import CodecError, DeliveryRefused, MalformedRecord, SluiceError, Stopping
 from .events import EntryEvent, EventID
 from .eventwire import (
     FLAG_NO_CALLBACKS,
@@ -103,17 +107,16 @@ from .queueclean import (
 )
 from .kafka import (
     Consumer,
-    Interrupted,
     KafkaError,
-    KafkaException,
     Message,
     TopicPartition,
+    close_consumer,
     consume_available,
+    kafka_errors,
     make_consumer,
     make_producer,
     produce_durably,
     read_to_end,
-    translate,
     until_answered,
 )
 
@@ -161,10 +164,6 @@ class CopiedEvent(AsyncEvent):
 
 def event_traceparent(event: AsyncEvent) -> bytes | None:
     return event.traceparent if isinstance(event, TracedEvent) else None
-
-
-class Refused(Exception):
-    """``deliver`` did not deliver the batch (a listener returned False, no ack came)."""
 
 
 @dataclass(slots=True)
@@ -236,6 +235,8 @@ class QueuePrimary:
         self._removal_header = self._codec.header("RemovalRecord")
         self._partitions: dict[int, QueuePartition] = {}
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        #: An offer's failure that no retry can mend (``offered_again``): the loop raises it.
+        self._offer_failed: BaseException | None = None
         self._stopping = threading.Event()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=self.worker_threads(), thread_name_prefix=f"{self.kind}-{queue_id}"
@@ -400,13 +401,12 @@ class QueuePrimary:
         consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost)
         next_status = time.monotonic() + self.status_interval_s
         next_gap_check = 0.0
+        consuming = kafka_errors(f"consuming {self.topic}")
         try:
             while not self._stopping.is_set():
                 timeout = self._poll_timeout_s()
-                try:
+                with consuming:
                     msgs = consume_available(consumer, self.read_max_records, timeout)
-                except KafkaException as exc:
-                    raise translate(exc, f"consuming {self.topic}") from exc
                 if msgs:
                     self._read(msgs, int(time.time() * 1000))
                 elif time.monotonic() >= next_gap_check:
@@ -414,6 +414,7 @@ class QueuePrimary:
                     next_gap_check = time.monotonic() + self.gap_check_interval_s
                 self._poll_control()
                 self._drain_inbox()
+                self._raise_failed_offer()
                 self._apply_due_cleans()
                 self._dispatch_ready()
                 if self._removals_unacked:
@@ -422,7 +423,7 @@ class QueuePrimary:
                 if time.monotonic() >= next_status:
                     self._publish_status()
                     next_status = time.monotonic() + self.status_interval_s
-        except Interrupted:
+        except Stopping:
             pass  # stopping while a record waited for an absent broker: nothing was committed past it
         except BaseException as exc:
             if not isinstance(exc, KeyboardInterrupt):
@@ -440,11 +441,9 @@ class QueuePrimary:
 
     def _shutdown(self) -> None:
         consumer = self._consumer
-        try:
-            if consumer is not None:
-                consumer.close()  # revokes: in-flight offers finish, removals committed
-        except (KafkaException, RuntimeError) as exc:
-            log.warning("closing the consumer: %s", exc)
+        if consumer is not None:
+            # Closing revokes: in-flight offers finish, removals are committed.
+            close_consumer(consumer, "closing the consumer", log)
         self._pool.shutdown(wait=True, cancel_futures=True)
         if self._producer is not None:
             self._producer.flush(10)
@@ -648,10 +647,11 @@ class QueuePrimary:
         if consumer is None:
             return
         try:
-            [position] = consumer.position([part.tp])
-            if 0 <= position.offset < cut:
-                consumer.seek(TopicPartition(self.topic, part.tp.partition, cut))
-        except KafkaException as exc:
+            with kafka_errors(f"moving the reader of {self.topic}[{part.tp.partition}]"):
+                [position] = consumer.position([part.tp])
+                if 0 <= position.offset < cut:
+                    consumer.seek(TopicPartition(self.topic, part.tp.partition, cut))
+        except SluiceError as exc:
             log.debug("queue %s[%d]: not moved to %d (%s); the records below are passed over as read",
                       self.queue_id, part.tp.partition, cut, exc)
 
@@ -728,8 +728,9 @@ class QueuePrimary:
         if consumer is None or not parts:
             return
         try:
-            positions = consumer.position([p.tp for p in parts])
-        except KafkaException as exc:
+            with kafka_errors("reading the consumer's positions"):
+                positions = consumer.position([p.tp for p in parts])
+        except SluiceError as exc:
             log.debug("queue %s: positions not known now: %s", self.queue_id, exc)
             return
         for part, tp in zip(parts, positions):
@@ -766,7 +767,7 @@ class QueuePrimary:
         """Worker thread: write an event the listener can never take to the
         dead-letter topic and return once the broker has it (issue 17), so the
         batch is removed only after its dead letters are durable.  Stopping
-        raises ``Interrupted``: the batch stays, and is offered again.
+        raises ``Stopping``: the batch stays, and is offered again.
 
         An event whose body does not decode is kept as that body (``value``,
         ``event`` null) under its key when the key reads, else no key."""
@@ -885,20 +886,28 @@ class QueuePrimary:
         try:
             try:
                 accepted = self._deliver_decodable(part, group)
-                failure: BaseException | None = None if accepted > 0 else Refused(
+                failure: Exception | None = None if accepted > 0 else DeliveryRefused(
                     f"batch {first.batch_id} not delivered")
             except Exception as exc:
                 failure = exc
             if failure is not None:
                 # Offered again now or later (a stop, a pause): possibleDuplicate from here on.
                 self.redelivering(part, group)
+                if not offered_again(failure):
+                    raise failure
             if failure is not None and not self._must_stop_offering(part):
                 log.warning("queue %s[%d]: batch %d offered again (attempt 2): %s", self.queue_id,
                             part.tp.partition, first.batch_id, failure)
                 if not self._stopping.wait(self._backoff_s(1)):
                     accepted, attempts = self._offer_again(part, group)
+        except Stopping:
+            pass  # a stop cut a wait short (a dead letter waiting for the broker): the batch stays queued
         except Exception as exc:  # top of a worker: never lose the batch, report it
-            log.exception("offering batch %d of partition %d failed: %s", first.batch_id, part.tp.partition, exc)
+            if offered_again(exc):
+                log.exception("offering batch %d of partition %d failed: %s", first.batch_id, part.tp.partition, exc)
+            else:
+                # No retry can mend it: the loop raises it, and the queue stops as crashed (the batch stays).
+                self._inbox.put(("failed", exc))
         finally:
             if accepted > 0:
                 self._batch_duration.record(time.monotonic() - began, self._queue_attributes())
@@ -916,7 +925,7 @@ class QueuePrimary:
         accepted = 0
         first = group[0]
         for attempt in Retrying(
-            retry=retry_if_exception_type(Exception),
+            retry=retry_if_exception(offered_again),
             # Attempt n here is the offer's attempt n + 1.
             wait=lambda state: self._backoff_s(state.attempt_number + 1),
             stop=_StopWhen(lambda: self._must_stop_offering(part)),
@@ -938,7 +947,7 @@ class QueuePrimary:
                     raise
                 if accepted <= 0:
                     self.redelivering(part, group)
-                    raise Refused(f"batch {first.batch_id} not delivered")
+                    raise DeliveryRefused(f"batch {first.batch_id} not delivered")
         return accepted, attempts
 
     def _queue_attributes(self) -> dict[str, Any]:
@@ -985,8 +994,16 @@ class QueuePrimary:
                 self._removed(*item)
             elif kind == "dead_lettered":
                 self._count_dead_letter(item)
+            elif kind == "failed":
+                self._offer_failed = self._offer_failed or item
         if self._commits_due:
             self._commit_removed()
+
+    def _raise_failed_offer(self) -> None:
+        """Loop thread: a worker's offer failed for good (``offered_again``): the queue stops as crashed
+        with that error (its batch stays queued, for the next primary)."""
+        if self._offer_failed is not None:
+            raise self._offer_failed
 
     def _offer_done(self, done: _OfferDone) -> None:
         part = self._partitions.get(done.partition)
@@ -1047,9 +1064,10 @@ class QueuePrimary:
             return
         assert self._consumer is not None
         try:
-            self._consumer.commit(offsets=offsets, asynchronous=True)
-        except KafkaException as exc:
-            log.warning("committing %s: %s", ", ".join(f"[{tp.partition}]@{tp.offset}" for tp in offsets), exc)
+            with kafka_errors(f"committing {', '.join(f'[{tp.partition}]@{tp.offset}' for tp in offsets)}"):
+                self._consumer.commit(offsets=offsets, asynchronous=True)
+        except SluiceError as exc:
+            log.warning("%s", exc)
 
     # --- group callbacks -----------------------------------------------------------------
 
@@ -1088,13 +1106,15 @@ class QueuePrimary:
         prefix = f"{self.kind}/{self.queue_id}/".encode()
         found: set[int] = set()
         try:
-            for msg in read_to_end(reader, self.status_topic):
-                key = msg.key() or b""
-                if key.startswith(prefix):
-                    found.add(int(key[len(prefix):]))
-        except (KafkaException, ValueError) as exc:
+            with kafka_errors(f"reading {self.status_topic}"):
+                for msg in read_to_end(reader, self.status_topic):
+                    key = msg.key() or b""
+                    if key.startswith(prefix):
+                        found.add(int(key[len(prefix):]))
+        except (SluiceError, ValueError) as exc:
             # When in doubt, flag: possibleDuplicate is the safe side.
-            log.warning("reading %s: %s; flagging every queued event as possibleDuplicate", self.status_topic, exc)
+            why = exc if isinstance(exc, SluiceError) else f"reading {self.status_topic}: {exc}"
+            log.warning("%s; flagging every queued event as possibleDuplicate", why)
             return None
         finally:
             reader.close()
@@ -1118,6 +1138,8 @@ class QueuePrimary:
                 self._removed(*item)
             elif kind == "dead_lettered":
                 self._count_dead_letter(item)
+            elif kind == "failed":
+                self._offer_failed = self._offer_failed or item
         if self._producer is not None:
             self._producer.flush(10)
         self._drain_inbox()
@@ -1125,9 +1147,10 @@ class QueuePrimary:
                    for p in revoked if p.last_removed_offset >= 0]
         if offsets:
             try:
-                consumer.commit(offsets=offsets, asynchronous=False)
-            except KafkaException as exc:
-                log.warning("committing on revoke: %s", exc)
+                with kafka_errors("committing on revoke"):
+                    consumer.commit(offsets=offsets, asynchronous=False)
+            except SluiceError as exc:
+                log.warning("%s", exc)
         for part in revoked:
             self._partitions.pop(part.tp.partition, None)
         self._gauges = {p: g for p, g in self._gauges.items() if p in self._partitions}
@@ -1204,8 +1227,9 @@ class QueuePrimary:
         if consumer is None or part.head < 0:
             return waiting, age_s
         try:
-            high = int(consumer.get_watermark_offsets(part.tp, cached=True)[1])
-        except (KafkaException, RuntimeError):
+            with kafka_errors("the cached end offset"):
+                high = int(consumer.get_watermark_offsets(part.tp, cached=True)[1])
+        except (SluiceError, RuntimeError):
             return waiting, age_s
         return (max(waiting, high - part.head) if high >= 0 else waiting), age_s
 
@@ -1276,6 +1300,16 @@ def _event_time(event: AsyncEvent | None) -> int | None:
         return event.event.event_time
     except MalformedRecord:
         return None
+
+
+def offered_again(failure: BaseException) -> bool:
+    """Whether a failed offer is made again: as ``retriable`` says for a ``SluiceError`` (a refusal,
+    no ack, a remote site away: yes; a dead-letter topic that refuses every write: no), yes for any
+    other ``Exception`` (the listener's own: Geode offers a batch again whose ``processEvents``
+    threw), never for a ``BaseException`` that is not one (``Stopping``)."""
+    if isinstance(failure, SluiceError):
+        return failure.retriable
+    return isinstance(failure, Exception)
 
 
 class _StopWhen(stop_base):

@@ -29,11 +29,9 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from .errors import KeyFormatError
+
 RAW_KEY_BYTES = 32
-
-
-class KeyFormatError(ValueError):
-    """Text that is not an Ed25519 key of the expected kind; the message says why."""
 
 
 def _raw(text: str, kind: str) -> bytes | None:

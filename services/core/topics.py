@@ -37,16 +37,16 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from .errors import TopicMismatch
+from .errors import BrokerUnavailable, TopicMismatch
 from .kafka import (
     AdminClient,
     ConfigResource,
     KafkaError,
-    KafkaException,
     NewTopic,
     ResourceType,
+    kafka_errors,
     make_admin,
-    translate,
+    wait_future,
     wait_futures,
 )
 
@@ -426,10 +426,8 @@ def _policy_set(policy: str) -> frozenset[str]:
 
 def _describe_existing(admin: AdminClient, bootstrap: str, names: list[str], timeout_s: float) -> dict[str, _Existing]:
     """Partition count and cleanup.policy of each of ``names`` that exists."""
-    try:
+    with kafka_errors(f"listing topics on {bootstrap}"):
         metadata = admin.list_topics(timeout=timeout_s)
-    except KafkaException as exc:
-        raise translate(exc, f"listing topics on {bootstrap}") from exc
     wanted = set(names)
     existing: dict[str, _Existing] = {}
     for name, topic in metadata.topics.items():
@@ -467,11 +465,9 @@ def _wait_creates(futures: dict[str, Any], timeout_s: float) -> list[str]:
     raced = []
     for name, fut in futures.items():
         try:
-            fut.result(timeout=timeout_s)
-        except KafkaException as exc:
-            error = exc.args[0] if exc.args else None
-            if isinstance(error, KafkaError) and error.code() == KafkaError.TOPIC_ALREADY_EXISTS:
-                raced.append(name)
-                continue
-            raise translate(exc, f"creating topic {name}") from exc
+            wait_future(fut, f"creating topic {name}", timeout_s)
+        except BrokerUnavailable as exc:
+            if exc.code != KafkaError.TOPIC_ALREADY_EXISTS:
+                raise
+            raced.append(name)
     return raced

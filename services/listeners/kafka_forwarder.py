@@ -97,9 +97,9 @@ from pydantic import ValidationError
 from sluice.core.asyncevent import Accepted, AsyncEvent, DeadLetter
 from sluice.core.codec import get_codec
 from sluice.core.config import KafkaConnection, _problems_from_validation, _shown
-from sluice.core.errors import ClosedError, ConfigError, SluiceError
+from sluice.core.errors import ClosedError, ConfigError, KafkaCallFailed, SluiceError
 from sluice.core.events import EventID
-from sluice.core.kafka import KafkaError, KafkaException, Message, Producer, error_from_kafka_error, make_producer, translate
+from sluice.core.kafka import KafkaError, Message, Producer, error_from_kafka_error, kafka_errors, make_producer
 
 __all__ = ["ForwarderSettings", "KafkaForwarderListener", "TargetCluster", "build_headers", "parse_settings"]
 
@@ -304,8 +304,8 @@ class _Delivery:
     __slots__ = ("outcomes",)
 
     def __init__(self, records: int) -> None:
-        #: None: no report yet; True: acknowledged; else the delivery error.
-        self.outcomes: list[bool | KafkaError | None] = [None] * records
+        #: None: no report yet; True: acknowledged; else the delivery error (or produce()'s refusal).
+        self.outcomes: list[bool | KafkaError | KafkaCallFailed | None] = [None] * records
 
     def callback(self, index: int) -> Callable[[KafkaError | None, Message], None]:
         def on_delivery(error: KafkaError | None, _msg: Message) -> None:
@@ -323,8 +323,14 @@ class _Delivery:
 
     def maybe_written(self, produced: int) -> list[int]:
         """Indexes of the records that may be on the topic (the first ``produced`` were handed to the producer)."""
-        return [i for i, outcome in enumerate(self.outcomes[:produced])
-                if not isinstance(outcome, KafkaError) or outcome.code() not in NOT_WRITTEN]
+        return [i for i, outcome in enumerate(self.outcomes[:produced]) if _code_of(outcome) not in NOT_WRITTEN]
+
+
+def _code_of(outcome: bool | KafkaError | KafkaCallFailed | None) -> int | None:
+    """The Kafka error code of a record's outcome; None when it has none (acknowledged, no report yet)."""
+    if isinstance(outcome, KafkaError):
+        return outcome.code()  # type: ignore[no-any-return]
+    return outcome.code if isinstance(outcome, KafkaCallFailed) else None
 
 
 class KafkaForwarderListener:
@@ -344,6 +350,8 @@ class KafkaForwarderListener:
         self._producer: Producer | None = None
         self._fatal: SluiceError | None = None
         self._topics: dict[str, str] = {}
+        #: ``kafka_errors`` of the writes to each downstream topic, made once.
+        self._producing: dict[str, kafka_errors] = {}
         #: EventIDs of the failed batch that may be downstream already:
         #: marked possibleDuplicate when offered again.  At most one batch.
         self._maybe_written: frozenset[EventID] = frozenset()
@@ -386,10 +394,8 @@ class KafkaForwarderListener:
         if producer is None:
             return
         assert self.settings is not None
-        try:
+        with kafka_errors("flushing the forwarder's producer"):
             remaining = producer.flush(self.settings.flush_timeout_s)
-        except KafkaException as exc:
-            raise translate(exc, "flushing the forwarder's producer") from exc
         if remaining:
             log.warning("queue %s: forwarder closed with %d records unacknowledged; their batch was not "
                         "accepted, so it is offered again to the next dispatcher", self._queue_id, remaining)
@@ -430,23 +436,27 @@ class KafkaForwarderListener:
         too_large: list[int] = []  # refused by produce() for their size: never left, certainly not written
         failure: str | None = None
         for index, (topic, key, value, headers, timestamp) in enumerate(records):
+            producing = self._producing.get(topic) or self._producing.setdefault(topic, kafka_errors(
+                f"producing to {topic}"))
             while failure is None:
                 try:
-                    producer.produce(topic, value=value, key=key, headers=headers, timestamp=max(timestamp, 0),
-                                     on_delivery=delivery.callback(index))
+                    with producing:
+                        producer.produce(topic, value=value, key=key, headers=headers, timestamp=max(timestamp, 0),
+                                         on_delivery=delivery.callback(index))
                     break
-                except BufferError:
-                    if time.monotonic() >= deadline:
-                        failure = "the producer queue stayed full until the flush deadline"
-                    else:
-                        producer.poll(BUFFER_WAIT_S)
-                except KafkaException as exc:
-                    error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
-                    if error is not None and error.code() in NEVER_FITS:
-                        delivery.outcomes[index] = error
+                except KafkaCallFailed as exc:
+                    if exc.code == KafkaError._QUEUE_FULL:
+                        # Back-pressure: waited out until the flush deadline.
+                        if time.monotonic() >= deadline:
+                            failure = "the producer queue stayed full until the flush deadline"
+                        else:
+                            producer.poll(BUFFER_WAIT_S)
+                    elif exc.code in NEVER_FITS:
+                        delivery.outcomes[index] = exc
                         too_large.append(index)
                         break
-                    failure = str(translate(exc, f"producing to {topic}"))
+                    else:
+                        failure = str(exc)
             if failure is not None:
                 break
             produced = index + 1
@@ -545,9 +555,10 @@ class KafkaForwarderListener:
             # A producer after a fatal error sends nothing more; what it
             # still holds is failed (reported maybe-written by the last offer).
             try:
-                old.purge(in_queue=True, in_flight=True, blocking=True)
-                old.flush(0)
-            except KafkaException as exc:
-                log.debug("queue %s: discarding the old producer: %s", self._queue_id, exc)
+                with kafka_errors("discarding the old producer"):
+                    old.purge(in_queue=True, in_flight=True, blocking=True)
+                    old.flush(0)
+            except KafkaCallFailed as exc:
+                log.debug("queue %s: %s", self._queue_id, exc)
         self._fatal = None
         self._producer = self._new_producer()

@@ -37,7 +37,7 @@ one batch, step by step:
    here: each one's bucket comes from its key alone
    (``eventwire.entry_region_key``, murmur2 modulo the region's buckets, as
    the region service computes it), and the bucket's owner from the signed
-   directory (``region/directory.py OwnerDirectory``, with the member token;
+   directory (``core/directory.py OwnerDirectory``, with the member token;
    the site file's region-service address when no claim is believed).  Each
    owner gets one request (``POST /internal/apply_batch``, member token,
    ``application/avro``) per ``receiver.apply_events_max`` of its events: the
@@ -65,11 +65,11 @@ one batch, step by step:
    inbound offset committed.  A crash before that means the batch is read
    again; its events come back as duplicates.  The ack carries the inbound
    partition's figures over all its owners, this batch counted, in a header
-   of its own (totals.py): the next owner of the partition continues from
-   them, whatever became of this process.
+   of its own (core/receivertotals.py): the next owner of the partition
+   continues from them, whatever became of this process.
 
 Region-service instances are found through the records they publish on the
-status topic (``sluice.region.directory``: believed only when signed with the
+status topic (``sluice.core.directory``: believed only when signed with the
 member token and naming a host ``member_hosts`` allows), read by a thread of
 the receiver's own, so the receiver needs no address list; it calls them with
 ``region_service.member_token``.  Every ack says which GatewayBatch versions
@@ -97,11 +97,12 @@ from typing import Any, Callable
 
 from opentelemetry.trace import SpanKind
 
-from ..client.region import BatchAnswer, BatchClient, RegionError
+from ..core import receivertotals as figures_of
 from ..core import telemetry
 from ..core.codec import get_codec
 from ..core.config import SiteConfig
 from ..core.control import RECEIVER_ID, RECEIVER_KIND, ControlFollower
+from ..core.directory import OwnerDirectory, live_urls, read_instances
 from ..core.errors import (
     BadSignature,
     CodecError,
@@ -110,6 +111,7 @@ from ..core.errors import (
     RejectedBatch,
     SluiceError,
     StaleBatch,
+    Stopping,
     UnknownRegion,
 )
 from ..core.events import EventID
@@ -124,24 +126,22 @@ from ..core.eventwire import (
 )
 from ..core.lifecycle import ServiceState
 from ..core.queueloop import DesiredState
+from ..core.receivertotals import PartitionTotals
+from ..core.regionclient import BatchAnswer, BatchClient, RegionError
 from ..core.signing import Headers, Signer, Verifier, site_signer, site_verifier
-from ..region.directory import OwnerDirectory, live_urls, read_instances
 from ..core.kafka import (
     Consumer,
-    Interrupted,
-    KafkaException,
     Message,
     TopicPartition,
+    close_consumer,
     consume_available,
+    kafka_errors,
     make_consumer,
     make_producer,
     partition_for_key,
     produce_durably,
     read_to_end,
-    translate,
 )
-from . import totals as figures_of
-from .totals import PartitionTotals
 
 log = logging.getLogger("sluice.receiver")
 
@@ -159,10 +159,6 @@ UNAUTHORIZED = (401, 403)
 ACKS_WITH_FIGURES_KEPT = 16
 #: How often the receiver's directory thread reads the claims published since its last read.
 DIRECTORY_REFRESH_S = 0.5
-
-
-class _NoRegionService(SluiceError):
-    retriable = True
 
 
 class _Applied:
@@ -187,7 +183,7 @@ class _Applied:
     def took(self, part: list[int], answer: BatchAnswer) -> None:
         """An owner's answer to the record of the batch's events ``part`` (record index -> batch index).
         Its repeats are recoveries when every event it answered (those it did not refuse) was unanswered
-        before (totals.py, step 4); a request never mixes the two kinds (``ReceiverService._settle``)."""
+        before (receivertotals.py, step 4); a request never mixes the two kinds (``ReceiverService._settle``)."""
         self.applied += answer.applied
         self.conflicts += answer.conflicts
         refused = {part[r["index"]] for r in answer.refused}
@@ -203,22 +199,16 @@ class _Applied:
                 self.last_index, self.last_event_id = part[index], event_id
 
 
-class _Stopping(Exception):
-    """The receiver is stopping in the middle of a batch: it is neither acked nor committed."""
-
-
 def region_service_urls(cfg: SiteConfig) -> list[str]:
-    """URLs of the live region-service instances, from the records they publish (``sluice.region.directory``)."""
-    try:
+    """URLs of the live region-service instances, from the records they publish (``sluice.core.directory``)."""
+    with kafka_errors("reading the region-service instances"):
         return live_urls(read_instances(cfg))
-    except KafkaException as exc:
-        raise translate(exc, "reading the region-service instances") from exc
 
 
 class _Lane:
     """The batches of one inbound partition, handled in order by one thread.
 
-    ``figures`` are the partition's over all its owners (totals.py), replaced whole by the lane's
+    ``figures`` are the partition's over all its owners (receivertotals.py), replaced whole by the lane's
     thread once what they count is durable; the main thread only reads them."""
 
     def __init__(self, partition: int, receiver: "ReceiverService", figures: PartitionTotals) -> None:
@@ -230,7 +220,7 @@ class _Lane:
         self.handled_yet = False  # a batch of this partition was handled since the lane began
         self.figures = figures
         #: The next batch past ``figures.offset`` may have been half applied by the owner before
-        #: (totals.py, step 4); cleared once it is handled.
+        #: (receivertotals.py, step 4); cleared once it is handled.
         self.maybe_half_applied = True
         self.thread = threading.Thread(target=self._run, args=(receiver,), daemon=True,
                                        name=f"receiver-lane-{partition}")
@@ -248,8 +238,8 @@ class _Lane:
                     self.handled_yet = True
                     log.info("receiver %s: first batch handled on inbound partition %d since taking it",
                              receiver.member_id, self.partition)
-        except _Stopping:
-            return
+        except Stopping:
+            return  # in the middle of a batch: it is neither acked nor committed
         except BaseException as exc:  # top of a thread: the service's loop re-raises it
             self.error = exc
 
@@ -451,8 +441,9 @@ class ReceiverService:
     def _refresh_directory(self) -> None:
         try:
             if self._directory is not None:
-                self._directory.refresh()
-        except (SluiceError, KafkaException, RuntimeError) as exc:  # RuntimeError: closed while stopping
+                with kafka_errors("reading the region directory"):
+                    self._directory.refresh()
+        except (SluiceError, RuntimeError) as exc:  # RuntimeError: closed while stopping
             log.debug("reading the region directory: %s", exc)
 
     def stop(self) -> None:
@@ -466,16 +457,15 @@ class ReceiverService:
         consumer = self._consumer
         assert consumer is not None
         next_status = time.monotonic()
+        consuming = kafka_errors(f"consuming {self.inbound}")
         try:
             while not self._stopping.is_set():
                 if self._control is not None:
                     for record in self._control.poll_nowait():
                         self._apply_control(record)
                 self._follow_desired(consumer)
-                try:
+                with consuming:
                     msgs = consume_available(consumer, 100, 0.1)
-                except KafkaException as exc:
-                    raise translate(exc, f"consuming {self.inbound}") from exc
                 for msg in msgs:
                     if msg.error() is None:
                         lane = self._lanes.get(msg.partition())
@@ -497,10 +487,7 @@ class ReceiverService:
                 lane.close()
             self._lanes.clear()
             self._commit_done(consumer, asynchronous=False)
-            try:
-                consumer.close()
-            except (KafkaException, RuntimeError) as exc:
-                log.warning("closing the consumer: %s", exc)
+            close_consumer(consumer, "closing the consumer", log)
             if self._producer is not None:
                 self._producer.flush(10)
             if self._client is not None:
@@ -529,10 +516,8 @@ class ReceiverService:
                 lane.close()
             self._lanes.clear()
             self._commit_done(consumer, asynchronous=False)
-            try:
+            with kafka_errors(f"leaving consumer group {self.group_id}"):
                 consumer.unsubscribe()
-            except KafkaException as exc:
-                raise translate(exc, f"leaving consumer group {self.group_id}") from exc
             self._subscribed = False
             self.assigned = False
             self._published.clear()
@@ -659,40 +644,39 @@ class ReceiverService:
 
     def _read_acks(self, partitions: list[TopicPartition]) -> dict[int, PartitionTotals]:
         """The highest batch id applied per sender partition, from the acks this site wrote; and the
-        figures the last of them carries, per partition (totals.py).  An ack not signed with this site's
+        figures the last of them carries, per partition (receivertotals.py).  An ack not signed with this site's
         key is left out: whoever else can write the acks topic must not make the receiver take a sender
         partition's next batches for repeats and drop them."""
         reader = make_consumer(self.cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 10})
         unverified = 0
         carried: dict[int, PartitionTotals] = {}
         try:
-            for tp in partitions:
-                # The headers of the partition's last few acks: the newest figures among them that verify
-                # count, so not every ack's figures are decoded and verified.
-                latest: collections.deque[Headers] = collections.deque(maxlen=ACKS_WITH_FIGURES_KEPT)
-                for msg in read_to_end(reader, self.acks, tp.partition, deadline_s=30):
-                    if self._own_acks is not None:
+            with kafka_errors(f"reading {self.acks}"):
+                for tp in partitions:
+                    # The headers of the partition's last few acks: the newest figures among them that verify
+                    # count, so not every ack's figures are decoded and verified.
+                    latest: collections.deque[Headers] = collections.deque(maxlen=ACKS_WITH_FIGURES_KEPT)
+                    for msg in read_to_end(reader, self.acks, tp.partition, deadline_s=30):
+                        if self._own_acks is not None:
+                            try:
+                                self._own_acks.signer(msg.value(), msg.headers())
+                            except BadSignature:
+                                unverified += 1
+                                continue
+                        latest.append(msg.headers())
                         try:
-                            self._own_acks.signer(msg.value(), msg.headers())
-                        except BadSignature:
-                            unverified += 1
+                            ack = self._codec.decode_as("GatewayAck", msg.value())
+                        except CodecError:
                             continue
-                    latest.append(msg.headers())
-                    try:
-                        ack = self._codec.decode_as("GatewayAck", msg.value())
-                    except CodecError:
-                        continue
-                    if ack["receiver_dsid"] != self.cfg.dsid:
-                        continue
-                    # The key from the signed record, not the record key, which nobody signed.
-                    key = f"{ack['source_dsid']}/{ack['sender_id']}/{ack['queue_partition']}"
-                    self._last_batch[key] = max(self._last_batch.get(key, -1), ack["batch_id"])
-                found = [figures_of.from_ack(headers, self.cfg.dsid, self._own_acks) for headers in latest]
-                best = figures_of.newest(f for f in found if f is not None and f.partition == tp.partition)
-                if best is not None:
-                    carried[tp.partition] = best
-        except KafkaException as exc:
-            raise translate(exc, f"reading {self.acks}") from exc
+                        if ack["receiver_dsid"] != self.cfg.dsid:
+                            continue
+                        # The key from the signed record, not the record key, which nobody signed.
+                        key = f"{ack['source_dsid']}/{ack['sender_id']}/{ack['queue_partition']}"
+                        self._last_batch[key] = max(self._last_batch.get(key, -1), ack["batch_id"])
+                    found = [figures_of.from_ack(headers, self.cfg.dsid, self._own_acks) for headers in latest]
+                    best = figures_of.newest(f for f in found if f is not None and f.partition == tp.partition)
+                    if best is not None:
+                        carried[tp.partition] = best
         finally:
             reader.close()
         if unverified:
@@ -706,9 +690,8 @@ class ReceiverService:
         without an ack, and every few seconds), signed with this site's key when it signs."""
         reader = make_consumer(self.cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 10})
         try:
-            return figures_of.read_status_totals(self.cfg, reader, self._own_acks)
-        except KafkaException as exc:
-            raise translate(exc, f"reading {self.cfg.topics.status()}") from exc
+            with kafka_errors(f"reading {self.cfg.topics.status()}"):
+                return figures_of.read_status_totals(self.cfg, reader, self._own_acks)
         finally:
             reader.close()
 
@@ -717,7 +700,7 @@ class ReceiverService:
     def _publish_status(self) -> None:
         """What ``sluice admin status`` shows of this receiver, to the site's compacted status topic: the
         process's own figures and the senders it heard from, and the figures of each inbound partition
-        it owns that changed since they were last published (totals.py, step 5)."""
+        it owns that changed since they were last published (receivertotals.py, step 5)."""
         now_ms = int(time.time() * 1000)
         with self._stats_lock:
             senders = [{"source_dsid": s.source_dsid, "sender_id": s.sender_id, "last_heard_at": s.last_heard_at_ms,
@@ -815,7 +798,7 @@ class ReceiverService:
 
     def _refused_whole(self, msg: Message, lane: _Lane, **more: int) -> None:
         """A batch refused without an ack (its dead letter durable): the figures counting it are written
-        to the status topic, durably, before its offset is committed (totals.py, step 2)."""
+        to the status topic, durably, before its offset is committed (receivertotals.py, step 2)."""
         if msg.offset() <= lane.figures.offset:
             return  # counted by whoever refused it first
         figures = lane.figures.counting(msg.offset(), int(time.time() * 1000), **more)
@@ -895,7 +878,7 @@ class ReceiverService:
         requests of at most apply_events_max events, each request settled (retried until nothing in it
         may still succeed later) before the owner's next one, so a bucket's events apply in order.
         ``maybe_half_applied``: the owner before may have applied some of the events and died before
-        acknowledging the batch (totals.py, step 4)."""
+        acknowledging the batch (receivertotals.py, step 4)."""
         applied = _Applied(set(range(len(batch.bodies))) if maybe_half_applied else None)
         buckets: list[tuple[str, int] | None] = []
         for i, body in enumerate(batch.bodies):
@@ -954,7 +937,7 @@ class ReceiverService:
             log.warning("batch %d from dsid %d: no region-service instance owns %s[%d] yet; trying again in %.1f s",
                         batch.batch_id, batch.source_dsid, missing[0], missing[1], backoff_s)
             if stop.wait(backoff_s):
-                raise _Stopping
+                raise Stopping(f"routing batch {batch.batch_id} from dsid {batch.source_dsid}")
             self._refresh_directory()
             backoff_s = min(backoff_s * 2, APPLY_BACKOFF_MAX_S)
 
@@ -972,7 +955,7 @@ class ReceiverService:
         targets = {url: part}
         while True:
             if stop.is_set():
-                raise _Stopping
+                raise Stopping(f"applying batch {batch.batch_id} from dsid {batch.source_dsid}")
             attempt += 1
             again: list[int] = []
             failure: SluiceError | None = None
@@ -992,7 +975,7 @@ class ReceiverService:
             log.warning("batch %d from dsid %d: applying %d events to %s, attempt %d: %s; trying again in %.1f s",
                         batch.batch_id, batch.source_dsid, len(again), ", ".join(targets), attempt, why, backoff_s)
             if stop.wait(backoff_s):
-                raise _Stopping
+                raise Stopping(f"applying batch {batch.batch_id} from dsid {batch.source_dsid}")
             backoff_s = min(backoff_s * 2, APPLY_BACKOFF_MAX_S)
             self._refresh_directory()
             targets = self._owners(batch, sorted(again), buckets, stop)
@@ -1000,25 +983,29 @@ class ReceiverService:
     def _post(self, batch: BatchView, value: bytes, url: str, part: list[int], traces: list[str | None],
               applied: _Applied) -> tuple[list[int], SluiceError | None]:
         """One request of the events ``part`` to ``url``: (the events to try again, why when the request
-        got no usable answer).  A request refused whole (400, 413: an event the region will never take,
-        or a record past its body cap) is halved until the refused events stand alone."""
+        got no usable answer).  What the failure says decides: a ``retriable`` one (no answer: the owner
+        or this site's broker away, a 5xx) is tried again; the receiver's credential refused (401, 403)
+        is alerted and tried again; any other failure is for good (400, 413: an event the region will
+        never take, or a record past its body cap; a record that cannot be written), and the request
+        is halved until the refused events stand alone, each an exception of the ack."""
         try:
             answer = self._client_of().apply_batch(url, self._record(batch, value, part, traces))
-        except RegionError as exc:
-            if exc.status in UNAUTHORIZED:
+        except SluiceError as exc:
+            if exc.retriable:
+                applied.unanswered.update(part)  # it may have applied them all the same
+                return part, exc
+            if isinstance(exc, RegionError) and exc.status in UNAUTHORIZED:
                 self._alert_unauthorized(exc)
                 return part, exc
             if len(part) == 1:
-                message = str(exc.body.get("message", exc))
-                applied.refuse(part[0], _event_id_of(batch.bodies[part[0]]), exc.error, message)
+                refused_as, message = ((exc.error, str(exc.body.get("message", exc))) if isinstance(exc, RegionError)
+                                       else (type(exc).__name__, str(exc)))
+                applied.refuse(part[0], _event_id_of(batch.bodies[part[0]]), refused_as, message)
                 return [], None
             half = len(part) // 2
             first, first_failure = self._post(batch, value, url, part[:half], traces, applied)
             second, second_failure = self._post(batch, value, url, part[half:], traces, applied)
             return first + second, first_failure or second_failure
-        except SluiceError as exc:  # no answer: the owner or this site's broker away, or a 5xx
-            applied.unanswered.update(part)  # it may have applied them all the same
-            return part, exc
         # Every event of the request is answered: applied (in the counts), or refused (listed).
         refused = {r["index"] for r in answer.refused}
         assert answer.count == len(part) and refused <= set(range(len(part))), \
@@ -1088,7 +1075,7 @@ class ReceiverService:
         """The signed ack of a batch.  ``last_batch_id``: the highest batch id applied for its sender
         partition, what a sender whose batch ids started over needs to open an epoch above.  It says
         which GatewayBatch versions this receiver reads (``batch_versions``), and carries the inbound
-        partition's ``figures`` with the batch counted, in a header of their own (totals.py): what a
+        partition's ``figures`` with the batch counted, in a header of their own (receivertotals.py): what a
         sender reads of the ack is unchanged."""
         record = {
             "sender_id": batch.sender_id,
@@ -1123,13 +1110,10 @@ class ReceiverService:
     def _write(self, what: str, topic: str, value: bytes, key: bytes | None, stop: threading.Event, *,
                partition: int | None = None, headers: Headers = None) -> None:
         """One ack or dead letter, durable however long this site's broker is away
-        (``produce_durably``).  Stopping raises ``_Stopping``: the batch is then
+        (``produce_durably``).  Stopping raises ``Stopping``: the batch is then
         not committed, so it is read again and acknowledged as a duplicate."""
-        try:
-            produce_durably(self._producer, topic, value, key, what=what, stopping=stop, partition=partition,
-                            headers=None if headers is None else list(headers))
-        except Interrupted:
-            raise _Stopping from None
+        produce_durably(self._producer, topic, value, key, what=what, stopping=stop, partition=partition,
+                        headers=None if headers is None else list(headers))
 
     def _commit(self, msg: Message) -> None:
         """Lane side: the batch is done.  The consumer is the main loop's: a
@@ -1149,9 +1133,10 @@ class ReceiverService:
         if not newest:
             return
         try:
-            consumer.commit(offsets=list(newest.values()), asynchronous=asynchronous)
-        except KafkaException as exc:
-            log.warning("committing %s: %s", sorted(newest), exc)
+            with kafka_errors(f"committing {sorted(newest)}"):
+                consumer.commit(offsets=list(newest.values()), asynchronous=asynchronous)
+        except SluiceError as exc:
+            log.warning("%s", exc)
 
 
 def _event_id_of(body: bytes) -> EventID:

@@ -139,19 +139,19 @@ from ..core.events import Operation as EventOperation
 from ..core.kafka import (
     OFFSET_BEGINNING,
     Consumer,
-    KafkaException,
     Producer,
     TopicPartition,
+    close_consumer,
     close_producer,
     consumed_position,
     fence_transactional_id,
+    kafka_errors,
     make_consumer,
     make_producer,
     make_transactional_producer,
     partition_end,
     partition_for_key,
     read_to_end,
-    translate,
 )
 from .conflicts import ConflictResolver
 from .fanout import TRANSACTIONAL_CHECKPOINT, Pending, QueueTarget, RecordBuilder, Slot, Window, WindowOutcome, WindowWriter
@@ -500,10 +500,11 @@ class RegionEngine:
             self._kafka_settings, self.transactional_id, self._transaction_timeout_ms,
             **{"client.id": self.client_id, **self._producer_settings})
         try:
-            producer.init_transactions(self._load_timeout_s)
-        except KafkaException as exc:
+            with kafka_errors(f"initializing transactions of {self.transactional_id}"):
+                producer.init_transactions(self._load_timeout_s)
+        except SluiceError:
             close_producer(producer, 1.0)
-            raise translate(exc, f"initializing transactions of {self.transactional_id}") from exc
+            raise
         return producer
 
     def stop(self, deadline_s: float = 10.0) -> None:
@@ -939,6 +940,8 @@ class RegionEngine:
                 self.stats["producers_rebuilt"] += 1
                 return
             except SluiceError as exc:
+                if not exc.retriable:
+                    raise  # the thread's crash: no new producer can be built
                 log.warning("building the transactional producer again failed (%s); retrying", exc)
                 self._stopping.wait(PRODUCER_RETRY_S)
 
@@ -1017,9 +1020,11 @@ class RegionEngine:
         )
         next_expiry = time.monotonic() + 30.0
         next_checkpoint = time.monotonic() + self._checkpoint_interval_s
+        polling = kafka_errors(f"polling consumer group {self.group_id}")
         try:
             while not self._stopping.is_set():
-                msg = consumer.poll(0.05)
+                with polling:
+                    msg = consumer.poll(0.05)
                 if msg is not None and msg.error() is not None:
                     log.debug("group consumer: %s", msg.error())
                 if time.monotonic() >= next_expiry:
@@ -1032,10 +1037,7 @@ class RegionEngine:
         finally:
             # Leaving the group revokes every bucket through _on_revoke,
             # which waits for the windows holding their records.
-            try:
-                consumer.close()
-            except (KafkaException, RuntimeError) as exc:
-                log.warning("closing the group consumer: %s", exc)
+            close_consumer(consumer, "closing the group consumer", log)
             with self._lock:
                 self._membership = None
 
@@ -1182,9 +1184,10 @@ class RegionEngine:
             tp = TopicPartition(self.changelog_topics[ob.region], ob.bucket)
             while True:
                 try:
-                    low, stable, high = partition_end(consumer, self._high_reader, tp,
-                                                      timeout_s=max(0.1, deadline - time.monotonic()))
-                except KafkaException as exc:
+                    with kafka_errors("reading the end of its changelog"):
+                        low, stable, high = partition_end(consumer, self._high_reader, tp,
+                                                          timeout_s=max(0.1, deadline - time.monotonic()))
+                except SluiceError as exc:
                     log.info("%s[%d] not kept after its revocation: %s", ob.region, ob.bucket, exc)
                     break
                 if stable >= high:
@@ -1228,6 +1231,8 @@ class RegionEngine:
                 try:
                     self._load(readers[0], readers[1], region, bucket, epoch)
                 except SluiceError as exc:
+                    if not exc.retriable:
+                        raise  # the thread's crash: a retry cannot load the bucket
                     log.warning("loading %s[%d] failed (%s); retrying", region, bucket, exc)
                     # Fresh readers: the old ones' metadata may be stuck on what the broker said as it
                     # came back (partitions unknown until the next metadata refresh).
@@ -1252,10 +1257,8 @@ class RegionEngine:
         transaction whose offsets are pending holds the answer back (KIP-447), past ``timeout_s``
         as a retriable error."""
         assert self._offsets is not None
-        try:
+        with kafka_errors(f"committed offset of {topic}[{bucket}]"):
             found = self._offsets.committed([TopicPartition(topic, bucket)], timeout=timeout_s)
-        except KafkaException as exc:
-            raise translate(exc, f"committed offset of {topic}[{bucket}]") from exc
         for tp in found:
             if tp.topic == topic and tp.partition == bucket:
                 if tp.error is not None:
@@ -1295,10 +1298,8 @@ class RegionEngine:
                     raise
                 blocked = f"its committed offset is held back ({exc})"
             else:
-                try:
+                with kafka_errors(f"reading the changelog bounds of {region}[{bucket}]"):
                     low, stable, high = partition_end(reader, high_reader, tp)
-                except KafkaException as exc:
-                    raise translate(exc, f"reading the changelog bounds of {region}[{bucket}]") from exc
                 if stable >= high:
                     self._hanging.clear(region, bucket)
                     return low, high, committed, transactional
@@ -1413,15 +1414,14 @@ class RegionEngine:
             reader.assign([TopicPartition(topic, bucket, OFFSET_BEGINNING if start == 0 else start)])
             position = start
             idle_since = time.monotonic()
+            reading = kafka_errors(f"reading the changelog of {region}[{bucket}]")
             # Positions, not the last record's offset: markers and aborted
             # records occupy offsets up to the end (core/kafka.py).
             while position < high:
                 # consume() waits its whole timeout for a partial batch, so keep
                 # the timeout short: the records are usually prefetched already.
-                try:
+                with reading:
                     msgs = reader.consume(1000, 0.02)
-                except KafkaException as exc:
-                    raise translate(exc, f"reading the changelog of {region}[{bucket}]") from exc
                 moved = consumed_position(reader, tp)
                 if not msgs and moved <= position:
                     if time.monotonic() - idle_since > self._load_timeout_s / 3:
@@ -1531,12 +1531,10 @@ class RegionEngine:
         if all(k in self._dead_lettered for k in todo):
             return
         # Another instance may have dead-lettered them when it loaded the bucket before.
-        try:
+        with kafka_errors(f"reading the dead letters in {dead_letters}"):
             for msg in read_to_end(reader, dead_letters, 0, deadline_s=self._load_timeout_s / 3):
                 if msg.key() in todo:
                     self._dead_lettered.add(msg.key())
-        except KafkaException as exc:
-            raise translate(exc, f"reading the dead letters in {dead_letters}") from exc
         fresh = [k for k in todo if k not in self._dead_lettered]
         if not fresh:
             return
@@ -1566,10 +1564,8 @@ class RegionEngine:
                       "value": value, "reason": f"changelog record unreadable, skipped by the load: {exc}",
                       "error_class": type(exc).__name__, "event": None, "service": f"region {self.member_id}",
                       "failed_at": now_ms}
-            try:
+            with kafka_errors(f"dead-lettering {k.decode()}"):
                 producer.produce(dead_letters, self._codec.encode("DeadLetter", record), k, on_delivery=on_delivery)
-            except (BufferError, KafkaException) as exc2:
-                raise BrokerUnavailable(f"dead-lettering {k.decode()}: {exc2}") from exc2
         end = time.monotonic() + self._load_timeout_s
         while not delivered.is_set() and time.monotonic() < end:
             producer.poll(0.05)

@@ -67,7 +67,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from ..core.codec import Codec
-from ..core.errors import BrokerUnavailable, OwnershipUnconfirmed, SluiceError
+from ..core.errors import (
+    BrokerUnavailable,
+    KafkaCallFailed,
+    KafkaFatal,
+    OwnershipUnconfirmed,
+    SluiceError,
+    TransactionAbortable,
+)
 from ..core.events import EntryEvent, Operation, goes_to_async_queue, goes_to_gateway
 from ..core.eventwire import (
     FLAG_NO_CALLBACKS,
@@ -79,18 +86,14 @@ from ..core.eventwire import (
     varint,
 )
 from ..core.kafka import (
+    GROUP_FENCING,
     KafkaError,
-    KafkaException,
     Producer,
     TopicPartition,
     consumer_group_generation,
-    is_fatal,
-    is_group_fencing,
-    is_retriable,
+    kafka_errors,
     murmur2,
     partition_for_key,
-    requires_abort,
-    translate,
 )
 
 # Avro primitives, shared with the hand-written EntryEvent encoder.
@@ -403,6 +406,7 @@ class WindowWriter:
         self._changelog_topics = changelog_topics
         self._timeout_s = timeout_s
         self._calls = self._new_caller()
+        self._writing = kafka_errors("writing a window of the region's records")
 
     @staticmethod
     def _new_caller() -> _Caller:
@@ -460,44 +464,46 @@ class WindowWriter:
             return report
 
         try:
-            producer.begin_transaction()
-            started = True
-            produce = self._produce
-            for i, (record, slot) in enumerate(window.records):
-                if slot not in skip:
-                    at = last_of.get(i)
-                    produce(record, deadline, None if at is None else delivered(at))
-            # Every record acknowledged before the offsets go: send_offsets_to_transaction with records
-            # still in flight after a broker restart was seen to wait far past its timeout.
-            remaining = producer.flush(max(0.0, deadline - time.monotonic()))
-            if remaining:
-                return self._abort(BrokerUnavailable(
-                    f"{remaining} records of the window not acknowledged in {self._timeout_s:g} s"))
-            committed = {slot: window.checkpoints[slot] for slot in slots}
-            offsets = [TopicPartition(self._changelog_topics[region], bucket, checkpoint,
-                                      metadata=TRANSACTIONAL_CHECKPOINT)
-                       for (region, bucket, _), checkpoint in committed.items()]
-            self._bounded(producer.send_offsets_to_transaction, offsets, group_metadata,
-                          timeout_s=max(0.1, deadline - time.monotonic()))
-            self._commit(deadline)
+            with self._writing:
+                producer.begin_transaction()
+                started = True
+                produce = self._produce
+                for i, (record, slot) in enumerate(window.records):
+                    if slot not in skip:
+                        at = last_of.get(i)
+                        produce(record, deadline, None if at is None else delivered(at))
+                # Every record acknowledged before the offsets go: send_offsets_to_transaction with records
+                # still in flight after a broker restart was seen to wait far past its timeout.
+                remaining = producer.flush(max(0.0, deadline - time.monotonic()))
+                if remaining:
+                    return self._abort(BrokerUnavailable(
+                        f"{remaining} records of the window not acknowledged in {self._timeout_s:g} s"))
+                committed = {slot: window.checkpoints[slot] for slot in slots}
+                offsets = [TopicPartition(self._changelog_topics[region], bucket, checkpoint,
+                                          metadata=TRANSACTIONAL_CHECKPOINT)
+                           for (region, bucket, _), checkpoint in committed.items()]
+                self._bounded(producer.send_offsets_to_transaction, offsets, group_metadata,
+                              timeout_s=max(0.1, deadline - time.monotonic()))
+                self._commit(deadline)
             return WindowOutcome(committed=committed, last_offsets=last_offsets)
         except _Wedged as exc:
             return WindowOutcome(error=BrokerUnavailable(f"writing a window of the region's records: {exc}"),
                                  producer_broken=True, producer_wedged=True)
-        except KafkaException as exc:
-            if is_group_fencing(exc):
+        except KafkaCallFailed as exc:
+            group_fenced = exc.code in GROUP_FENCING
+            if group_fenced:
                 error: SluiceError = OwnershipUnconfirmed(
-                    f"the group refused the window's offsets ({exc.args[0].str()}): the buckets moved")
+                    f"the group refused the window's offsets ({exc}): the buckets moved")
                 error.__cause__ = exc
             else:
-                error = translate(exc, "writing a window of the region's records")
+                error = exc
                 error.retriable = True  # a failed window changed nothing: the callers may retry
-            if is_fatal(exc):
+            if isinstance(exc, KafkaFatal):
                 return WindowOutcome(error=error, producer_broken=True)
-            if not started and not requires_abort(exc):
+            if not started and not isinstance(exc, TransactionAbortable):
                 return WindowOutcome(error=error, producer_broken=True)
             outcome = self._abort(error)
-            return replace(outcome, stale_generation=is_group_fencing(exc))
+            return replace(outcome, stale_generation=group_fenced)
 
     def _produce(self, record: Record, deadline: float,
                  on_delivery: Callable[[KafkaError | None, Any], None] | None = None) -> None:
@@ -516,23 +522,27 @@ class WindowWriter:
             except BufferError:
                 # Back-pressure: the local queue is full; let the broker catch up, within the window's time.
                 if time.monotonic() >= deadline:
-                    raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "producer queue full", retriable=True))
+                    raise BrokerUnavailable(f"{self._writing.what}: producer queue full",
+                                            code=KafkaError._TIMED_OUT) from None
                 producer.poll(0.05)
 
     def _commit(self, deadline: float) -> None:
-        """commit_transaction, asked again while librdkafka says a retry may succeed and time is left."""
+        """commit_transaction, made again while its error is ``retriable`` and time is left (one that
+        needs the transaction aborted, or is fatal, is not)."""
         while True:
             try:
-                self._bounded(self.producer.commit_transaction, timeout_s=max(0.1, deadline - time.monotonic()))
+                with self._writing:
+                    self._bounded(self.producer.commit_transaction, timeout_s=max(0.1, deadline - time.monotonic()))
                 return
-            except KafkaException as exc:
-                if requires_abort(exc) or is_fatal(exc) or not is_retriable(exc) or time.monotonic() >= deadline:
+            except KafkaCallFailed as exc:
+                if not exc.retriable or time.monotonic() >= deadline:
                     raise
 
     def _abort(self, error: SluiceError) -> WindowOutcome:
         try:
-            self._bounded(self.producer.abort_transaction, timeout_s=self._timeout_s)
-        except KafkaException as exc:
+            with self._writing:
+                self._bounded(self.producer.abort_transaction, timeout_s=self._timeout_s)
+        except KafkaCallFailed as exc:
             # An abort that fails leaves the transaction to the new producer's
             # init_transactions, which aborts it.
             error.__context__ = exc

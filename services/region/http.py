@@ -48,12 +48,13 @@ from ..core.eventchecks import ID_MAX, MEMBER_ID_MAX_CHARS, event_id_problem, is
 from ..core.events import EventID
 from ..core.remotewire import decode_remote
 from ..core.telemetry import TRACEPARENT
+from ..core.wancopy import BATCH_SIZE_DEFAULT, BATCH_SIZE_MAX, KEYS_MAX
 from .engine import Operation
 from .guard import Guard
 from .remote import BATCH_MEDIA_TYPES, apply_batch
-from .service import Outcome, RegionService, _NotOwnedKeys, error_outcome
+from .service import NotOwnedKeys, Outcome, RegionService, error_outcome
 from .state import Op
-from .wancopy import BATCH_SIZE_DEFAULT, BATCH_SIZE_MAX, KEYS_MAX, WanCopy
+from .wancopy import WanCopy
 
 
 def _unicode(text: str) -> str:
@@ -633,7 +634,7 @@ def create_app(service: RegionService) -> Any:
         try:
             entries = await service.read(body.region, body.keys, forwarded=True)
             return SafeJSON({"entries": entries, "not_owned": []})
-        except _NotOwnedKeys as exc:
+        except NotOwnedKeys as exc:
             return SafeJSON({"entries": exc.found, "not_owned": exc.keys})
 
     @app.post("/internal/keys", tags=["internal"], summary="Keys of a bucket for another instance (owner only; "

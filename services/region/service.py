@@ -4,10 +4,10 @@ An instance is a bucket owner (``engine.py``) behind an HTTP API (``http.py``).
 A request may reach any instance.  The instance splits it by bucket and
 routes each part: to its own engine for the buckets it owns, or to the
 owner's HTTP address for the others.  Owners are read from the records the
-instances publish on the site's status topic (``directory.py``: signed with
-the member token, their URLs within ``member_hosts``), each claim from the
-consumer group's assignment, so Kafka is the only source of truth about who
-owns what.
+instances publish on the site's status topic (published by ``directory.py``,
+read by ``core/directory.py``: signed with the member token, their URLs
+within ``member_hosts``), each claim from the consumer group's assignment, so
+Kafka is the only source of truth about who owns what.
 
 Lifecycle::
 
@@ -60,12 +60,14 @@ from ..core.codec import get_codec
 from ..core.eventchecks import event_id_problem, is_unicode, key_problem, remote_problem, value_problem
 from ..core.remotewire import decode_remote, encode_remote
 from ..core.config import SiteConfig
+from ..core.directory import MemberTrust, OwnerDirectory, read_instances
 from ..core.errors import (
     BrokerUnavailable,
     BucketUnavailable,
     ConfigError,
     EntryTooLarge,
     InvalidRequest,
+    NotOwnedKeys,
     NotOwner,
     SluiceError,
     TopicMismatch,
@@ -75,8 +77,8 @@ from ..core.errors import (
 from ..core.events import EntryEvent, EventID
 from ..core.lifecycle import ServiceState
 from ..core.webguard import is_loopback
-from ..core.kafka import KafkaException, make_admin, topic_ids, translate
-from .directory import DirectoryPublisher, MemberTrust, OwnerDirectory, read_instances
+from ..core.kafka import kafka_errors, make_admin, topic_ids
+from .directory import DirectoryPublisher
 from .standby import standby_buckets
 from .engine import Operation, OpResult, RegionEngine
 from ..core.gatewayfilters import SenderFilters
@@ -345,10 +347,8 @@ class RegionService:
         """Refuse to start without the topics (and partition counts) the site implies; the Kafka
         cluster's id and each region's changelog topic id (what the local store's checkpoints name)."""
         admin = make_admin(self.cfg.kafka.client_settings())
-        try:
+        with kafka_errors(f"connecting to {self.cfg.kafka.bootstrap_servers}"):
             metadata = admin.list_topics(timeout=self.cfg.kafka.request_timeout_ms / 1000)
-        except KafkaException as exc:
-            raise translate(exc, f"connecting to {self.cfg.kafka.bootstrap_servers}") from exc
         needed = [(t, self.regions[r].buckets) for r, t in self.changelog_topics.items()]
         needed += [(q.topic, q.partitions) for r in self.cfg.regions for q in self.cfg.attached_queues(r.name)]
         needed.append((self.cfg.topics.region_dead_letter(), 1))
@@ -364,10 +364,8 @@ class RegionService:
         """The instances whose believed directory record still claims the bucket but was written
         before this instance was assigned it at ``since_ms``: a live member republishes its claims at
         every rebalance, so these are dead or frozen (the engine fences their transactions)."""
-        try:
+        with kafka_errors("reading the owner directory"):
             instances = read_instances(self.cfg, deadline_s=5.0)
-        except KafkaException as exc:
-            raise translate(exc, "reading the owner directory") from exc
         return sorted(i.instance for i in instances.values()
                       if i.instance != self.instance_id and i.state == "running" and i.updated_at < since_ms
                       and any(r == region and b == bucket for r, b, _ in i.claims))
@@ -777,8 +775,10 @@ class RegionService:
                             raise loading
                     try:
                         state = engine.read(region, bucket)
-                    except (NotOwner, BucketUnavailable):
-                        retry.append(key)
+                    except SluiceError as exc:
+                        if not exc.retriable:
+                            raise
+                        retry.append(key)  # moving or loading: asked again below
                         continue
                     with engine.read_lock:
                         entry = state.get(key)
@@ -803,7 +803,7 @@ class RegionService:
             if not retry:
                 break
             if forwarded:
-                raise _NotOwnedKeys(retry, out)
+                raise NotOwnedKeys(retry, out)
             if time.monotonic() + delay > deadline:
                 raise BucketUnavailable(region, engine.bucket_of(region, retry[0]), "no ready owner in time")
             await asyncio.sleep(delay)
@@ -837,8 +837,9 @@ class RegionService:
                     state = engine.read(region, bucket)
                     with engine.read_lock:
                         return sorted(state.keys())
-                except (NotOwner, BucketUnavailable):
-                    pass
+                except SluiceError as exc:
+                    if not exc.retriable:
+                        raise  # moving or loading (retriable): asked again below
             elif not forwarded and self.directory is not None:
                 owner = self.directory.owner(region, bucket)
                 if owner is not None and owner != self.url:
@@ -879,12 +880,6 @@ class RegionService:
                     "standbys": [{"url": url, "lag": lag} for url, lag in standbys.get((region.name, b), [])],
                 })
         return rows
-
-
-class _NotOwnedKeys(Exception):
-    def __init__(self, keys: list[str], found: dict[str, Any]) -> None:
-        self.keys = keys
-        self.found = found
 
 
 def url_join(base: str) -> str:
@@ -928,4 +923,4 @@ def _op_to_json(op: Operation) -> dict[str, Any]:
     }
 
 
-__all__ = ["EntryEvent", "Outcome", "RegionService", "ServiceState", "error_outcome", "unowned_since"]
+__all__ = ["EntryEvent", "NotOwnedKeys", "Outcome", "RegionService", "ServiceState", "error_outcome", "unowned_since"]

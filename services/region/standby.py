@@ -43,12 +43,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from ..core.codec import Codec
-from ..core.errors import CodecError
+from ..core.errors import CodecError, SluiceError
 from ..core.kafka import (
     OFFSET_BEGINNING,
     Consumer,
-    KafkaException,
     TopicPartition,
+    close_consumer,
+    kafka_errors,
     make_consumer,
 )
 from .state import BucketState, changelog_event
@@ -213,27 +214,32 @@ class StandbyKeeper:
     def _run(self) -> None:
         consumer: Consumer | None = None
         next_status = 0.0
+        reading = kafka_errors("standby reader")
         while not self._stopping.is_set():
             try:
-                if consumer is None:
-                    consumer = make_consumer(self._kafka_settings, None, **{
-                        "client.id": f"{self._client_id}-standby", "isolation.level": "read_committed",
-                        "fetch.wait.max.ms": 100})
-                    self._assigned = {}
-                self._reconcile(consumer)
-                if not self._assigned:
-                    self._stopping.wait(0.1)
-                    continue
-                msgs = consumer.consume(2000, 0.1)
-                if msgs:
-                    self._apply(msgs)
-                if time.monotonic() >= next_status:
-                    next_status = time.monotonic() + STATUS_EVERY_S
-                    self._refresh_lag(consumer)
-                    self._checkpoint()
-            except KafkaException as exc:
+                with reading:
+                    if consumer is None:
+                        consumer = make_consumer(self._kafka_settings, None, **{
+                            "client.id": f"{self._client_id}-standby", "isolation.level": "read_committed",
+                            "fetch.wait.max.ms": 100})
+                        self._assigned = {}
+                    self._reconcile(consumer)
+                    if not self._assigned:
+                        self._stopping.wait(0.1)
+                        continue
+                    msgs = consumer.consume(2000, 0.1)
+                    if msgs:
+                        self._apply(msgs)
+                    if time.monotonic() >= next_status:
+                        next_status = time.monotonic() + STATUS_EVERY_S
+                        self._refresh_lag(consumer)
+                        self._checkpoint()
+            except SluiceError as exc:
+                if not exc.retriable:
+                    log.error("%s: %s; no standby copies are kept from now on", reading.what, exc)
+                    raise
                 # A broker away: a fresh consumer, positions from the copies (nothing is lost, only re-read).
-                log.warning("standby reader: %s; starting it again", exc)
+                log.warning("%s; starting it again", exc)
                 if consumer is not None:
                     _close(consumer)
                 consumer = None
@@ -323,10 +329,12 @@ class StandbyKeeper:
         tps = [TopicPartition(self._topics[r], b) for r, b in keys]
         seen = {(self._region_of[tp.topic], tp.partition): tp.offset for tp in consumer.position(tps)}
         highs = {}
+        reading_end = kafka_errors("reading the end of a changelog")
         for key, tp in zip(keys, tps):
             try:
-                highs[key] = consumer.get_watermark_offsets(tp, cached=True)[1]
-            except KafkaException:
+                with reading_end:
+                    highs[key] = consumer.get_watermark_offsets(tp, cached=True)[1]
+            except SluiceError:
                 continue
         with self._lock:
             for key in keys:
@@ -340,7 +348,4 @@ class StandbyKeeper:
 
 
 def _close(consumer: Consumer) -> None:
-    try:
-        consumer.close()
-    except (KafkaException, RuntimeError) as exc:
-        log.debug("closing the standby reader: %s", exc)
+    close_consumer(consumer, "closing the standby reader", log, logging.DEBUG)

@@ -50,7 +50,7 @@ from typing import Any, Iterator
 import lmdb
 import orjson
 
-from ..core.errors import ConfigError
+from ..core.errors import ConfigError, StoreCorrupt
 from .state import Entry
 
 log = logging.getLogger("sluice.region.store")
@@ -70,10 +70,6 @@ _HEAD = struct.Struct("<IqqqqqBHHH")
 _DESTROYED, _HAS_VALUE = 1, 2
 _MASK64 = (1 << 64) - 1
 _members: dict[bytes, str] = {}
-
-
-class StoreCorrupt(Exception):
-    """An entry whose bytes do not match its CRC, or that cannot be read."""
 
 
 def store_key(key: str) -> bytes:

@@ -67,18 +67,22 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from ..core.errors import BrokerUnavailable, BucketUnavailable, InvalidRequest, NotOwner, SluiceError
+from ..core.errors import (
+    BrokerUnavailable,
+    BucketUnavailable,
+    InvalidRequest,
+    MemberRefused,
+    NotOwner,
+    SluiceError,
+    WanCopyRunning,
+)
+from ..core.wancopy import BATCH_SIZE_MAX
 
 if TYPE_CHECKING:
     from .service import RegionService
 
 log = logging.getLogger("sluice.region.wancopy")
 
-#: Geode's default batch size of ``wan-copy region``, and the most one request may carry.
-BATCH_SIZE_DEFAULT = 1000
-BATCH_SIZE_MAX = 10_000
-#: Keys a copy of given keys may name.
-KEYS_MAX = 1_000_000
 #: Buckets a coordinator copies at once.
 WORKERS = 4
 #: How long a batch is asked again while its bucket moves or its write fails, before the copy fails.
@@ -188,14 +192,6 @@ class BatchAnswer:
     def from_dict(cls, d: dict[str, Any]) -> "BatchAnswer":
         return cls(int(d["total"]), int(d["copied"]), {str(k): int(v) for k, v in d["skipped"].items()},
                    d["next"], bool(d["done"]))
-
-
-class _Refused(Exception):
-    """An owner's answer that a retry may change (``retriable``) or not."""
-
-    def __init__(self, message: str, retriable: bool) -> None:
-        super().__init__(message)
-        self.retriable = retriable
 
 
 class Snapshots:
@@ -334,7 +330,7 @@ class WanCopies:
             else:
                 await self._pace_end(copy)
                 copy.state = CopyState.DONE
-        except (SluiceError, _Refused, httpx.HTTPError) as exc:
+        except (SluiceError, httpx.HTTPError) as exc:
             copy.state = CopyState.FAILED
             copy.error = str(exc)
             log.warning("wan-copy %s of %s through %s failed after %d entries: %s", copy.copy_id, copy.region,
@@ -434,14 +430,10 @@ class WanCopies:
                 if owner is None or owner == service.url:
                     raise NotOwner(copy.region, bucket, owner)
                 return await self._forward(owner, copy, bucket, after, count, keys)
-            except (SluiceError, _Refused) as exc:
+            except SluiceError as exc:
                 if not exc.retriable or time.monotonic() + delay > deadline:
                     raise
                 why = str(exc)
-            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.TimeoutException) as exc:
-                if time.monotonic() + delay > deadline:
-                    raise
-                why = f"{type(exc).__name__}: {exc}"
             log.debug("wan-copy %s: %s[%d] asked again: %s", copy.copy_id, copy.region, bucket, why)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
@@ -450,19 +442,24 @@ class WanCopies:
                        keys: list[str] | None) -> BatchAnswer:
         body = {"copy_id": copy.copy_id, "region": copy.region, "sender_id": copy.sender_id, "bucket": bucket,
                 "after": after, "count": count, "keys": keys}
-        resp = await self.service._to_member(url, "/internal/wan_copy_batch", body)  # noqa: SLF001
+        try:
+            resp = await self.service._to_member(url, "/internal/wan_copy_batch", body)  # noqa: SLF001
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.TimeoutException) as exc:
+            # Not connected, or no answer in time: worth asking again (the directory may name another owner).
+            raise MemberRefused(f"owner {url} unreachable: {type(exc).__name__}: {exc}", True) from exc
         try:
             data = resp.json()
         except ValueError:
-            raise _Refused(f"owner {url} answered {resp.status_code} without JSON", resp.status_code >= 500) from None
+            raise MemberRefused(f"owner {url} answered {resp.status_code} without JSON",
+                                resp.status_code >= 500) from None
         if resp.status_code != 200 or not isinstance(data, dict):
             message = data.get("message", data) if isinstance(data, dict) else data
             retriable = data.get("retriable", resp.status_code >= 500) if isinstance(data, dict) else False
-            raise _Refused(f"owner {url} answered {resp.status_code}: {message}", bool(retriable))
+            raise MemberRefused(f"owner {url} answered {resp.status_code}: {message}", bool(retriable))
         try:
             return BatchAnswer.from_dict(data)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise _Refused(f"owner {url} answered a batch with {data!r:.200}: {exc}", False) from None
+            raise MemberRefused(f"owner {url} answered a batch with {data!r:.200}: {exc}", False) from None
 
     # --- the bucket's owner ---------------------------------------------------------------------
 
@@ -529,19 +526,4 @@ class WanCopies:
             return state.size()
 
 
-class WanCopyRunning(SluiceError):
-    """A copy of the region through the sender already runs on this instance (HTTP 409)."""
-
-    http_status = 409
-
-    def __init__(self, copy: WanCopy) -> None:
-        self.copy = copy
-        super().__init__(f"wan-copy {copy.copy_id} of region {copy.region!r} through sender {copy.sender_id!r} is "
-                         f"running ({copy.copied:,} of {copy.total:,} entries copied); cancel it first")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**super().to_dict(), "copy": self.copy.to_dict()}
-
-
-__all__ = ["BATCH_SIZE_DEFAULT", "BATCH_SIZE_MAX", "KEYS_MAX", "BatchAnswer", "CopyState", "SKIP_REASONS",
-           "Snapshots", "WanCopies", "WanCopy", "WanCopyRunning"]
+__all__ = ["BatchAnswer", "CopyState", "SKIP_REASONS", "Snapshots", "WanCopies", "WanCopy", "WanCopyRunning"]

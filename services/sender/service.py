@@ -83,7 +83,15 @@ from ..core import telemetry
 from ..core.asyncevent import AsyncEvent
 from ..core.batching import Batch
 from ..core.config import SiteConfig
-from ..core.errors import BadSignature, CodecError, ConfigError, MalformedRecord, SluiceError
+from ..core.errors import (
+    BadSignature,
+    BrokerUnavailable,
+    CodecError,
+    ConfigError,
+    KafkaCallFailed,
+    MalformedRecord,
+    SluiceError,
+)
 from ..core.events import EntryEvent, goes_to_gateway
 from ..core.eventwire import (
     BATCH_VERSION_BODIES,
@@ -97,9 +105,10 @@ from ..core.eventwire import (
 )
 from ..core.kafka import (
     OFFSET_END,
-    KafkaException,
+    TOPIC_MISSING,
     TopicPartition,
     consume_available,
+    kafka_errors,
     make_consumer,
     make_producer,
     partition_for_key,
@@ -196,6 +205,9 @@ class GatewaySenderService(QueuePrimary):
         self._remote_producer: Any = None
         self._ack_reader: Any = None
         self._ack_thread: threading.Thread | None = None
+        #: Why the ack thread stopped, when no retry could mend it: the next offer raises it (the sender crashes).
+        self._acks_failed: SluiceError | None = None
+        self._writing = kafka_errors(f"writing to {self.remote_inbound} at dsid {self.remote_dsid}")
         # (queue partition, batch id on the wire, which the acks carry) -> the batch written and waiting
         # for its ack.
         self._in_flight: dict[tuple[int, int], _InFlight] = {}
@@ -261,13 +273,13 @@ class GatewaySenderService(QueuePrimary):
     def _remote_partitions(self) -> int:
         """The remote inbound topic's partition count (asked again until the remote answers)."""
         if self._inbound_partitions == 0:
-            try:
+            with kafka_errors(f"remote site {self.remote_dsid} unreachable"):
                 md = self._remote_producer.list_topics(self.remote_inbound, timeout=5)
-            except KafkaException as exc:
-                raise SluiceError(f"remote site {self.remote_dsid} unreachable: {exc}") from exc
             topic = md.topics.get(self.remote_inbound)
             if topic is None or topic.error is not None or not topic.partitions:
-                raise SluiceError(f"remote topic {self.remote_inbound} is missing at dsid {self.remote_dsid}")
+                # The remote site's to make (or its broker's to know again): asked again, as Geode's
+                # sender keeps connecting to a receiver that is not there.
+                raise BrokerUnavailable(f"remote topic {self.remote_inbound} is missing at dsid {self.remote_dsid}")
             self._inbound_partitions = len(topic.partitions)
         return self._inbound_partitions
 
@@ -275,24 +287,36 @@ class GatewaySenderService(QueuePrimary):
         """One thread reads every ack of the remote acks topic from now on."""
         reader = self._ack_reader
         assigned = False
+        assigning = kafka_errors(f"reading {self.remote_acks}")
+        reading = kafka_errors("reading acks")
         while not self._stopping.is_set():
             if not assigned:
                 try:
-                    md = reader.list_topics(self.remote_acks, timeout=5)
-                    topic = md.topics.get(self.remote_acks)
-                    if topic is None or topic.error is not None or not topic.partitions:
-                        raise SluiceError(f"{self.remote_acks} missing")
-                    reader.assign([TopicPartition(self.remote_acks, p, self._last_ack_offset(reader, p))
-                                   for p in topic.partitions])
+                    with assigning:
+                        md = reader.list_topics(self.remote_acks, timeout=5)
+                        topic = md.topics.get(self.remote_acks)
+                        if topic is None or topic.error is not None or not topic.partitions:
+                            raise BrokerUnavailable(f"{self.remote_acks} missing")
+                        reader.assign([TopicPartition(self.remote_acks, p, self._last_ack_offset(reader, p))
+                                       for p in topic.partitions])
                     assigned = True
-                except (KafkaException, SluiceError) as exc:
+                except SluiceError as exc:
+                    if not exc.retriable:
+                        self._acks_failed = exc
+                        log.error("acks of dsid %d cannot be read: %s", self.remote_dsid, exc)
+                        break
                     log.warning("acks of dsid %d not readable yet: %s", self.remote_dsid, exc)
                     self._stopping.wait(self.sender.retry_interval_ms / 1000)
                     continue
             try:
-                msgs = consume_available(reader, 500, 0.1)
-            except KafkaException as exc:
-                log.warning("reading acks: %s", exc)
+                with reading:
+                    msgs = consume_available(reader, 500, 0.1)
+            except SluiceError as exc:
+                if not exc.retriable:
+                    self._acks_failed = exc
+                    log.error("acks of dsid %d cannot be read: %s", self.remote_dsid, exc)
+                    break
+                log.warning("%s", exc)
                 continue
             for msg in msgs:
                 if msg.error() is not None:
@@ -534,8 +558,14 @@ class GatewaySenderService(QueuePrimary):
         ack, and take the acks already there of those after it.  Returns how
         many, from the oldest, were acknowledged: the others stay written and
         awaited, and the next call adds new batches behind them (a sliding
-        window of ``max_batches_in_flight``)."""
+        window of ``max_batches_in_flight``).
+
+        A failure is a refusal (0: the batches are offered again) when it is ``retriable`` (the
+        remote site unreachable, its topic missing, a write not acknowledged); any other is raised,
+        and the sender stops as crashed (``QueuePrimary``)."""
         partition = part.tp.partition
+        if self._acks_failed is not None:
+            raise self._acks_failed
         try:
             for batch in batches:
                 if batch.events and (partition, self._wire_id(partition, batch.batch_id)) not in self._in_flight:
@@ -568,8 +598,10 @@ class GatewaySenderService(QueuePrimary):
                 acknowledged += 1
             return acknowledged
         except SluiceError as exc:
-            log.warning("sender %s[%d]: %s; retrying", self.queue_id, partition, exc)
             self._forget(partition, batches)
+            if not exc.retriable:
+                raise
+            log.warning("sender %s[%d]: %s; retrying", self.queue_id, partition, exc)
             return 0
 
     def _versions_unknown(self, partition: int) -> bool:
@@ -643,8 +675,21 @@ class GatewaySenderService(QueuePrimary):
         with self._acked:
             self._in_flight[(partition, wire_id)] = entry
         errors: list[Any] = []
-        self._remote_producer.produce(self.remote_inbound, value, key.encode(), partition=inbound_partition,
-                                      headers=headers, on_delivery=lambda err, _m: errors.append(err))
+        try:
+            with self._writing:
+                self._remote_producer.produce(self.remote_inbound, value, key.encode(), partition=inbound_partition,
+                                              headers=headers, on_delivery=lambda err, _m: errors.append(err))
+        except KafkaCallFailed as exc:
+            with self._acked:
+                self._in_flight.pop((partition, wire_id), None)
+            for span in spans:
+                span.end()
+            if exc.code in TOPIC_MISSING:
+                # As in ``_remote_partitions``: the remote site's topic to make (or its broker's to know
+                # again), asked again.
+                raise BrokerUnavailable(f"remote topic {self.remote_inbound} is missing at dsid {self.remote_dsid} "
+                                        f"({exc})", code=exc.code) from exc
+            raise
         unwritten = self._remote_producer.flush(self.cfg.kafka.delivery_timeout_ms / 1000) or errors != [None]
         for span in spans:
             if unwritten:

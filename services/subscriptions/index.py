@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from ..client.interest import RegionInterest, match_which
+from ..core.interest import RegionInterest, match_which
 
 #: What a region or key no client is interested in maps to (never changed).
 _NONE: Mapping[str, bool] = {}

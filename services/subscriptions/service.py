@@ -50,9 +50,10 @@ A primary's loop, one thread:
    client acknowledged.
 
 Trust (issue 17).  The registry and the acks are written by clients, so no
-record of them is acted on before it passes the checks of ``registry``: its
-key is a client id in that client's partition; a registration or ack names
-its own client and a queue of that client
+record of them is acted on before it passes the checks of
+``sluice.core.clientregistry`` (the rules its clients hold too): its key is a
+client id in that client's partition; a registration or ack names its own
+client and a queue of that client
 (``<prefix>subscription.<client_id>.<8 lowercase hex digits>``), never
 another topic; its interest regexes compile with RE2; and, with
 ``subscriptions.token`` set, it carries ``authorization: Bearer <token>``
@@ -85,33 +86,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..client.interest import RegionInterest
 from ..core import telemetry
-from ..core.codec import HEADER_BYTES, get_codec
-from ..core.config import SiteConfig
-from ..core.errors import CodecError, InvalidRequest, MalformedRecord, SluiceError, TopicMissing
-from ..core.events import REGION_OPERATIONS, EntryEvent, Operation
-from ..core.eventwire import (
-    check_entry_tail,
-    client_event_message,
-    entry_event_body,
-    entry_without_value,
-    read_entry_head,
-)
-from ..core.kafka import (
-    Consumer,
-    KafkaError,
-    KafkaException,
-    TopicPartition,
-    consume_available,
-    make_admin,
-    make_consumer,
-    make_producer,
-    translate,
-)
-from ..core.lifecycle import ServiceState
-from .index import InterestIndex
-from .registry import (
+from ..core.clientregistry import (
     CLOSED,
     DURABLE_CLIENT_TIMEOUT,
     MAXIMUM_MESSAGE_COUNT,
@@ -133,6 +109,40 @@ from .registry import (
     queue_topic_problem,
     registry_partition,
 )
+from ..core.codec import HEADER_BYTES, get_codec
+from ..core.config import SiteConfig
+from ..core.errors import (
+    CodecError,
+    InvalidRequest,
+    KafkaCallFailed,
+    MalformedRecord,
+    SluiceError,
+    TablesBehind,
+    TopicMissing,
+)
+from ..core.events import REGION_OPERATIONS, EntryEvent, Operation
+from ..core.eventwire import (
+    check_entry_tail,
+    client_event_message,
+    entry_event_body,
+    entry_without_value,
+    read_entry_head,
+)
+from ..core.interest import RegionInterest
+from ..core.kafka import (
+    Consumer,
+    TOPIC_MISSING,
+    KafkaError,
+    TopicPartition,
+    close_consumer,
+    consume_available,
+    kafka_errors,
+    make_admin,
+    make_consumer,
+    make_producer,
+)
+from ..core.lifecycle import ServiceState
+from .index import InterestIndex
 
 log = logging.getLogger("sluice.subscriptions")
 
@@ -152,7 +162,7 @@ QUEUE_GONE_MS = 5000
 QUEUE_LINGER_MS = 5
 #: What a write to a deleted queue fails with: the topic is gone, or (librdkafka 2.x, once it has
 #: seen the deletion) its partition.
-QUEUE_MISSING = frozenset({KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC, KafkaError._UNKNOWN_PARTITION})
+QUEUE_MISSING = TOPIC_MISSING
 #: The longest a registration's answer waits for the fill to reach the changelogs' ends.
 CATCH_UP_S = 10.0
 #: How many refusals the service remembers having answered (so each is answered once).
@@ -162,10 +172,10 @@ REFUSALS_REMEMBERED = 4096
 REFUSAL_ANSWER_WAIT_S = 60.0
 
 
-class TablesBehind(SluiceError):
-    """The registry, acks or checkpoints could not be read to their end in time."""
-
-    retriable = True
+#: The hot path's boundary: a write to a client's queue that fails goes on through ``_produce_to``.
+_WRITING_QUEUE = kafka_errors("writing to a client queue")
+_READING_CHANGELOGS = kafka_errors("reading the region changelogs")
+_READING_TABLES = kafka_errors("reading the subscription tables")
 
 
 @dataclass
@@ -304,12 +314,10 @@ class SubscriptionService:
         self._tables = make_consumer(base, None, **client_id, **{"fetch.wait.max.ms": FETCH_WAIT_MS})
         self._changelog = make_consumer(base, None, **client_id, **{"fetch.wait.max.ms": FETCH_WAIT_MS})
         self._check_topics()
-        try:
+        with kafka_errors("assigning the subscription tables"):
             self._tables.assign([TopicPartition(t, p, 0) for t in (self.registry_topic, self.acks_topic,
                                                                    self.fill_topic)
                                  for p in range(self.partitions)])
-        except KafkaException as exc:
-            raise translate(exc, "assigning the subscription tables") from exc
         self._read_tables(to_end=True)
         self.state = ServiceState.RUNNING
 
@@ -317,10 +325,8 @@ class SubscriptionService:
         """Refuse to start without the subscription topics (a site made before the dead-letter topic
         existed needs ``sluice topics apply`` again)."""
         assert self._admin is not None
-        try:
+        with kafka_errors(f"connecting to {self.cfg.kafka.bootstrap_servers}"):
             metadata = self._admin.list_topics(timeout=self.cfg.kafka.request_timeout_ms / 1000)
-        except KafkaException as exc:
-            raise translate(exc, f"connecting to {self.cfg.kafka.bootstrap_servers}") from exc
         for topic in (self.registry_topic, self.acks_topic, self.fill_topic, self.dead_letter_topic):
             found = metadata.topics.get(topic)
             if found is None or found.error is not None:
@@ -365,15 +371,13 @@ class SubscriptionService:
     def _close(self) -> None:
         if self.state is not ServiceState.CRASHED and self.owned:
             try:
-                self._sync()
-            except (SluiceError, KafkaException) as exc:
+                with kafka_errors("writing the last checkpoint"):
+                    self._sync()
+            except SluiceError as exc:
                 log.warning("subscriptions %s: last checkpoint not written: %s", self.member_id, exc)
         for consumer in (self._group, self._tables, self._changelog):
             if consumer is not None:
-                try:
-                    consumer.close()
-                except (KafkaException, RuntimeError) as exc:
-                    log.warning("closing a consumer: %s", exc)
+                close_consumer(consumer, "closing a consumer", log)
         if self._producer is not None:
             self._producer.flush(10)
         if self.state is not ServiceState.CRASHED:
@@ -420,8 +424,9 @@ class SubscriptionService:
         if not lost:
             return
         try:
-            self._sync(only=lost)
-        except (SluiceError, KafkaException) as exc:
+            with kafka_errors("writing the last checkpoint"):
+                self._sync(only=lost)
+        except SluiceError as exc:
             log.warning("subscriptions %s: handing over without a last checkpoint: %s", self.member_id, exc)
         self.owned -= lost
         for r in lost:
@@ -438,10 +443,8 @@ class SubscriptionService:
         ends = {}
         for topic, region in self.changelogs.items():
             for p in range(region.buckets):
-                try:
+                with kafka_errors(f"reading the end of {topic}[{p}]"):
                     _low, high = self._changelog.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
-                except KafkaException as exc:
-                    raise translate(exc, f"reading the end of {topic}[{p}]") from exc
                 ends[(topic, p)] = high
         return ends
 
@@ -454,10 +457,7 @@ class SubscriptionService:
         old, self._changelog = self._changelog, make_consumer(
             self.cfg.kafka.client_settings(), None,
             **{"client.id": self.member_id, "fetch.wait.max.ms": FETCH_WAIT_MS})
-        try:
-            old.close()
-        except (KafkaException, RuntimeError) as exc:
-            log.warning("closing the changelog reader: %s", exc)
+        close_consumer(old, "closing the changelog reader", log)
         if not self.owned:
             return
         lowest: dict[tuple[str, int], int] = {}
@@ -480,11 +480,9 @@ class SubscriptionService:
         while not self._stopping.is_set() and self.owned:
             if self._reposition:
                 self._position_changelogs()
-            try:
+            with kafka_errors("reading the changelog readers' positions"):
                 at = {(tp.topic, tp.partition): tp.offset
                       for tp in self._changelog.position([TopicPartition(t, p) for t, p in ends])}
-            except KafkaException as exc:
-                raise translate(exc, "reading the changelog readers' positions") from exc
             behind = [tp for tp, end in ends.items()
                       if at.get(tp, -1) < end and min(pos.get(tp, 0) for pos in self._positions.values()) < end]
             if not behind:
@@ -504,14 +502,12 @@ class SubscriptionService:
         if to_end:
             for topic in (self.registry_topic, self.acks_topic, self.fill_topic):
                 for p in range(self.partitions):
-                    try:
+                    with kafka_errors(f"reading the end of {topic}"):
                         _low, high = self._tables.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
-                    except KafkaException as exc:
-                        raise translate(exc, f"reading the end of {topic}") from exc
                     if high > 0:
                         ends[(topic, p)] = high
         while True:
-            try:
+            with _READING_TABLES:
                 msgs = self._tables.consume(1000, 0.05 if ends else 0)
                 for msg in msgs:
                     if msg.error() is None:
@@ -520,8 +516,6 @@ class SubscriptionService:
                     for tp in self._tables.position([TopicPartition(t, p) for t, p in ends]):
                         if tp.offset >= ends[(tp.topic, tp.partition)]:
                             del ends[(tp.topic, tp.partition)]
-            except KafkaException as exc:
-                raise translate(exc, "reading the subscription tables") from exc
             if ends and time.monotonic() > deadline:
                 raise TablesBehind(f"the subscription tables were not read to their end in 30 s "
                                    f"({len(ends)} partitions behind)")
@@ -688,8 +682,9 @@ class SubscriptionService:
     def _topic_exists(self, topic: str) -> bool:
         assert self._admin is not None
         try:
-            found = self._admin.list_topics(topic, timeout=5).topics.get(topic)
-        except KafkaException:
+            with kafka_errors(f"listing {topic}"):
+                found = self._admin.list_topics(topic, timeout=5).topics.get(topic)
+        except SluiceError:
             return False
         return found is not None and found.error is None
 
@@ -773,10 +768,10 @@ class SubscriptionService:
         assert self._changelog is not None
         topic = client.record["queue_topic"]
         try:
-            _low, high = self._changelog.get_watermark_offsets(TopicPartition(topic, 0), timeout=5)
-        except KafkaException as exc:
-            log.warning("subscriptions %s: the end of queue %s could not be read (%s); its bound applies once it "
-                        "can be", self.member_id, topic, exc)
+            with kafka_errors(f"reading the end of queue {topic}"):
+                _low, high = self._changelog.get_watermark_offsets(TopicPartition(topic, 0), timeout=5)
+        except SluiceError as exc:
+            log.warning("subscriptions %s: %s; its bound applies once it can be read", self.member_id, exc)
             return
         ack = self.acks.get(client.id)
         client.queue_end, client.end_known = high, True
@@ -850,7 +845,7 @@ class SubscriptionService:
 
     def _unregister(self, client: _Client, why: str, reason: str) -> None:
         """Forget a client: tombstones in the registry and the acks, its queue deleted.  The registry
-        tombstone says why (``reason``, one of ``registry.UNREGISTERED_REASONS``)."""
+        tombstone says why (``reason``, one of ``clientregistry.UNREGISTERED_REASONS``)."""
         assert self._producer is not None and self._admin is not None
         key = client.id.encode()
         r = registry_partition(client.id, self.partitions)
@@ -868,19 +863,21 @@ class SubscriptionService:
         futures = self._admin.delete_topics([topic], operation_timeout=10)
         for topic, fut in futures.items():
             try:
-                fut.result(timeout=15)
-            except KafkaException as exc:
-                if exc.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
-                    log.warning("deleting %s: %s", topic, exc)
+                with kafka_errors(f"deleting {topic}"):
+                    fut.result(timeout=15)
+            except KafkaCallFailed as exc:
+                if exc.code != KafkaError.UNKNOWN_TOPIC_OR_PART:
+                    log.warning("%s", exc)
         self.stats["unregistered"] += 1
         log.info("client %s unregistered (%s); queue %s deleted", client.id, why, client.record["queue_topic"])
 
     def _queue_size(self, client: _Client) -> int | None:
         assert self._changelog is not None
         try:
-            _low, high = self._changelog.get_watermark_offsets(
-                TopicPartition(client.record["queue_topic"], 0), timeout=5)
-        except KafkaException:
+            with kafka_errors("reading the end of a client queue"):
+                _low, high = self._changelog.get_watermark_offsets(
+                    TopicPartition(client.record["queue_topic"], 0), timeout=5)
+        except SluiceError:
             return None
         ack = self.acks.get(client.id)
         return high - (ack["next_offset"] if ack else 0)
@@ -897,10 +894,8 @@ class SubscriptionService:
         if not self.owned:
             self._stopping.wait(0.05)
             return
-        try:
+        with _READING_CHANGELOGS:
             msgs = consume_available(self._changelog, 2000, 0.05)
-        except KafkaException as exc:
-            raise translate(exc, "reading the region changelogs") from exc
         owned = self.owned
         positions = self._positions
         # One fill time for the messages of one read: a few milliseconds apart at most.
@@ -966,44 +961,52 @@ class SubscriptionService:
         every_taker = len(takers) == len(self.owned)
         clients, starts, duplicates_below = self._clients, self._starts, self._duplicates_below
         produce = self._producer.produce
+        writing = _WRITING_QUEUE
         messages: dict[tuple[bool, bool], bytes] = {}
         delivered = 0
-        for client_id, values in reached.items():
-            client = clients[client_id]
-            r = client.partition
-            if not every_taker and r not in takers:
-                continue
-            record = client.record
-            topic = record["queue_topic"]
-            start = starts[r].get(topic)
-            if start is None or offset < start.get(tp, 0):
-                continue  # older than the queue's first registration: the client's initial load has it
-            if head.member_id == record["member_id"]:
-                continue  # a client's own update is never sent back to it
-            if clear is not None:
-                if client.last_clear == clear:
-                    continue
-                client.last_clear = clear
-            below = duplicates_below.get(r)
-            duplicate = below is not None and offset < below.get(tp, 0)
-            if client.room <= 0:
-                self._queue_full(client)
-                continue
-            client.room -= 1
-            client.queue_end += 1
-            message = messages.get((values, duplicate))
-            if message is None:
-                message = messages[(values, duplicate)] = client_event_message(
-                    self._message_header, body if values else entry_without_value(body, head),
-                    receive_values=values, possible_duplicate=duplicate, filled_at=filled_at)
+        # One boundary around the whole loop, not one per delivery (this is the hot path): a write that
+        # fails leaves it, goes through ``_produce_to`` (a full producer queue waited out, a queue known
+        # to be gone noted, not written), and the loop goes on with the next client.
+        todo = iter(reached.items())
+        while True:
             try:
-                produce(topic, message, partition=0)
-            except (BufferError, KafkaException):
-                # A full producer queue is waited out; a queue known to be gone is noted, not written.
+                with writing:
+                    for client_id, values in todo:
+                        client = clients[client_id]
+                        r = client.partition
+                        if not every_taker and r not in takers:
+                            continue
+                        record = client.record
+                        topic = record["queue_topic"]
+                        start = starts[r].get(topic)
+                        if start is None or offset < start.get(tp, 0):
+                            continue  # older than the queue's first registration: the client's initial load has it
+                        if head.member_id == record["member_id"]:
+                            continue  # a client's own update is never sent back to it
+                        if clear is not None:
+                            if client.last_clear == clear:
+                                continue
+                            client.last_clear = clear
+                        below = duplicates_below.get(r)
+                        duplicate = below is not None and offset < below.get(tp, 0)
+                        if client.room <= 0:
+                            self._queue_full(client)
+                            continue
+                        client.room -= 1
+                        client.queue_end += 1
+                        message = messages.get((values, duplicate))
+                        if message is None:
+                            message = messages[(values, duplicate)] = client_event_message(
+                                self._message_header, body if values else entry_without_value(body, head),
+                                receive_values=values, possible_duplicate=duplicate, filled_at=filled_at)
+                        produce(topic, message, partition=0)
+                        client.filled += 1
+                        delivered += 1
+                return delivered
+            except KafkaCallFailed:
                 self._produce_to(topic, message, None, 0)
-            client.filled += 1
-            delivered += 1
-        return delivered
+                client.filled += 1
+                delivered += 1
 
     def _entry_body(self, value: bytes) -> bytes:
         """The current EntryEvent body of a changelog record: its bytes after the header, or, for a
@@ -1038,18 +1041,21 @@ class SubscriptionService:
         """One record; a full producer queue is waited out (back-pressure).  A failed delivery fills
         again from the last checkpoint (``_delivered``, the producer's callback for failures only)."""
         assert self._producer is not None
+        writing = kafka_errors(f"writing to {topic}")
         while True:
             try:
-                self._producer.produce(topic, value, key, partition=partition, headers=headers)
+                with writing:
+                    self._producer.produce(topic, value, key, partition=partition, headers=headers)
                 return
-            except KafkaException as exc:
-                if exc.args[0].code() not in QUEUE_MISSING or not is_client_queue(self.cfg, topic):
-                    raise translate(exc, f"writing to {topic}") from exc
-                # The producer already knows the queue was deleted (a write to it failed): as in
-                # ``_delivered``, its client starts over with a new queue.
-                self._missing_queues.add(topic)
-                return
-            except BufferError:
+            except KafkaCallFailed as exc:
+                if exc.code != KafkaError._QUEUE_FULL:
+                    if exc.code not in QUEUE_MISSING or not is_client_queue(self.cfg, topic):
+                        raise
+                    # The producer already knows the queue was deleted (a write to it failed): as in
+                    # ``_delivered``, its client starts over with a new queue.
+                    self._missing_queues.add(topic)
+                    return
+                # A full producer queue: back-pressure, waited out.
                 self._producer.poll(0.1)
                 if self._stopping.is_set():
                     # Not written: no checkpoint may pass it (the next primary fills it again).
@@ -1147,8 +1153,9 @@ class SubscriptionService:
         if not wanted or not hasattr(self._admin, "delete_records"):
             return
         try:
-            futures = self._admin.delete_records([tp for _, tp in wanted], request_timeout=5)
-        except (KafkaException, ValueError) as exc:
+            with kafka_errors("delete_records"):
+                futures = self._admin.delete_records([tp for _, tp in wanted], request_timeout=5)
+        except (SluiceError, ValueError) as exc:
             log.debug("delete_records: %s", exc)
             return
         for client_id, tp in wanted:

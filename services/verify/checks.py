@@ -78,7 +78,7 @@ def dead_letters(cfg: Any) -> list[dict[str, Any]]:
 
 
 def queues_empty(sites: TwoSites) -> bool:
-    from ..admin.cli import queue_status
+    from ..core.statusread import queue_status
 
     return all(sum(r.size for r in queue_status(cfg, q.id)) == 0
                for cfg in sites.cfgs.values() for q in cfg.all_attached_queues())
@@ -151,7 +151,7 @@ class Verification:
 
 def verify_sites(sites: TwoSites, written: Written, *, converged_s: float | None) -> Verification:
     """Read both sites and judge the run (see the module docstring)."""
-    from ..admin.cli import receiver_status
+    from ..core.statusread import receiver_status
 
     v = Verification(issued=written.operations, acknowledged=written.acknowledged)
     finals = {region: {site: region_state(sites.urls(site), region, sites.token(site)) for site in ("a", "b")}

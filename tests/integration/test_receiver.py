@@ -20,7 +20,7 @@ from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
 from sluice.core.kafka import partition_for_key
 from sluice.core.processes import ReceiverProcess
 from sluice.core.topics import apply_topics
-from sluice.receiver.totals import site_totals, summed
+from sluice.core.receivertotals import site_totals, summed
 
 from regionkit import RegionProcess, read_topic
 

@@ -34,7 +34,7 @@ from sluice.core.eventchecks import ID_MAX
 from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
 from sluice.core.kafka import make_consumer, partition_for_key, read_to_end
 from sluice.core.remotewire import encode_remote
-from sluice.region.directory import MemberTrust, live_urls, read_instances
+from sluice.core.directory import MemberTrust, live_urls, read_instances
 
 from regionkit import RegionProcess, write_site
 

@@ -19,8 +19,7 @@ import yaml
 
 from confluent_kafka import Consumer, TopicPartition
 
-from sluice.client import RegionClient
-from sluice.client.region import RegionError
+from sluice.client import RegionClient, RegionError
 from sluice.core import sitekeys
 from sluice.core.codec import get_codec
 from sluice.core.config import load_config

@@ -358,7 +358,7 @@ def test_kill_9_of_the_primary_subscription_instance_loses_nothing(site: Any, si
     """Redundancy 1 (two instances): the primary feeding the client is killed mid-stream; the standby
     takes over from the last checkpoint; the client sees every event once, repeats discarded."""
     from sluice.core.kafka import describe_group_members, make_admin
-    from sluice.subscriptions.registry import registry_partition
+    from sluice.core.clientregistry import registry_partition
 
     cfg, path, region = site
     keys = [f"h-{i:02d}" for i in range(40)]
@@ -450,7 +450,7 @@ def test_a_new_client_hears_of_nothing_written_before_its_registration_from_a_pr
         site: Any, site_a: Any, tmp_path: Path) -> None:
     """Events older than a client's registration are in its initial load, never in its queue, even
     when its primary's fill is behind the registration (it starts from an old checkpoint)."""
-    from sluice.subscriptions.registry import read_latest, registry_partition
+    from sluice.core.clientregistry import read_latest, registry_partition
 
     cfg, path, region = site
     keys = [f"p-{i:02d}" for i in range(20)]

@@ -102,7 +102,7 @@ def test_ready_for_events_without_a_subscription_service_fails_clearly(site: Any
 
 def _waiting(cfg: Any, bootstrap: str, client_id: str, queue: str) -> int:
     """Messages in a client's queue past its acknowledged position, as the broker holds them."""
-    from sluice.subscriptions.registry import read_latest, registry_partition
+    from sluice.core.clientregistry import read_latest, registry_partition
 
     raw = read_latest(cfg, cfg.topics.subscription_acks(),
                       registry_partition(client_id, cfg.subscriptions.registry_partitions), client_id)

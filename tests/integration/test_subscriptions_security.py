@@ -22,7 +22,7 @@ import yaml
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from sluice.client import ClientCache
-from sluice.client.interest import ResultPolicy
+from sluice.core.interest import ResultPolicy
 from sluice.core.codec import get_codec
 from sluice.core.config import SiteConfig, load_config
 from sluice.core.errors import CodecError, InvalidRequest
@@ -30,7 +30,7 @@ from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
 from sluice.core.kafka import make_admin, partition_for_key, read_to_end
 from sluice.core.lifecycle import ServiceState
 from sluice.core.topics import apply_topics
-from sluice.subscriptions.registry import bearer, create_queue, read_latest, registry_partition
+from sluice.core.clientregistry import bearer, create_queue, read_latest, registry_partition
 from sluice.subscriptions.service import SubscriptionService
 
 pytestmark = pytest.mark.timeout(240)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sluice.client.cache import EventTracker, RegionCache
-from sluice.client.interest import ALL_KEYS, Delivery, RegionInterest, Registration, ResultPolicy
+from sluice.core.interest import ALL_KEYS, Delivery, RegionInterest, Registration, ResultPolicy
 from sluice.client.messages import ClientEvent, MessageProcessor
 from sluice.core.errors import InvalidRequest
 from sluice.core.events import EventID, Operation

@@ -10,12 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_subscription_validation import FakeMessage, FakeProducer
 
-from sluice.client.interest import Delivery, RegionInterest
+from sluice.core.interest import Delivery, RegionInterest
 from sluice.core.codec import get_codec
 from sluice.core.config import SiteConfig, parse_config
 from sluice.core.events import REGION_OPERATIONS, EntryEvent, EventID, Operation, VersionTag
 from sluice.subscriptions.index import InterestIndex
-from sluice.subscriptions.registry import interest_of, registry_partition
+from sluice.core.clientregistry import interest_of, registry_partition
 from sluice.subscriptions.service import FORWARDED, SubscriptionService, _Client
 
 REGIONS = ("orders", "prices", "audit")

@@ -19,7 +19,7 @@ from sluice.core.config import SiteConfig, load_config, parse_config
 from sluice.core.errors import ConfigError
 from sluice.core.queueloop import QueuePrimary
 from sluice.core.topics import apply_topics, plan_topics
-from sluice.subscriptions.registry import create_queue
+from sluice.core.clientregistry import create_queue
 
 #: Every timing setting of the kafka section, none at its default.
 TIMING = {"session_timeout_ms": 7000, "heartbeat_interval_ms": 1500, "max_poll_interval_ms": 45000,

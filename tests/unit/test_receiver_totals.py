@@ -11,12 +11,12 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from sluice.admin.statusdoc import document, empty_snapshot
-from sluice.client.region import BatchAnswer
+from sluice.core.regionclient import BatchAnswer
 from sluice.core.codec import schema_dir
 from sluice.core.config import SiteConfig
 from sluice.core.signing import Signer, Verifier
 from sluice.receiver.service import _Applied
-from sluice.receiver.totals import (COUNTS, PartitionTotals, ack_headers, from_ack, from_status, newest, status_key,
+from sluice.core.receivertotals import (COUNTS, PartitionTotals, ack_headers, from_ack, from_status, newest, status_key,
                                     summed)
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "status-json.md"

@@ -1,8 +1,8 @@
-"""Who owns a bucket, from the claims region-service instances publish (sluice.region.directory)."""
+"""Who owns a bucket, from the claims region-service instances publish (sluice.core.directory)."""
 
 from __future__ import annotations
 
-from sluice.region.directory import LIVE_WITHIN_S, Instance, live_urls, owners_of
+from sluice.core.directory import LIVE_WITHIN_S, Instance, live_urls, owners_of
 
 
 def _inst(name: str, url: str, claims: list[tuple[str, int, int]], state: str = "running",
@@ -47,7 +47,7 @@ def test_with_a_member_token_only_records_signed_with_it_are_believed() -> None:
     """Unsigned, tampered, wrongly keyed and other-key-signed records (tombstones included) are ignored;
     the signature covers the key, so a signed record replayed under another instance's key is too."""
     from sluice.core.codec import get_codec
-    from sluice.region.directory import SIGNATURE_HEADER, MemberTrust, _decode
+    from sluice.core.directory import SIGNATURE_HEADER, MemberTrust, _decode
 
     codec = get_codec()
     trust = MemberTrust("m" * 32)
@@ -69,7 +69,7 @@ def test_with_a_member_token_only_records_signed_with_it_are_believed() -> None:
 def test_member_urls_must_name_an_allowed_host_signed_or_not() -> None:
     """Empty member_hosts: loopback and this process's own host; else IP networks and host-name globs.
     URLs with a user, a query or another scheme are never member URLs."""
-    from sluice.region.directory import MemberTrust
+    from sluice.core.directory import MemberTrust
 
     default = MemberTrust(None, (), ("10.1.2.3", "orders-0.example"))
     for url in ("http://127.0.0.1:7071", "http://localhost:7071", "http://[::1]:7071", "http://127.0.0.2:1",
@@ -87,7 +87,7 @@ def test_member_urls_must_name_an_allowed_host_signed_or_not() -> None:
 
 def test_live_urls_leave_out_urls_the_reader_does_not_believe() -> None:
     """A running, fresh instance whose URL names a host outside member_hosts is not offered."""
-    from sluice.region.directory import MemberTrust
+    from sluice.core.directory import MemberTrust
 
     now = 10_000_000
     good = _inst("a", "http://127.0.0.1:1", [], updated_at=now)

@@ -1,6 +1,6 @@
 """A gateway batch handed to its bucket owners, without a broker or a network: the owner applying it
 (sluice.region.remote), the guard of its route, the receiver's client of it
-(sluice.client.region.BatchClient) and the receiver routing a batch's events to their owners.
+(sluice.core.regionclient.BatchClient) and the receiver routing a batch's events to their owners.
 
 The owner is given a GatewayBatch record as bytes: it decodes each event once, merges the sender's
 changes in, checks it, hands the rest to the service's ``execute`` without letting it forward, and
@@ -20,7 +20,7 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from sluice.client.region import BatchAnswer, BatchClient, RegionError
+from sluice.core.regionclient import BatchAnswer, BatchClient, RegionError
 from sluice.core.codec import get_codec
 from sluice.core.config import parse_config
 from sluice.core.errors import InvalidRequest, NotOwner, SluiceError

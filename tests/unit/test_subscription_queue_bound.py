@@ -13,7 +13,7 @@ import pytest
 from sluice.core.codec import get_codec
 from sluice.core.config import SiteConfig, parse_config
 from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
-from sluice.subscriptions.registry import (
+from sluice.core.clientregistry import (
     AUTHORIZATION,
     MAXIMUM_MESSAGE_COUNT,
     QUEUE_DROPPED,

@@ -20,7 +20,7 @@ from sluice.core.config import SiteConfig, parse_config
 from sluice.core.events import EventID
 from sluice.core.topics import plan_topics
 from sluice.subscriptions import service as service_module
-from sluice.subscriptions.registry import DURABLE_CLIENT_TIMEOUT, NO_PING, UNREGISTERED, registry_partition
+from sluice.core.clientregistry import DURABLE_CLIENT_TIMEOUT, NO_PING, UNREGISTERED, registry_partition
 from sluice.subscriptions.service import SubscriptionService
 from test_subscription_queue_bound import _primary
 

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from sluice.client.interest import REGEX_CHARS_MAX, Delivery, RegionInterest, Registration, compile_regex
+from sluice.core.interest import REGEX_CHARS_MAX, Delivery, RegionInterest, Registration, compile_regex
 from sluice.core.codec import get_codec
 from sluice.core.config import SiteConfig, parse_config
 from sluice.core.errors import InvalidRequest
-from sluice.subscriptions.registry import (
+from sluice.core.clientregistry import (
     AUTHORIZATION,
     RESTORED,
     bearer,

@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from sluice.core import kafka
-from sluice.core.errors import SluiceError
-from sluice.core.kafka import Interrupted, KafkaError, KafkaException, until_answered
+from sluice.core.errors import SluiceError, Stopping
+from sluice.core.kafka import KafkaError, KafkaException, until_answered
 
 
 @pytest.fixture(autouse=True)
@@ -50,6 +50,6 @@ def test_a_stopping_service_is_not_kept_waiting() -> None:
     stopping = threading.Event()
     stopping.set()
     calls, ask = _failing(100, KafkaError._TRANSPORT)
-    with pytest.raises(Interrupted):
+    with pytest.raises(Stopping):
         until_answered(ask, "reading the end of q[0]", stopping=stopping)
     assert len(calls) == 1

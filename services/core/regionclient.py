@@ -1,4 +1,8 @@
-"""``RegionClient``: the region service's Python client.
+"""``RegionClient``: the region service's Python client (public as ``sluice.client.RegionClient``).
+
+The client library and the gateway receiver both speak to the region service
+over HTTP, so its client lives in the core: applications use ``RegionClient``
+(and ``RegionError``) through ``sluice.client``; the receiver uses ``BatchClient``.
 
 Every write gets an EventID where it enters the system: this client's member
 id, the calling thread's id, and a sequence that increases per operation of
@@ -44,30 +48,12 @@ import httpx
 import orjson
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
-from ..core.errors import SluiceError
-from ..core.events import EntryEvent, EventID
-from ..core.remotewire import encode_remote
+from .errors import RegionError, RegionUnavailable, SluiceError
+from .events import EntryEvent, EventID
+from .remotewire import encode_remote
 
 #: The content type of a GatewayBatch record posted to /internal/apply_batch.
 BATCH_CONTENT_TYPE = "application/avro"
-
-
-class RegionError(SluiceError):
-    """The region service refused an operation (status, error name, reason)."""
-
-    def __init__(self, status: int, body: dict[str, Any]) -> None:
-        self.status = status
-        self.body = body
-        self.error = body.get("error", "Error")
-        self.retriable = bool(body.get("retriable", False))
-        super().__init__(f"{status} {self.error}: {body.get('message', body)}")
-
-
-class _Transient(SluiceError):
-    """A failure worth another try (carries the last cause); what a request
-    raises once its retries for ``retry_for_s`` are spent."""
-
-    retriable = True
 
 
 class RegionClient:
@@ -209,7 +195,7 @@ class RegionClient:
     def _request(self, method: str, path: str, body: dict[str, Any] | None, bulk: bool = False,
                  refused_ok: bool = False) -> Any:
         for attempt in Retrying(
-            retry=retry_if_exception(lambda e: isinstance(e, _Transient)),
+            retry=retry_if_exception(lambda e: isinstance(e, SluiceError) and e.retriable),
             stop=stop_after_delay(self._retry_for_s),
             wait=wait_exponential(multiplier=0.05, max=1.0),
             reraise=True,
@@ -228,29 +214,31 @@ class RegionClient:
         try:
             resp = self._http.request(method, url + path, json=body)
         except (httpx.TransportError,) as exc:
-            raise _Transient(f"{url}: {type(exc).__name__}: {exc}") from exc
+            raise RegionUnavailable(f"{url}: {type(exc).__name__}: {exc}") from exc
         try:
             data = resp.json()
         except ValueError:
-            raise _Transient(f"{url}: {resp.status_code} with a body that is not JSON") from None
+            raise RegionUnavailable(f"{url}: {resp.status_code} with a body that is not JSON") from None
         if bulk and resp.status_code in (200, 207) or (bulk and resp.status_code >= 400 and "outcomes" in data):
             failed = [o for o in data.get("outcomes", []) if o["status"] == "error"]
             if failed:
                 retriable = [o for o in failed if o["error"].get("retriable")]
                 if refused_ok and retriable:
                     # Retrying the whole request is safe: applied events come back as duplicates.
-                    raise _Transient(f"{url}: {len(retriable)} events failed: {retriable[0]['error'].get('message')}")
+                    raise RegionUnavailable(f"{url}: {len(retriable)} events failed: "
+                                            f"{retriable[0]['error'].get('message')}")
                 if refused_ok:
                     return data
-                if all(o["error"].get("retriable") for o in failed):
+                refusals = [o for o in failed if not o["error"].get("retriable")]
+                if not refusals:
                     # Retrying the whole bulk is safe: applied entries come back as duplicates.
-                    raise _Transient(f"{url}: {len(failed)} entries failed: {failed[0]['error'].get('message')}")
-                raise RegionError(resp.status_code, failed[0]["error"])
+                    raise RegionUnavailable(f"{url}: {len(failed)} entries failed: {failed[0]['error'].get('message')}")
+                raise RegionError(resp.status_code, refusals[0]["error"])
             return data
         if resp.status_code >= 400:
             error = RegionError(resp.status_code, data if isinstance(data, dict) else {"message": str(data)})
             if error.retriable or resp.status_code in (502, 503, 504):
-                raise _Transient(str(error)) from error
+                raise RegionUnavailable(str(error)) from error
             raise error
         return data
 
@@ -302,20 +290,20 @@ class BatchClient:
         try:
             resp = self._http.post(f"{url.rstrip('/')}/internal/apply_batch", content=record)
         except httpx.TransportError as exc:
-            raise _Transient(f"{url}: {type(exc).__name__}: {exc}") from exc
+            raise RegionUnavailable(f"{url}: {type(exc).__name__}: {exc}") from exc
         try:
             data = orjson.loads(resp.content)
         except orjson.JSONDecodeError:
-            raise _Transient(f"{url}: {resp.status_code} with a body that is not JSON") from None
+            raise RegionUnavailable(f"{url}: {resp.status_code} with a body that is not JSON") from None
         if resp.status_code != 200 or not isinstance(data, dict):
             error = RegionError(resp.status_code, data if isinstance(data, dict) else {"message": str(data)})
             if error.retriable or resp.status_code >= 500:
-                raise _Transient(str(error)) from error
+                raise RegionUnavailable(str(error)) from error
             raise error
         try:
             return BatchAnswer.from_json(data)
         except (KeyError, TypeError, ValueError) as exc:
-            raise _Transient(f"{url}: an answer without {exc}: {str(data)[:200]}") from None
+            raise RegionUnavailable(f"{url}: an answer without {exc}: {str(data)[:200]}") from None
 
     def close(self) -> None:
         self._http.close()

@@ -1,5 +1,7 @@
 """What the subscription service and its clients share: where a client's records live, its
 queue topic, the interest a registry record holds, and what a record must be to be taken.
+The client library (``sluice.client``), the subscription service and ``sluice admin status``
+all read and write these records, so their rules are here, in the core, held once.
 
 Issue 17 (trust boundaries): whoever can write the registry or the acks topic must not be able
 to make the service create, fill, trim or delete a topic that is not a client queue, nor move or
@@ -17,10 +19,10 @@ import re
 import uuid
 from typing import Any
 
-from ..client.interest import Registration, RegionInterest
-from ..core.config import SiteConfig
-from ..core.errors import InvalidRequest
-from ..core.kafka import KafkaError, KafkaException, NewTopic, make_consumer, partition_for_key, read_to_end, translate
+from .config import SiteConfig
+from .errors import BrokerUnavailable, InvalidRequest
+from .interest import Registration, RegionInterest
+from .kafka import KafkaError, NewTopic, kafka_errors, make_consumer, partition_for_key, read_to_end, wait_future
 
 
 #: The registry record header that carries a client's token: ``Bearer <token>``.
@@ -191,10 +193,10 @@ def create_queue(admin: Any, cfg: SiteConfig, topic: str, durable: bool) -> None
                     config={"retention.ms": str(retention), "cleanup.policy": "delete"})
     for name, fut in admin.create_topics([spec], operation_timeout=10).items():
         try:
-            fut.result(timeout=15)
-        except KafkaException as exc:
-            if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
-                raise translate(exc, f"creating the subscription queue {name}") from exc
+            wait_future(fut, f"creating the subscription queue {name}", 15)
+        except BrokerUnavailable as exc:
+            if exc.code != KafkaError.TOPIC_ALREADY_EXISTS:
+                raise
 
 
 def read_latest(cfg: SiteConfig, topic: str, partition: int, key: str, *,
@@ -212,11 +214,10 @@ def read_latest_record(cfg: SiteConfig, topic: str, partition: int, key: str, *,
     consumer = make_consumer(cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 10})
     found: tuple[bytes | None, list[tuple[str, bytes]]] | None = None
     try:
-        for msg in read_to_end(consumer, topic, partition, deadline_s=30):
-            if msg.key() == key.encode() and (token is None or authorized(msg.headers(), token)):
-                found = (msg.value(), list(msg.headers() or ()))
-    except KafkaException as exc:
-        raise translate(exc, f"reading {topic}") from exc
+        with kafka_errors(f"reading {topic}"):
+            for msg in read_to_end(consumer, topic, partition, deadline_s=30):
+                if msg.key() == key.encode() and (token is None or authorized(msg.headers(), token)):
+                    found = (msg.value(), list(msg.headers() or ()))
     finally:
         consumer.close()
     return found

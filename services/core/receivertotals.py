@@ -1,5 +1,9 @@
 """What the receivers of a site have done with each inbound partition, carried with the partition.
 
+The gateway receiver writes these figures and ``sluice admin status`` (and the
+status page) reads them: the record and its readers are the contract between
+the two, so they live in the core.
+
 A receiver process counts what it does (``ReceiverStatus``, its own figures
 since it started), but a process may die at any moment and take its counts
 with it.  The figures an operator adds up per site are kept per inbound
@@ -45,13 +49,13 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from ..core.codec import get_codec
-from ..core.errors import BadSignature, CodecError
-from ..core.kafka import KafkaException, TopicPartition, make_consumer, read_to_end, translate
-from ..core.signing import SIGNATURE_HEADER, SIGNER_HEADER, Headers, Signer, Verifier, site_signer
+from .codec import get_codec
+from .errors import BadSignature, CodecError
+from .kafka import TopicPartition, kafka_errors, make_consumer, read_to_end
+from .signing import SIGNATURE_HEADER, SIGNER_HEADER, Headers, Signer, Verifier, site_signer
 
 if TYPE_CHECKING:
-    from ..core.config import SiteConfig
+    from .config import SiteConfig
 
 #: The figures, in the order of the ``ReceiverCounts`` schema.
 COUNTS = ("batches", "duplicate_batches", "rejected_batches", "bad_signatures", "stale_batches", "events_applied",
@@ -226,18 +230,17 @@ def site_totals(cfg: "SiteConfig") -> list[PartitionTotals]:
     verifier = own_verifier(cfg)
     consumer = make_consumer(cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 50})
     try:
-        published = read_status_totals(cfg, consumer, verifier)
-        md = consumer.list_topics(cfg.topics.gateway_acks(), timeout=10)
-        topic = md.topics.get(cfg.topics.gateway_acks())
-        acks_partitions = len(topic.partitions) if topic is not None and topic.error is None else 0
-        partitions = max(cfg.receiver.inbound_partitions, acks_partitions, max(published, default=-1) + 1)
-        rows = []
-        for p in range(partitions):
-            acked = last_ack_totals(cfg, consumer, p, verifier) if p < acks_partitions else None
-            rows.append(newest([published.get(p), acked]) or PartitionTotals(p, cfg.dsid))
-        return rows
-    except KafkaException as exc:
-        raise translate(exc, "reading the receivers' figures per inbound partition") from exc
+        with kafka_errors("reading the receivers' figures per inbound partition"):
+            published = read_status_totals(cfg, consumer, verifier)
+            md = consumer.list_topics(cfg.topics.gateway_acks(), timeout=10)
+            topic = md.topics.get(cfg.topics.gateway_acks())
+            acks_partitions = len(topic.partitions) if topic is not None and topic.error is None else 0
+            partitions = max(cfg.receiver.inbound_partitions, acks_partitions, max(published, default=-1) + 1)
+            rows = []
+            for p in range(partitions):
+                acked = last_ack_totals(cfg, consumer, p, verifier) if p < acks_partitions else None
+                rows.append(newest([published.get(p), acked]) or PartitionTotals(p, cfg.dsid))
+            return rows
     finally:
         consumer.close()
 

@@ -1,5 +1,10 @@
 r"""A client's interest in a region's keys (Geode's registerInterest), and what it receives.
 
+The client library registers interest and the subscription service matches
+events against it, by these same types and rules; so they live in the core,
+and the client library shows ``ALL_KEYS`` and ``ResultPolicy`` as
+``sluice.client.ALL_KEYS`` and ``sluice.client.ResultPolicy``.
+
 A registration names keys (one key, a list of keys, ``ALL_KEYS``, or a
 regular expression matched against the whole key), whether it is durable,
 and whether the client receives values (``receive_values=True``: the new
@@ -33,7 +38,7 @@ from typing import Any, Callable, Iterable
 
 import re2
 
-from ..core.errors import InvalidRequest
+from .errors import InvalidRequest
 
 ALL_KEYS = "ALL_KEYS"
 #: The longest interest regex taken, in characters: a registry record is read by every
