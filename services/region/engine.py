@@ -196,7 +196,7 @@ class HangingWatch:
     ends within the transaction timeout plus the broker's abort check, unless
     the coordinator dropped its marker: Apache Kafka 4.4.0 does, when it
     completes a transaction while the partition has no live leader (it takes
-    the partition for deleted: README, "Hanging transactions").  Such a
+    the partition for deleted: docs/regions.md, "Hanging transactions").  Such a
     transaction stays open for ever, and only a marker written for it ends it.
     The loader reports each one (log, ``/readyz``, ``/stats``) rather than
     waiting in silence.  Thread-safe.
@@ -1328,7 +1328,7 @@ class RegionEngine:
                   "its marker, a hanging transaction, and the bucket cannot load until one is.  "
                   "`kafka-transactions.sh --bootstrap-server <site> find-hanging --broker-id <leader>` lists it "
                   "(with any consumer-offsets partition it holds too); `kafka-transactions.sh abort --topic %s "
-                  "--partition %d --start-offset %d` ends it, discarding its records (README, \"Hanging "
+                  "--partition %d --start-offset %d` ends it, discarding its records (docs/regions.md, \"Hanging "
                   "transactions\")", topic, bucket, offset, open_s, self._transaction_timeout_ms / 1000,
                   topic, bucket, offset)
 

@@ -471,7 +471,7 @@ class RegionService:
             not_ready["hanging_transactions"] = (
                 f"{len(hanging)} bucket(s) held by a transaction the broker never ended: "
                 + ", ".join(f"{r}[{b}] from offset {o} ({s:.0f} s)" for r, b, o, s in hanging[:10])
-                + " (README, \"Hanging transactions\")")
+                + " (docs/regions.md, \"Hanging transactions\")")
         now = time.monotonic()
         unowned = sorted(rb for rb, since in self._unowned_since.items() if now - since >= UNOWNED_GRACE_S)
         if unowned:
