@@ -13,7 +13,6 @@ right kind, on the right key.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -429,8 +428,9 @@ def test_one_removed_repeated_or_swapped_record_is_always_caught_on_its_key(
 # --- size ---------------------------------------------------------------------------------------
 
 
-def test_two_hundred_thousand_applied_records_check_in_well_under_two_seconds() -> None:
-    """Lenient on purpose: the best of three runs must beat 2 s; a quiet machine takes about 0.3 s."""
+def test_two_hundred_thousand_applied_records_check_whole() -> None:
+    """A large history is checked whole: every record counted, none reported lost or twice.
+    (How fast the check runs is a benchmark's business, not a test's.)"""
     issued, applied = [], []
     writers = [Writer("site-a", f"m{i}", t) for i in range(8) for t in range(3)]
     site = Site("site-a")
@@ -438,11 +438,5 @@ def test_two_hundred_thousand_applied_records_check_in_well_under_two_seconds() 
         op = writers[i % len(writers)].issue(f"k{i % 5000}", i)
         issued.append(op)
         applied.append(site.stamp(op, T0 + i))
-    observers = [region("site-a", applied)]
-    elapsed_s = []
-    for _ in range(3):
-        start = time.perf_counter()
-        report = check(issued, observers)
-        elapsed_s.append(time.perf_counter() - start)
+    report = check(issued, [region("site-a", applied)])
     assert report.ok and report.counts.observers["site-a region"].applied == 200_000
-    assert min(elapsed_s) < 2.0, f"checking 200,000 records took {min(elapsed_s):.2f} s at best"
