@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 DOCKERFILE = Path(__file__).resolve().parent / "Dockerfile"
-_ARG = re.compile(r"^(ARG [A-Z_]+_IMAGE=)([^\s@]+)(@sha256:[0-9a-f]{64})?\s*$", re.MULTILINE)
+_ARG = re.compile(r"^(ARG [A-Z_]+_IMAGE=)([^\s@]+)(@sha256:[0-9a-f]{64})?[ \t]*$", re.MULTILINE)
 _INDEX_TYPES = ", ".join([
     "application/vnd.oci.image.index.v1+json",
     "application/vnd.docker.distribution.manifest.list.v2+json",
