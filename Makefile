@@ -14,10 +14,10 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench soak install jars clean help helm docs
+.PHONY: demo test bench soak install jars clean help helm docs lock
 
 help:
-	@echo "make demo | make test | make bench [ONLY=name] | make soak [SEED=1] [MINUTES=10] | make helm | make docs | make clean"
+	@echo "make demo | make test | make bench [ONLY=name] | make soak [SEED=1] [MINUTES=10] | make helm | make docs | make lock | make clean"
 
 # The compiled codec is built by the same install (pip builds services/core/_eventwire.pyx).
 $(STAMP): pyproject.toml services/core/_eventwire.pyx
@@ -73,6 +73,21 @@ soak: jars
 docs: install
 	@mkdir -p docs
 	$(PY) -m sluice.cli config reference --output docs/configuration.md
+
+# deploy/requirements.lock (pyproject.toml's runtime dependencies) and
+# deploy/build-requirements.lock (its build backend), every file with its
+# sha256: what deploy/Dockerfile installs with `pip install --require-hashes`.
+# Run after changing a dependency; tests/unit/test_supply_chain.py fails while
+# the lock misses one.  pip-compile resolves for this machine's Python 3.11
+# on Linux, the image's.
+PIP_TOOLS := pip-tools==7.6.2
+LOCK_FLAGS := --quiet --generate-hashes --strip-extras --no-emit-index-url --no-emit-find-links --resolver=backtracking
+lock: install
+	$(PY) -m pip install --quiet '$(PIP_TOOLS)'
+	CUSTOM_COMPILE_COMMAND="make lock" $(PY) -m piptools compile $(LOCK_FLAGS) \
+		--output-file deploy/requirements.lock pyproject.toml
+	CUSTOM_COMPILE_COMMAND="make lock" $(PY) -m piptools compile $(LOCK_FLAGS) --allow-unsafe \
+		--all-build-deps --only-build-deps --output-file deploy/build-requirements.lock pyproject.toml
 
 clean:
 	rm -rf .sluice .pytest_cache .hypothesis

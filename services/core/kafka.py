@@ -20,7 +20,12 @@ constants.  Nothing outside this module catches ``KafkaException``.
 
 Settings are passed explicitly: a service states the librdkafka options it
 relies on (idempotence, acks, offset storage, isolation level) rather than
-leaning on defaults.
+leaning on defaults.  A client's ``base`` is its connection's settings
+(``KafkaConnection.client_settings``: address, login, TLS and the
+``librdkafka:`` passthrough), laid over Sluice's defaults and under the
+caller's own settings; a producer takes none of its consumer-only properties
+and a consumer none of its producer-only ones (librdkafka would warn that it
+ignores them), an admin client only those of any client.
 
 Transactional records (the region changelogs and the queue topics are
 written in Kafka transactions, DESIGN §2) change two things for a reader:
@@ -37,12 +42,14 @@ written in Kafka transactions, DESIGN §2) change two things for a reader:
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import threading
 import time
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
+import confluent_kafka
 from confluent_kafka import (  # re-exported for the services
     OFFSET_BEGINNING,
     ConsumerGroupTopicPartitions,
@@ -59,6 +66,7 @@ from confluent_kafka import (  # re-exported for the services
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
 
 from .errors import BrokerUnavailable, KafkaFatal, SluiceError, Stopping, TransactionAbortable
+from .librdkafka_properties import PROPERTIES
 
 log = logging.getLogger("sluice.kafka")
 
@@ -82,6 +90,7 @@ __all__ = [
     "consume_available",
     "consumed_position",
     "consumer_group_generation",
+    "connection_settings",
     "fence_transactional_id",
     "TOPIC_MISSING",
     "error_from_kafka_error",
@@ -95,6 +104,7 @@ __all__ = [
     "partition_for_key",
     "produce_durably",
     "read_to_end",
+    "sasl_mechanism_problem",
     "translate",
     "until_answered",
 ]
@@ -201,6 +211,48 @@ TOPIC_MISSING = frozenset({KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN
 METADATA_REFRESH_MS = 10_000
 
 
+def connection_settings(base: dict[str, Any], scope: str) -> dict[str, Any]:
+    """``base`` as a client of ``scope`` takes it: "P" a producer, "C" a consumer, "*" an admin client.
+
+    A property's scope is librdkafka's (``PROPERTIES``); a name it does not
+    list (confluent-kafka's own, such as ``error_cb`` or ``logger``) is kept.
+    """
+    return {name: value for name, value in base.items() if PROPERTIES.get(name, ("*",))[0] in ("*", scope)}
+
+
+#: The least a client needs to log in with each mechanism, for ``sasl_mechanism_problem``'s throw-away
+#: client: no broker to reach, no command to run.
+_SASL_PROBES: dict[str, dict[str, Any]] = {
+    "PLAIN": {"sasl.username": "probe", "sasl.password": "probe"},
+    "SCRAM-SHA-256": {"sasl.username": "probe", "sasl.password": "probe"},
+    "SCRAM-SHA-512": {"sasl.username": "probe", "sasl.password": "probe"},
+    "OAUTHBEARER": {"enable.sasl.oauthbearer.unsecure.jwt": True, "sasl.oauthbearer.config": "principal=probe"},
+    "GSSAPI": {"sasl.kerberos.kinit.cmd": "", "sasl.kerberos.min.time.before.relogin": 0},
+}
+
+
+@functools.cache
+def sasl_mechanism_problem(mechanism: str) -> str | None:
+    """Why the librdkafka loaded here cannot log in with ``mechanism``, or None when it can.
+
+    librdkafka lists its mechanisms in ``builtin.features`` whether or not a
+    provider is linked: the wheels of confluent-kafka carry no Kerberos
+    library, and a GSSAPI client fails only when made ("No provider for SASL
+    mechanism GSSAPI").  A throw-away producer with no broker to reach finds
+    that out once, when a site file asks for the mechanism.
+    """
+    conf = {"security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": mechanism, "log_level": 0,
+            **_SASL_PROBES.get(mechanism, {})}
+    try:
+        # confluent_kafka's own class, whatever stands in for ``Producer`` here (the tests record clients).
+        probe = confluent_kafka.Producer(conf)
+    except KafkaException as exc:
+        text = exc.args[0].str() if exc.args and isinstance(exc.args[0], KafkaError) else str(exc)
+        return text.removeprefix("Failed to create producer: ")
+    probe.flush(0)
+    return None
+
+
 def make_producer(base: dict[str, Any], **settings: Any) -> Producer:
     """An idempotent, acks=all producer: a delivered record is durable and in order.
 
@@ -218,7 +270,7 @@ def make_producer(base: dict[str, Any], **settings: Any) -> Producer:
         "partitioner": "murmur2_random",
         "topic.metadata.refresh.interval.ms": METADATA_REFRESH_MS,
     }
-    conf.update(base)
+    conf.update(connection_settings(base, "P"))
     conf.update({k.replace("_", "."): v for k, v in settings.items()})
     with kafka_errors("creating a producer"):
         return Producer(conf)
@@ -248,7 +300,7 @@ def make_consumer(base: dict[str, Any], group_id: str | None = None, **settings:
         "topic.metadata.refresh.interval.ms": METADATA_REFRESH_MS,
         "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS,
     }
-    conf.update(base)
+    conf.update(connection_settings(base, "C"))
     conf.update({k.replace("_", "."): v for k, v in settings.items()})
     with kafka_errors("creating a consumer"):
         return Consumer(conf)
@@ -372,7 +424,8 @@ def partition_end(committed: Consumer, uncommitted: Consumer, tp: TopicPartition
 
 def make_admin(base: dict[str, Any]) -> AdminClient:
     with kafka_errors("creating an admin client"):
-        return AdminClient({"topic.metadata.refresh.interval.ms": METADATA_REFRESH_MS, **base})
+        return AdminClient({"topic.metadata.refresh.interval.ms": METADATA_REFRESH_MS,
+                            **connection_settings(base, "*")})
 
 
 def wait_futures(futures: dict[Any, Any], what: str, timeout_s: float = 30.0) -> dict[Any, Any]:

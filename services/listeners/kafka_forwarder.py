@@ -136,11 +136,8 @@ class TargetCluster(KafkaConnection):
 
 
 #: The connection settings of another cluster, as a site's kafka: section names them.
-CONNECTION_FIELDS = (
-    "security_protocol", "ssl_ca_location", "ssl_certificate_location", "ssl_key_location", "ssl_key_password",
-    "ssl_key_password_file", "ssl_key_password_env", "sasl_mechanism", "sasl_username", "sasl_password",
-    "sasl_password_file", "sasl_password_env",
-)
+CONNECTION_FIELDS = tuple(name for name in KafkaConnection.model_fields
+                          if name not in ("bootstrap_servers", "topic_prefix"))
 
 
 @dataclass(frozen=True, slots=True)

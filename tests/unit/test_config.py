@@ -522,7 +522,7 @@ def test_every_problem_is_reported_at_once() -> None:
         "gateway_senders[0].batch_size",
         "gateway_senders[0].order_policy",
         "regions[1].gateway_senders[0]",
-        "kafka.sasl_username",
+        "kafka.sasl_mechanism",
     } <= fields
 
 

@@ -9,7 +9,8 @@ from one of three sources, whichever suits the deployment:
 - ``X_env``: the name of an environment variable holding it (Kubernetes'
   ``env.valueFrom.secretKeyRef``), which must be set and not empty.
 
-Giving two is an error.  The Kafka passwords are read from their source each
+Giving two is an error.  The Kafka secrets (the SASL password, the OAuth
+client secret, the TLS key's password) are read from their source each
 time a client is made (``KafkaConnection.client_settings``), so a rotated
 mounted secret reaches the next client; the services' tokens and
 gateway_private_key are read once, when the file is loaded (a service reads
@@ -35,13 +36,17 @@ from pydantic_core import PydanticCustomError
 
 from ..errors import ConfigError
 from .base import ENV_NAME_PATTERN, Problem, _existing_file, _raise_rules
+from .librdkafka import SECRET_PROPERTIES
 
 #: Fields whose values are never shown, not even in an error.  Each may
 #: instead be given as ``<field>_file`` (a file holding it) or ``<field>_env``
 #: (the name of an environment variable holding it): see the module docstring.
-_SECRET_FIELDS = frozenset({"sasl_password", "ssl_key_password", "token", "member_token", "gateway_private_key",
+_SECRET_FIELDS = frozenset({"sasl_password", "ssl_key_password", "sasl_oauthbearer_client_secret", "token",
+                            "member_token", "gateway_private_key",
                             # Removed settings, still never shown when a file gives them.
-                            "gateway_signing_key", "sender_keys"})
+                            "gateway_signing_key", "sender_keys",
+                            # librdkafka's inline secrets, as a connection's librdkafka: map names them.
+                            *SECRET_PROPERTIES})
 _HIDDEN = "**********"
 
 

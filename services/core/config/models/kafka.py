@@ -1,7 +1,13 @@
 """The Kafka sections: how to reach a cluster, and the client tuning every service shares.
 
-``KafkaConnection`` is a cluster's address, security and topic prefix, and
-the only place its secrets are revealed (``client_settings``);
+``KafkaConnection`` is a cluster's address, login, TLS and topic prefix,
+and the only place its secrets are revealed (``client_settings``).  A login
+is a SASL mechanism with its own settings: PLAIN and SCRAM (user name and
+password), OAUTHBEARER (OIDC's client credentials against a token endpoint,
+or librdkafka's unsecured JWT for development), GSSAPI (Kerberos); any other
+librdkafka property goes in ``librdkafka:``, checked in
+``..librdkafka`` (docs/kafka-logins.md shows each with Strimzi, Confluent
+Cloud and Amazon MSK);
 ``KafkaConfig`` (the site's ``kafka:``) adds the consumer-group and producer
 timing; ``RemoteSiteConfig`` is a gateway sender's ``remote:`` cluster.  The
 rules between a connection's fields (SASL and TLS settings that go together)
@@ -17,6 +23,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 
+from ...kafka import sasl_mechanism_problem
 from ...topics import TopicNames
 from ..base import (
     ENV_NAME_PATTERN,
@@ -29,10 +36,25 @@ from ..base import (
     _Model,
     _raise_rules,
 )
+from ..librdkafka import passthrough_problems, passthrough_value, revealed
 from ..secrets import _read_env, _read_secret, _secret_source_problems, _shown
 
 SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
-SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
+SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI"]
+OauthbearerMethod = Literal["oidc", "unsecured_jwt"]
+
+#: The mechanisms that log in with a user name and password.
+_PASSWORD_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+_PASSWORD_FIELDS = ("sasl_username", "sasl_password", "sasl_password_file", "sasl_password_env")
+_OIDC_FIELDS = ("sasl_oauthbearer_client_id", "sasl_oauthbearer_client_secret",
+                "sasl_oauthbearer_client_secret_file", "sasl_oauthbearer_client_secret_env",
+                "sasl_oauthbearer_token_endpoint_url", "sasl_oauthbearer_scope", "sasl_oauthbearer_extensions")
+_OAUTHBEARER_FIELDS = ("sasl_oauthbearer_method", *_OIDC_FIELDS, "sasl_oauthbearer_config")
+_KERBEROS_FIELDS = ("sasl_kerberos_service_name", "sasl_kerberos_principal", "sasl_kerberos_keytab",
+                    "sasl_kerberos_kinit_cmd")
+#: RFC 7628 §3.1: an extension's key is letters only, and "auth" is the token's own.
+_EXTENSION_KEY = re.compile(r"^[A-Za-z]+$")
+_URL = re.compile(r"^https?://[^\s/?#]+[^\s]*$")
 
 _HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?)$")
 
@@ -52,16 +74,61 @@ class KafkaConnection(_Model):
     sasl_mechanism: SaslMechanism | None = Field(
         None, description="required with SASL_PLAINTEXT and SASL_SSL", json_schema_extra={"kafka": "sasl.mechanism"})
     sasl_username: str | None = Field(
-        None, description="required with SASL_PLAINTEXT and SASL_SSL", json_schema_extra={"kafka": "sasl.username"})
+        None, description="required with PLAIN and SCRAM", json_schema_extra={"kafka": "sasl.username"})
     sasl_password: SecretStr | None = Field(
-        None, description="the SASL password; with SASL, exactly one of sasl_password, sasl_password_file or "
-        "sasl_password_env is required", json_schema_extra={"kafka": "sasl.password"})
+        None, description="the PLAIN or SCRAM password; with those, exactly one of sasl_password, "
+        "sasl_password_file or sasl_password_env is required", json_schema_extra={"kafka": "sasl.password"})
     sasl_password_file: str | None = Field(
         None, description="a file holding the SASL password (a mounted Kubernetes secret), read each time a "
         "client is made, so a rotated secret is picked up")
     sasl_password_env: str | None = Field(
         None, pattern=ENV_NAME_PATTERN, description="the name of an environment variable holding the SASL password "
         "(e.g. set from a Kubernetes secret with secretKeyRef); it must be set and not empty")
+    sasl_oauthbearer_method: OauthbearerMethod | None = Field(
+        None, description="with OAUTHBEARER: oidc (the default) fetches tokens from "
+        "sasl_oauthbearer_token_endpoint_url with OAuth client credentials; unsecured_jwt makes unsigned tokens "
+        "from sasl_oauthbearer_config, for development and tests against a broker with Kafka's unsecured "
+        "validator only", json_schema_extra={"kafka": "sasl.oauthbearer.method"})
+    sasl_oauthbearer_client_id: str | None = Field(
+        None, min_length=1, description="with OAUTHBEARER oidc, required: the client's id at the identity provider",
+        json_schema_extra={"kafka": "sasl.oauthbearer.client.id"})
+    sasl_oauthbearer_client_secret: SecretStr | None = Field(
+        None, description="with OAUTHBEARER oidc, exactly one of sasl_oauthbearer_client_secret, "
+        "sasl_oauthbearer_client_secret_file or sasl_oauthbearer_client_secret_env is required",
+        json_schema_extra={"kafka": "sasl.oauthbearer.client.secret"})
+    sasl_oauthbearer_client_secret_file: str | None = Field(
+        None, description="a file holding the OAuth client secret, read each time a client is made")
+    sasl_oauthbearer_client_secret_env: str | None = Field(
+        None, pattern=ENV_NAME_PATTERN, description="the name of an environment variable holding the OAuth "
+        "client secret")
+    sasl_oauthbearer_token_endpoint_url: str | None = Field(
+        None, description="with OAUTHBEARER oidc, required: the identity provider's token endpoint, "
+        "http(s)://…; its CA, if private, in librdkafka's https.ca.location",
+        json_schema_extra={"kafka": "sasl.oauthbearer.token.endpoint.url"})
+    sasl_oauthbearer_scope: str | None = Field(
+        None, min_length=1, description="with OAUTHBEARER oidc: the scope the token is asked for, if the provider "
+        "wants one", json_schema_extra={"kafka": "sasl.oauthbearer.scope"})
+    sasl_oauthbearer_extensions: dict[str, str] | None = Field(
+        None, description="with OAUTHBEARER oidc: SASL extensions sent with the token (name: value; names of "
+        "letters only), e.g. Confluent Cloud's logicalCluster and identityPoolId",
+        json_schema_extra={"kafka": "sasl.oauthbearer.extensions"})
+    sasl_oauthbearer_config: str | None = Field(
+        None, min_length=1, description="with OAUTHBEARER unsecured_jwt, required: the unsigned token's claims as "
+        "space-separated name=value pairs, at least principal=<name> (e.g. 'principal=alice lifeSeconds=3600')",
+        json_schema_extra={"kafka": "sasl.oauthbearer.config"})
+    sasl_kerberos_service_name: str | None = Field(
+        None, min_length=1, description="with GSSAPI: the brokers' Kerberos service name (default kafka)",
+        json_schema_extra={"kafka": "sasl.kerberos.service.name"})
+    sasl_kerberos_principal: str | None = Field(
+        None, min_length=1, description="with GSSAPI, required: this client's Kerberos principal",
+        json_schema_extra={"kafka": "sasl.kerberos.principal"})
+    sasl_kerberos_keytab: str | None = Field(
+        None, description="with GSSAPI: the principal's keytab, used by the kinit command; required unless "
+        "sasl_kerberos_kinit_cmd is given; relative to the site file", json_schema_extra={"kafka": "sasl.kerberos.keytab"})
+    sasl_kerberos_kinit_cmd: str | None = Field(
+        None, description="with GSSAPI: the command that gets or refreshes the ticket (librdkafka's default runs "
+        "kinit with the keytab); an empty string runs none, for a ticket cache kept by another process",
+        json_schema_extra={"kafka": "sasl.kerberos.kinit.cmd"})
     ssl_ca_location: str | None = Field(
         None, description="CA bundle (PEM) that signed the brokers' certificates; relative to the site file",
         json_schema_extra={"kafka": "ssl.ca.location"})
@@ -81,6 +148,11 @@ class KafkaConnection(_Model):
     topic_prefix: str = Field(
         "sluice.", pattern=TOPIC_PREFIX_PATTERN, description="the start of every Sluice topic name on this cluster, "
         "so several sites or installations can share one")
+    librdkafka: dict[str, Any] = Field(
+        default_factory=dict, description="other librdkafka properties for every client of this connection "
+        "(name: value), e.g. ssl.endpoint.identification.algorithm or compression.type; an unknown name, a value "
+        "librdkafka would refuse, and a property Sluice sets itself are errors (docs/kafka-logins.md); "
+        "producer-only properties reach producers only, consumer-only ones consumers only")
 
     @field_validator("bootstrap_servers")
     @classmethod
@@ -98,8 +170,37 @@ class KafkaConnection(_Model):
                 raise _invalid(f"port {port!r} of {server!r} must be a number from 1 to 65535")
         return ",".join(servers)
 
+    @field_validator("sasl_oauthbearer_token_endpoint_url")
+    @classmethod
+    def _check_url(cls, value: str | None) -> str | None:
+        if value is not None and not _URL.match(value):
+            raise _invalid("must be an http:// or https:// URL, e.g. https://idp.example.com/oauth2/token")
+        return value
+
+    @field_validator("sasl_oauthbearer_extensions")
+    @classmethod
+    def _check_extensions(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        for name, text in (value or {}).items():
+            if not _EXTENSION_KEY.match(name) or name == "auth":
+                raise _invalid(f"extension name {name!r} must be letters only, and not 'auth' (RFC 7628)")
+            if not text or "," in text or "=" in text or not text.isprintable():
+                raise _invalid(f"extension {name}'s value must be printable text without ',' or '=' "
+                               "(librdkafka joins the extensions as name=value,…)")
+        return value
+
+    @field_validator("librdkafka", mode="before")
+    @classmethod
+    def _check_librdkafka(cls, value: Any) -> Any:
+        if not isinstance(value, Mapping):
+            raise _invalid("must be a map of librdkafka property names to values")
+        problems = passthrough_problems(value)
+        if problems:
+            # Named relative to this field, as pydantic names the section.
+            _raise_rules([(where.removeprefix("librdkafka."), shown, reason) for where, shown, reason in problems])
+        return {name: passthrough_value(name, v) for name, v in value.items()}
+
     @field_validator("ssl_ca_location", "ssl_certificate_location", "ssl_key_location", "sasl_password_file",
-                     "ssl_key_password_file")
+                     "ssl_key_password_file", "sasl_oauthbearer_client_secret_file", "sasl_kerberos_keytab")
     @classmethod
     def _check_file(cls, value: str | None, info: ValidationInfo) -> str | None:
         return None if value is None else _existing_file(value, info)
@@ -126,6 +227,15 @@ class KafkaConnection(_Model):
         sasl_password = self._secret("sasl_password")
         if sasl_password is not None:
             settings["sasl.password"] = sasl_password
+        if self.sasl_mechanism == "OAUTHBEARER":
+            settings.update(self._oauthbearer_settings())
+        if self.sasl_mechanism == "GSSAPI":
+            settings["sasl.kerberos.service.name"] = self.sasl_kerberos_service_name or "kafka"
+            settings["sasl.kerberos.principal"] = self.sasl_kerberos_principal
+            if self.sasl_kerberos_keytab is not None:
+                settings["sasl.kerberos.keytab"] = self.sasl_kerberos_keytab
+            if self.sasl_kerberos_kinit_cmd is not None:
+                settings["sasl.kerberos.kinit.cmd"] = self.sasl_kerberos_kinit_cmd
         if self.ssl_ca_location is not None:
             settings["ssl.ca.location"] = self.ssl_ca_location
         if self.ssl_certificate_location is not None:
@@ -135,6 +245,29 @@ class KafkaConnection(_Model):
         ssl_key_password = self._secret("ssl_key_password")
         if ssl_key_password is not None:
             settings["ssl.key.password"] = ssl_key_password
+        # Last, though no key can collide: the passthrough refuses every property set above.
+        settings.update(revealed(self.librdkafka))
+        return settings
+
+    def _oauthbearer_settings(self) -> dict[str, Any]:
+        """librdkafka's OAUTHBEARER settings: OIDC client credentials, or the unsecured JWT for development."""
+        if self.sasl_oauthbearer_method == "unsecured_jwt":
+            return {
+                "sasl.oauthbearer.method": "default",
+                "enable.sasl.oauthbearer.unsecure.jwt": True,
+                "sasl.oauthbearer.config": self.sasl_oauthbearer_config,
+            }
+        settings: dict[str, Any] = {
+            "sasl.oauthbearer.method": "oidc",
+            "sasl.oauthbearer.client.id": self.sasl_oauthbearer_client_id,
+            "sasl.oauthbearer.client.secret": self._secret("sasl_oauthbearer_client_secret"),
+            "sasl.oauthbearer.token.endpoint.url": self.sasl_oauthbearer_token_endpoint_url,
+        }
+        if self.sasl_oauthbearer_scope is not None:
+            settings["sasl.oauthbearer.scope"] = self.sasl_oauthbearer_scope
+        if self.sasl_oauthbearer_extensions:
+            settings["sasl.oauthbearer.extensions"] = ",".join(
+                f"{name}={value}" for name, value in self.sasl_oauthbearer_extensions.items())
         return settings
 
     def _secret(self, name: str) -> str | None:
@@ -225,43 +358,25 @@ class RemoteSiteConfig(KafkaConnection):
 
 
 def _connection_rules(section: Mapping[str, Any]) -> list[Problem]:
-    """SASL settings only with SASL, and all of them there; TLS settings only with TLS, certificate with key."""
+    """A login's settings only with its mechanism, and all it needs there; TLS settings only with TLS."""
     protocol = _get(section, KafkaConnection, "security_protocol")
     if not isinstance(protocol, str):
         return []
     problems: list[Problem] = []
-    sasl = ("sasl_mechanism", "sasl_username", "sasl_password", "sasl_password_file", "sasl_password_env")
     ssl = ("ssl_ca_location", "ssl_certificate_location", "ssl_key_location", "ssl_key_password",
            "ssl_key_password_file", "ssl_key_password_env")
     if protocol.startswith("SASL_"):
-        for name in ("sasl_mechanism", "sasl_username"):
-            if section.get(name) is None:
-                problems.append((name, None, f"is required when security_protocol is {protocol}"))
-        if all(section.get(n) is None for n in ("sasl_password", "sasl_password_file", "sasl_password_env")):
-            problems.append(("sasl_password", None, f"is required when security_protocol is {protocol} "
-                                                    "(or sasl_password_file: a file holding it, or "
-                                                    "sasl_password_env: an environment variable holding it)"))
-        problems += _secret_source_problems(section, "sasl_password")
+        mechanism = section.get("sasl_mechanism")
+        if mechanism is None:
+            problems.append(("sasl_mechanism", None, f"is required when security_protocol is {protocol}"))
+        elif isinstance(mechanism, str):
+            problems += _login_rules(section, mechanism, protocol)
     else:
-        for name in sasl:
-            if section.get(name) is not None:
-                problems.append(
-                    (
-                        name,
-                        _shown(name, section[name]),
-                        f"is only used with SASL_PLAINTEXT or SASL_SSL, and security_protocol is {protocol}",
-                    )
-                )
+        sasl = ("sasl_mechanism", *_PASSWORD_FIELDS, *_OAUTHBEARER_FIELDS, *_KERBEROS_FIELDS)
+        problems += _unused(section, sasl, f"is only used with SASL_PLAINTEXT or SASL_SSL, and security_protocol "
+                                           f"is {protocol}")
     if protocol not in ("SSL", "SASL_SSL"):
-        for name in ssl:
-            if section.get(name) is not None:
-                problems.append(
-                    (
-                        name,
-                        _shown(name, section[name]),
-                        f"is only used with SSL or SASL_SSL, and security_protocol is {protocol}",
-                    )
-                )
+        problems += _unused(section, ssl, f"is only used with SSL or SASL_SSL, and security_protocol is {protocol}")
         return problems
     certificate = section.get("ssl_certificate_location")
     key = section.get("ssl_key_location")
@@ -274,6 +389,66 @@ def _connection_rules(section: Mapping[str, Any]) -> list[Problem]:
             problems.append((name, _shown(name, section[name]), "is only used with ssl_key_location"))
     problems += _secret_source_problems(section, "ssl_key_password")
     return problems
+
+
+def _login_rules(section: Mapping[str, Any], mechanism: str, protocol: str) -> list[Problem]:
+    """What ``mechanism`` needs, and no other mechanism's settings."""
+    problems: list[Problem] = []
+
+    def require(name: str, why: str) -> None:
+        if section.get(name) is None:
+            problems.append((name, None, f"is required {why}"))
+
+    def require_secret(name: str, why: str) -> None:
+        if all(section.get(n) is None for n in (name, f"{name}_file", f"{name}_env")):
+            problems.append((name, None, f"is required {why} (or {name}_file: a file holding it, or {name}_env: "
+                                         "an environment variable holding it)"))
+        problems.extend(_secret_source_problems(section, name))
+
+    own: tuple[str, ...]
+    if mechanism in _PASSWORD_MECHANISMS:
+        own = _PASSWORD_FIELDS
+        require("sasl_username", f"when security_protocol is {protocol}")
+        require_secret("sasl_password", f"when security_protocol is {protocol}")
+    elif mechanism == "OAUTHBEARER":
+        method = section.get("sasl_oauthbearer_method") or "oidc"
+        if method == "unsecured_jwt":
+            own = ("sasl_oauthbearer_method", "sasl_oauthbearer_config")
+            require("sasl_oauthbearer_config", "with sasl_oauthbearer_method unsecured_jwt")
+            config = section.get("sasl_oauthbearer_config")
+            if isinstance(config, str) and not any(pair.startswith("principal=") and len(pair) > len("principal=")
+                                                   for pair in config.split()):
+                problems.append(("sasl_oauthbearer_config", config,
+                                 "must name the token's principal: principal=<name> (space-separated name=value)"))
+        else:
+            own = ("sasl_oauthbearer_method", *_OIDC_FIELDS)
+            why = "with sasl_mechanism OAUTHBEARER (sasl_oauthbearer_method oidc)"
+            require("sasl_oauthbearer_client_id", why)
+            require_secret("sasl_oauthbearer_client_secret", why)
+            require("sasl_oauthbearer_token_endpoint_url", why)
+    elif mechanism == "GSSAPI":
+        own = _KERBEROS_FIELDS
+        require("sasl_kerberos_principal", "with sasl_mechanism GSSAPI")
+        if section.get("sasl_kerberos_keytab") is None and section.get("sasl_kerberos_kinit_cmd") is None:
+            problems.append(("sasl_kerberos_keytab", None, "is required with sasl_mechanism GSSAPI, unless "
+                                                           "sasl_kerberos_kinit_cmd says how the ticket is got "
+                                                           "(\"\" when another process keeps the ticket cache)"))
+    else:
+        return problems  # the field's own check names the mechanisms
+    missing = sasl_mechanism_problem(mechanism)
+    if missing is not None:
+        problems.append(("sasl_mechanism", mechanism, f"cannot be used with the librdkafka installed here "
+                                                      f"(confluent-kafka's): {missing}"))
+    others = [name for name in (*_PASSWORD_FIELDS, *_OAUTHBEARER_FIELDS, *_KERBEROS_FIELDS) if name not in own]
+    method = section.get("sasl_oauthbearer_method") or "oidc"
+    problems += _unused(section, others, f"is not used with sasl_mechanism {mechanism}"
+                        + (f" and sasl_oauthbearer_method {method}" if mechanism == "OAUTHBEARER" else ""))
+    return problems
+
+
+def _unused(section: Mapping[str, Any], names: Any, reason: str) -> list[Problem]:
+    """A problem for each of ``names`` the section gives: a setting that would do nothing."""
+    return [(name, _shown(name, section[name]), reason) for name in names if section.get(name) is not None]
 
 
 def _timing_rules(section: Mapping[str, Any]) -> list[Problem]:

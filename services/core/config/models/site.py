@@ -29,6 +29,7 @@ from ..base import (
     check_import_path,
 )
 from ..rules import _site_problems
+from ..librdkafka import SECRET_PROPERTIES
 from ..secrets import _removed_problems, _resolve_public_keys, _resolve_secret, _without_loaded_secrets
 from .kafka import KafkaConfig, KafkaConnection
 from .queues import AsyncEventQueueConfig, GatewaySenderConfig
@@ -243,6 +244,10 @@ class SiteConfig(_Model):
         for where, connection in connections:
             add(f"{where}.sasl_password", connection, "sasl_password")
             add(f"{where}.ssl_key_password", connection, "ssl_key_password")
+            add(f"{where}.sasl_oauthbearer_client_secret", connection, "sasl_oauthbearer_client_secret")
+            for name in connection.librdkafka:
+                if name in SECRET_PROPERTIES:
+                    out.append((f"{where}.librdkafka.{name}", "the site file"))
         add("region_service.token", self.region_service, "token")
         add("region_service.member_token", self.region_service, "member_token")
         add("subscriptions.token", self.subscriptions, "token")
