@@ -40,6 +40,7 @@ from .base import ENV_NAME_PATTERN, Problem, _existing_file, _raise_rules
 #: instead be given as ``<field>_file`` (a file holding it) or ``<field>_env``
 #: (the name of an environment variable holding it): see the module docstring.
 _SECRET_FIELDS = frozenset({"sasl_password", "ssl_key_password", "token", "member_token", "gateway_private_key",
+                            "basic_auth_password", "bearer_token",
                             # Removed settings, still never shown when a file gives them.
                             "gateway_signing_key", "sender_keys"})
 _HIDDEN = "**********"
