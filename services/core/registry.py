@@ -55,7 +55,7 @@ from .codec import Codec, _collect_named, _self_contained, get_codec
 from .config.models.registry import SchemaRegistryConnection
 from .errors import ConfigError, MalformedRecord, RegistryRefused, RegistryUnavailable
 
-__all__ = ["MAGIC_BYTE", "SERIALIZERS", "ConfluentAvroWriter", "registry_schema"]
+__all__ = ["MAGIC_BYTE", "SERIALIZERS", "ConfluentAvroWriter", "registry_schema", "registry_schema_text"]
 
 #: The first byte of a record in Confluent's wire format.
 MAGIC_BYTE = 0
@@ -84,6 +84,15 @@ def registry_schema(name: str, codec: Codec | None = None) -> dict[str, Any]:
     return _self_contained(copy.deepcopy(codec.schema_json(name)), named, set())  # type: ignore[no-any-return]
 
 
+def registry_schema_text(name: str, codec: Codec | None = None) -> str:
+    """``registry_schema`` as the text the writer registers and looks up (compact JSON).
+
+    Where ``auto_register`` is off, register exactly this text: Confluent's
+    registry compares schemas by their canonical form, but others (Apicurio
+    Registry 2.x by default) look a schema up by its text."""
+    return json.dumps(registry_schema(name, codec), separators=(",", ":"))
+
+
 class ConfluentAvroWriter:
     """Frames records of one Sluice schema in Confluent's wire format; see the module docstring.
 
@@ -95,10 +104,9 @@ class ConfluentAvroWriter:
                  field: str = "schema_registry", client: SchemaRegistryClient | None = None) -> None:
         self.connection = connection
         self.field = field
-        schema = registry_schema(schema_name)
         #: The record's full name, what RecordNameStrategy names the subject by.
-        self.record_name: str = schema["name"]
-        self.schema = Schema(json.dumps(schema, separators=(",", ":")), "AVRO")
+        self.record_name: str = registry_schema(schema_name)["name"]
+        self.schema = Schema(registry_schema_text(schema_name), "AVRO")
         self._strategy = _STRATEGIES[connection.subject_name_strategy]
         try:
             self.client = client or SchemaRegistryClient(connection.client_settings())
@@ -171,7 +179,8 @@ class ConfluentAvroWriter:
             if exc.error_code in (SUBJECT_NOT_FOUND, SCHEMA_NOT_FOUND) or exc.http_status_code == 404:
                 raise ConfigError([(f"{self.field}.auto_register", False,
                                     f"subject {subject!r} does not hold Sluice's {self.record_name} schema "
-                                    f"({exc.error_message}); register it there, or set auto_register: true")]) from None
+                                    f"({exc.error_message}); register it there (its text: "
+                                    f"sluice.core.registry.registry_schema_text), or set auto_register: true")]) from None
             raise
 
     def _check_compatible(self, subject: str) -> None:

@@ -33,7 +33,7 @@ Connect's ``AvroConverter``, ksqlDB and Flink read (docs/schema-registry.md)::
 
             serializer: confluent                       # single-object (default) or confluent
             schema_registry:                            # required with confluent, refused without
-              url: http://registry:8081                 # Apicurio: http://host:8080/apis/ccompat/v7
+              url: http://registry:8081                 # Apicurio: http://host:8080/apis/ccompat/v6
               subject_name_strategy: TopicNameStrategy  # or RecordNameStrategy, TopicRecordNameStrategy
               auto_register: true                       # false: the schema must be registered already
               basic_auth_username: sluice               # or bearer_token(_file/_env)

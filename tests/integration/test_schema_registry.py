@@ -37,7 +37,7 @@ from sluice.core.config.models.registry import SchemaRegistryConnection
 from sluice.core.errors import BrokerStartError, ConfigError
 from sluice.core.kafka import NewTopic, make_admin, wait_futures
 from sluice.core.processes import DispatcherProcess, ReceiverProcess, RegionProcess, SenderProcess, ServiceProcess
-from sluice.core.registry import ConfluentAvroWriter, registry_schema
+from sluice.core.registry import ConfluentAvroWriter, registry_schema_text
 from sluice.core.topics import apply_topics
 from sluice.listeners.kafka_forwarder import KafkaForwarderListener
 
@@ -136,7 +136,7 @@ def test_forwarded_records_are_read_by_a_plain_avro_deserializer(site_a: Site, s
     assert sorted(by_key) == sorted(f"k{i}" for i in range(KEYS))
     for i in range(KEYS):
         event = by_key[f"k{i}"]
-        assert event["region"] == "orders" and event["operation"] == "CREATE"
+        assert event["region"] == "orders" and event["operation"] == "PUTALL_CREATE"
         assert json.loads(event["value"]) == {"n": i}
         assert event["origin_dsid"] == 1 and event["event_id"]["sequence_id"] >= 0
         assert event["event_time"].year >= 2024  # timestamp-millis: a timestamp to Avro readers
@@ -232,7 +232,7 @@ def test_without_auto_register_an_unregistered_schema_stops_the_start(site_a: Si
     subject = f"{unique_prefix}downstream.orders-value"
     client = SchemaRegistryClient({"url": registry.url})
     assert subject not in client.get_subjects()
-    schema_id = client.register_schema(subject, Schema(json.dumps(registry_schema("EntryEvent")), "AVRO"))
+    schema_id = client.register_schema(subject, Schema(registry_schema_text("EntryEvent"), "AVRO"))
     listener = start_forwarder(site_a.bootstrap, unique_prefix, settings, ["orders"])
     try:
         assert listener._confluent is not None and listener._confluent.ids == {subject: schema_id}

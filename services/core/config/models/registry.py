@@ -35,7 +35,7 @@ class SchemaRegistryConnection(_Model):
 
     url: str = Field(
         description="the registry's base URL, e.g. http://registry:8081 (Confluent), "
-        "http://apicurio:8080/apis/ccompat/v7 (Apicurio); several separated by commas",
+        "http://apicurio:8080/apis/ccompat/v6 (Apicurio); several separated by commas",
         json_schema_extra={"confluent": "schema.registry.url"})
     subject_name_strategy: SubjectNameStrategy = Field(
         "TopicNameStrategy", description="how a record's subject is named: TopicNameStrategy '<topic>-value' "
