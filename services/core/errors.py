@@ -33,6 +33,8 @@
     ├── WanCopyRunning                  a wan-copy of the region through the sender already runs (409)
     ├── MemberRefused                   another instance of the site refused a request; ``retriable`` as it said
     ├── DeliveryRefused                 retriable: a listener or a remote site did not take a batch
+    ├── RegistryUnavailable             retriable: a schema registry gave no usable answer (url, reason)
+    ├── RegistryRefused                 a schema registry refused a subject's schema (subject, reason)
     ├── RegionError                     the region service refused an operation (status, error, reason)
     ├── RegionUnavailable               retriable: no usable answer from the region service
     ├── NoServersAvailable              retriable: no server reachable (Geode's NoAvailableServersException)
@@ -330,6 +332,26 @@ class DeliveryRefused(SluiceError):
     """A batch was not delivered: the listener returned False, or no ack came.  Offered again."""
 
     retriable = True
+
+
+class RegistryUnavailable(SluiceError):
+    """A schema registry gave no usable answer (no connection, a timeout, a 5xx): worth another try."""
+
+    retriable = True
+
+    def __init__(self, url: str, reason: str) -> None:
+        self.url = url
+        self.reason = reason
+        super().__init__(f"schema registry {url}: {reason}")
+
+
+class RegistryRefused(SluiceError):
+    """A schema registry refused the schema of ``subject`` (incompatible, invalid): no retry changes that."""
+
+    def __init__(self, subject: str, reason: str) -> None:
+        self.subject = subject
+        self.reason = reason
+        super().__init__(f"schema registry refused subject {subject!r}: {reason}")
 
 
 class ClosedError(SluiceError):

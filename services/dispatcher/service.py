@@ -182,6 +182,8 @@ class DispatcherService(QueuePrimary):
             # This host writes what process_events returns in Accepted.dead_letters here.
             "dead_letter_topic": self.dlq_topic,
             "site_dir": self._site_dir,
+            # The regions whose events reach this queue (a listener may prepare per region, e.g. topics).
+            "regions": [region.name for region in self.cfg.regions if self.queue_id in region.async_event_queues],
         }
 
     def _close_listeners(self) -> None:

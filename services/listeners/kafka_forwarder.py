@@ -25,6 +25,27 @@ site's ``kafka:`` section takes, checked by the same model
             sasl_username: forwarder
             sasl_password_env: OTHER_KAFKA_PASSWORD     # or sasl_password(_file)
 
+Records are Avro ``EntryEvent``s in Sluice's own framing, the Avro
+specification's single-object encoding (``serializer: single-object``, the
+default), or in Confluent's wire format with the schema in a
+Confluent-compatible schema registry, which Confluent's deserializers, Kafka
+Connect's ``AvroConverter``, ksqlDB and Flink read (docs/schema-registry.md)::
+
+            serializer: confluent                       # single-object (default) or confluent
+            schema_registry:                            # required with confluent, refused without
+              url: http://registry:8081                 # Apicurio: http://host:8080/apis/ccompat/v6
+              subject_name_strategy: TopicNameStrategy  # or RecordNameStrategy, TopicRecordNameStrategy
+              auto_register: true                       # false: the schema must be registered already
+              basic_auth_username: sluice               # or bearer_token(_file/_env)
+              basic_auth_password_file: /run/secrets/registry-pw   # or basic_auth_password(_env)
+              # ssl_ca_location: certs/registry-ca.pem  # timeout_s: 10
+
+With ``confluent`` the schema is checked against each subject the forwarder
+will write (one per region of the queue when the topic names ``{region}``)
+when it starts: the registry's compatibility endpoint must accept it, or the
+start fails with a configuration error naming the subject and why; then it
+is registered (``sluice.core.registry``).
+
 Passwords from a file or a variable are read each time the producer is
 built, so a rotated secret reaches the next one; no password is logged or
 shown in an error.  Without ``bootstrap_servers`` the forwarder writes to the
@@ -34,8 +55,9 @@ are refused.
 A batch goes out step by step:
 
 1. every event is encoded first (``EntryEvent`` in Avro single-object
-   encoding, DESIGN §4), so a record that cannot be encoded fails the offer
-   before anything is written;
+   encoding, DESIGN §4, or in Confluent's wire format), so a record that
+   cannot be encoded, or a schema registry that cannot be reached, fails the
+   offer before anything is written;
 2. each record is produced to its topic (``{region}`` and ``{topic_prefix}``
    filled in), keyed by the entry key in UTF-8 so Kafka's murmur2 partitioner
    puts every event of a key in one partition, in the queue's order; headers
@@ -97,7 +119,9 @@ from pydantic import ValidationError
 from sluice.core.asyncevent import Accepted, AsyncEvent, DeadLetter
 from sluice.core.codec import get_codec
 from sluice.core.config import KafkaConnection, _problems_from_validation, _shown
+from sluice.core.config.models.registry import SchemaRegistryConnection
 from sluice.core.errors import ClosedError, ConfigError, KafkaCallFailed, SluiceError
+from sluice.core.registry import SERIALIZERS, ConfluentAvroWriter
 from sluice.core.events import EventID
 from sluice.core.kafka import KafkaError, Message, Producer, error_from_kafka_error, kafka_errors, make_producer
 
@@ -150,13 +174,18 @@ class ForwarderSettings:
     flush_timeout_s: float = FLUSH_TIMEOUT_S_DEFAULT
     #: How to reach ``bootstrap_servers`` (None: the site's own cluster).
     cluster: TargetCluster | None = None
+    #: The records' framing: ``single-object`` (Sluice's own) or ``confluent``.
+    serializer: str = "single-object"
+    #: The schema registry of the ``confluent`` serializer (None otherwise).
+    schema_registry: SchemaRegistryConnection | None = None
 
     def topic_for(self, region: str, topic_prefix: str = "") -> str:
         """The downstream topic of an event of ``region``."""
         return self.topic.format(region=region, topic_prefix=topic_prefix)
 
 
-_FIELDS = ("topic", "bootstrap_servers", "partitions_by", "flush_timeout_s", *CONNECTION_FIELDS)
+_FIELDS = ("topic", "bootstrap_servers", "partitions_by", "flush_timeout_s", "serializer", "schema_registry",
+           *CONNECTION_FIELDS)
 
 
 def _field(name: str) -> str:
@@ -194,6 +223,13 @@ def _suggest(word: str, choices: tuple[str, ...]) -> str:
     return f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(choices)}"
 
 
+def _unknown_shown(key: Any, value: Any, known: tuple[str, ...]) -> Any:
+    """The value of an unknown setting as an error shows it: a misspelt password setting is still a password."""
+    close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+    secret = _LOOKS_SECRET.search(str(key)) or (close and _LOOKS_SECRET.search(close[0]))
+    return "**********" if secret else _shown(str(key), value)
+
+
 def _cluster_problems(settings: dict[str, Any], site_dir: str | Path | None) -> tuple[TargetCluster | None,
                                                                                       list[tuple[str, Any, str]]]:
     """Another cluster's connection, checked as a site's ``kafka:`` section is."""
@@ -214,6 +250,40 @@ def _cluster_problems(settings: dict[str, Any], site_dir: str | Path | None) -> 
     return cluster, []
 
 
+def _registry_problems(settings: dict[str, Any], site_dir: str | Path | None) -> tuple[
+        str, SchemaRegistryConnection | None, list[tuple[str, Any, str]]]:
+    """The serializer, and the schema registry the ``confluent`` one needs (and no other takes)."""
+    serializer = settings.get("serializer", "single-object")
+    block = settings.get("schema_registry")
+    if serializer not in SERIALIZERS:
+        return "single-object", None, [(_field("serializer"), serializer,
+                                        f"must be one of {', '.join(SERIALIZERS)}" + (
+                                            _suggest(serializer, SERIALIZERS) if isinstance(serializer, str) else ""))]
+    if serializer == "single-object":
+        if block is not None:
+            return serializer, None, [(_field("schema_registry"), _shown("schema_registry", block),
+                                       "is only for serializer: confluent (single-object records carry their "
+                                       "schema's fingerprint and need no registry)")]
+        return serializer, None, []
+    if block is None:
+        return serializer, None, [(_field("schema_registry"), None,
+                                   "is required with serializer: confluent: the registry's url, at least")]
+    if not isinstance(block, dict):
+        return serializer, None, [(_field("schema_registry"), _shown("schema_registry", block), "must be a mapping")]
+    known = tuple(SchemaRegistryConnection.model_fields)
+    unknown = [(f"{_field('schema_registry')}.{key}", _unknown_shown(key, block[key], known),
+                "unknown setting of the schema registry" + _suggest(str(key), known))
+               for key in block if key not in known]
+    try:
+        registry = SchemaRegistryConnection.model_validate(
+            {key: value for key, value in block.items() if key in known},
+            context={"base_dir": str(site_dir) if site_dir else None})
+    except ValidationError as exc:
+        return serializer, None, unknown + [(f"{_field('schema_registry')}.{field}", value, reason)
+                                            for field, value, reason in _problems_from_validation(exc)]
+    return serializer, (registry if not unknown else None), unknown
+
+
 def parse_settings(settings: Any, topic_prefix: str = "", site_dir: str | Path | None = None) -> ForwarderSettings:
     """Validate a ``listener.settings`` block; every problem is reported at once.  ``site_dir``:
     the site file's folder, where relative certificate and secret paths are looked up (default:
@@ -225,17 +295,16 @@ def parse_settings(settings: Any, topic_prefix: str = "", site_dir: str | Path |
     problems: list[tuple[str, Any, str]] = []
     for key in settings:
         if key not in _FIELDS:
-            # A misspelt password setting is still a password: not shown.
-            close = difflib.get_close_matches(str(key), _FIELDS, n=1, cutoff=0.6)
-            secret = _LOOKS_SECRET.search(str(key)) or (close and _LOOKS_SECRET.search(close[0]))
-            shown = "**********" if secret else _shown(str(key), settings[key])
-            problems.append((_field(str(key)), shown,
+            problems.append((_field(str(key)), _unknown_shown(key, settings[key], _FIELDS),
                              "unknown setting of the kafka listener" + _suggest(str(key), _FIELDS)))
 
     topic = settings.get("topic")
     problems += _topic_problems(topic, topic_prefix)
 
     cluster, found = _cluster_problems(settings, site_dir)
+    problems += found
+
+    serializer, registry, found = _registry_problems(settings, site_dir)
     problems += found
 
     partitions_by = settings.get("partitions_by", "key")
@@ -256,6 +325,8 @@ def parse_settings(settings: Any, topic_prefix: str = "", site_dir: str | Path |
         partitions_by=partitions_by,
         flush_timeout_s=float(flush_timeout_s),
         cluster=cluster,
+        serializer=serializer,
+        schema_registry=registry,
     )
 
 
@@ -345,6 +416,8 @@ class KafkaForwarderListener:
         self._cluster: TargetCluster | None = None
         self._client_id = "sluice-forwarder"
         self._producer: Producer | None = None
+        #: Frames records in Confluent's wire format (serializer: confluent); None: single-object.
+        self._confluent: ConfluentAvroWriter | None = None
         self._fatal: SluiceError | None = None
         self._topics: dict[str, str] = {}
         #: ``kafka_errors`` of the writes to each downstream topic, made once.
@@ -379,6 +452,8 @@ class KafkaForwarderListener:
             self._connection = dict(kafka)
         self._client_id = f"sluice-{config.get('site', 'site')}-{self._queue_id or 'queue'}-forwarder"
         self.settings = settings
+        if settings.schema_registry is not None:
+            self._confluent = self._check_registry(settings, config.get("regions"))
         self._producer = self._new_producer()
         self.state = ListenerState.READY
 
@@ -419,13 +494,20 @@ class KafkaForwarderListener:
         for event in events:
             duplicate = event.possible_duplicate or event.event_id in self._maybe_written
             entry = event.event.as_possible_duplicate() if duplicate and not event.event.possible_duplicate else event.event
-            records.append((
-                self._topic_for(event.region),
-                event.key.encode(),
-                codec.encode("EntryEvent", entry.to_record()),
-                build_headers(event, duplicate),
-                entry.event_time,
-            ))
+            topic = self._topic_for(event.region)
+            if self._confluent is None:
+                value = codec.encode("EntryEvent", entry.to_record())
+            else:
+                try:
+                    value = self._confluent.encode(topic, entry.to_record())
+                except SluiceError as exc:
+                    # The registry cannot be reached, or refuses a subject first
+                    # met here: nothing was written, the same batch comes again.
+                    self.offers_failed += 1
+                    log.error("queue %s: encoding %r for %s failed, the batch will be offered again: %s",
+                              self._queue_id, event, topic, exc)
+                    return False
+            records.append((topic, event.key.encode(), value, build_headers(event, duplicate), entry.event_time))
 
         # Step 2: produce; BufferError is back-pressure, waited out until the deadline.
         delivery = _Delivery(len(records))
@@ -512,6 +594,28 @@ class KafkaForwarderListener:
             assert self.settings is not None
             topic = self._topics[region] = self.settings.topic_for(region, self._topic_prefix)
         return topic
+
+    def _check_registry(self, settings: ForwarderSettings, regions: Any) -> ConfluentAvroWriter:
+        """The Confluent writer, with the schema checked and registered in every subject known now.
+
+        The dispatcher names the queue's regions (``regions`` in the init
+        config), so a topic per region is known on start; a host that names
+        none leaves a ``{region}`` topic's subjects to their first record,
+        where the registry itself refuses an incompatible schema.
+        """
+        assert settings.schema_registry is not None
+        writer = ConfluentAvroWriter(settings.schema_registry, "EntryEvent", field=_field("schema_registry"))
+        if "{region}" not in settings.topic:
+            topics = [settings.topic_for("", self._topic_prefix)]
+        elif isinstance(regions, (list, tuple)):
+            topics = [self._topic_for(str(region)) for region in regions]
+        else:
+            topics = []
+        ids = writer.check_subjects(topics)
+        log.info("queue %s: Confluent wire format, schema registry %s, subjects %s", self._queue_id,
+                 settings.schema_registry.url, ", ".join(f"{subject} (id {id_})" for subject, id_ in ids.items()) or
+                 "checked at their first record")
+        return writer
 
     def _on_error(self, error: KafkaError) -> None:
         """librdkafka's error callback: fatal errors condemn the producer, the rest are logged."""

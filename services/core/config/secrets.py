@@ -42,7 +42,7 @@ from .librdkafka import SECRET_PROPERTIES
 #: instead be given as ``<field>_file`` (a file holding it) or ``<field>_env``
 #: (the name of an environment variable holding it): see the module docstring.
 _SECRET_FIELDS = frozenset({"sasl_password", "ssl_key_password", "sasl_oauthbearer_client_secret", "token",
-                            "member_token", "gateway_private_key",
+                            "member_token", "gateway_private_key", "basic_auth_password", "bearer_token",
                             # Removed settings, still never shown when a file gives them.
                             "gateway_signing_key", "sender_keys",
                             # librdkafka's inline secrets, as a connection's librdkafka: map names them.
