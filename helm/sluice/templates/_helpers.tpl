@@ -496,6 +496,8 @@ spec:
       labels:
         {{- include "sluice.labels" $root | nindent 8 }}
         {{- toYaml $selector | nindent 8 }}
+        # What the metrics Service (monitoring.serviceMonitor) selects: the pods serving /metrics.
+        sluice/metrics: "true"
       annotations:
         checksum/site: {{ include "sluice.site" $root | sha256sum }}
         {{- if $root.Values.health.prometheusScrape }}
