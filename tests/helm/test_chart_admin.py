@@ -91,15 +91,13 @@ def test_helm_test_pods_check_readiness_and_queues(site_a: Release, with_admin: 
         assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
         assert pod["spec"]["restartPolicy"] == "Never"
         (container,) = pod["spec"]["containers"]
-        assert container["command"] == ["python", "/opt/sluice/check/release_check.py"]
+        assert container["command"] == ["python", "-c", CHECK_SCRIPT.read_text()]
     (ready,) = pods["sluice-test-ready"]["spec"]["containers"]
     assert ready["args"] == ["--ready", "http://sluice-region.site-a:7071/readyz"]
     (queues,) = pods["sluice-test-queues"]["spec"]["containers"]
     assert queues["args"] == ["--status-site", "/etc/sluice/site/site.yaml", "--expect-receiver"]
     (with_page,) = with_admin.get("Pod", "sluice-test-ready")["spec"]["containers"]
     assert with_page["args"][-1] == "http://sluice-admin.site-a:7090/readyz"
-    script = next(m for m in site_a.manifests if m["kind"] == "ConfigMap" and m["metadata"]["name"] == "sluice-test-script")
-    assert script["data"]["release_check.py"] == CHECK_SCRIPT.read_text().rstrip("\n")
     # The region's NetworkPolicy lets the test pods reach its HTTP port.
     region_policy = site_a.get("NetworkPolicy", "sluice-region")["spec"]
     peers = [p for rule in region_policy["ingress"] for p in rule.get("from", [])]
@@ -109,6 +107,24 @@ def test_helm_test_pods_check_readiness_and_queues(site_a: Release, with_admin: 
 
 def test_helm_test_pods_can_be_left_out(helm: Helm) -> None:
     assert not helm.template("--set", "tests.enabled=false").of_kind("Pod")
+
+
+def test_the_queues_check_needs_a_kafka_principal(helm: Helm) -> None:
+    """Where every service logs in with its own certificate (site-a) and neither tests.kafkaSecrets nor
+    admin.kafkaSecrets gives one, the queues check could not log in: it is left out, and the release
+    still renders; tests.kafkaSecrets brings it back."""
+    alone = helm.template("-f", str(EXAMPLES / "site-a.yaml"), "--set", "admin.kafkaSecrets=null")
+    assert set(alone.of_kind("Pod")) == {"sluice-test-ready"}
+    own = helm.template("-f", str(EXAMPLES / "site-a.yaml"), "--set", "admin.kafkaSecrets=null",
+                        "--set", "tests.kafkaSecrets[0].name=sluice-check",
+                        "--set", "tests.kafkaSecrets[0].items[0].key=user.crt",
+                        "--set", "tests.kafkaSecrets[0].items[0].path=user.crt",
+                        "--set", "tests.kafkaSecrets[0].items[1].key=user.key",
+                        "--set", "tests.kafkaSecrets[0].items[1].path=user.key")
+    spec = own.get("Pod", "sluice-test-queues")["spec"]
+    sources = {s["secret"]["name"] for v in spec["volumes"] if v["name"] == "kafka-secrets"
+               for s in v["projected"]["sources"]}
+    assert "sluice-check" in sources
 
 
 def status(queues: list[dict[str, Any]], receivers: list[dict[str, Any]] | None = None,
