@@ -14,10 +14,10 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench soak install jars clean help helm docs lock
+.PHONY: demo test bench soak install jars clean help helm helm-package promtool docs lock
 
 help:
-	@echo "make demo | make test | make bench [ONLY=name] | make soak [SEED=1] [MINUTES=10] | make helm | make docs | make lock | make clean"
+	@echo "make demo | make test | make bench [ONLY=name] | make soak [SEED=1] [MINUTES=10] | make helm | make helm-package | make promtool | make docs | make lock | make clean"
 
 # The compiled codec is built by the same install (pip builds services/core/_eventwire.pyx).
 $(STAMP): pyproject.toml services/core/_eventwire.pyx
@@ -49,6 +49,22 @@ GET_HELM := deploy/get-helm.sh
 
 helm:
 	@$(GET_HELM)
+
+# The chart as an archive for a chart repository or `helm install sluice-<version>.tgz`:
+# linted, then packaged into $(CHART_DIST) (HELM=path uses another helm).
+CHART_DIST ?= dist
+HELM ?= $$($(GET_HELM))
+
+helm-package:
+	@mkdir -p $(CHART_DIST)
+	@$(HELM) lint helm/sluice
+	@$(HELM) package helm/sluice --destination $(CHART_DIST)
+
+# promtool for the alert rules' tests (tests/helm/test_alerts.py call the same
+# script): deploy/get-promtool.sh builds it once with `go install` from the Go
+# module proxy into ~/.cache/sluice/bin (many minutes on 2 cores).
+promtool:
+	@deploy/get-promtool.sh
 
 demo: jars
 	$(PY) -m sluice.cli demo

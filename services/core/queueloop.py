@@ -366,6 +366,7 @@ class QueuePrimary:
             telemetry.observe(name, self._reader(lambda primary, stat=stat: primary.stats.get(stat, 0)))
         telemetry.observe(telemetry.DEAD_LETTERED, self._reader(lambda primary: primary.dead_lettered_count()))
         telemetry.observe(telemetry.ALERTS, self._read_alerts)
+        telemetry.observe_queue(self, lambda primary: primary._partitions)
 
     def _reader(self, value: Callable[["QueuePrimary"], int]) -> Callable[[], telemetry.Reading]:
         return telemetry.reader(self, value, lambda primary: primary.attributes())

@@ -27,13 +27,20 @@ How one write is traced across sites (W3C trace context, ``traceparent``):
    (``region.create`` ...); its traceparent is the ``traceparent`` header of
    the event's changelog record and of its queue records;
 2. queue loop: each event read keeps its record's traceparent (``TracedEvent``);
-3. gateway sender: a ``gateway.send`` span per event; the GatewayBatch record
-   carries each event's context in its ``sluice-traceparents`` header;
-4. receiver (the other site): a ``gateway.receive`` span per event, passed on in
-   the apply_remote request (``traceparents``);
+3. gateway sender: a ``send {remote inbound topic}`` span per event; the
+   GatewayBatch record carries each event's context in its
+   ``sluice-traceparents`` header;
+4. receiver (the other site): a ``process {inbound topic}`` span per event,
+   passed on in the apply_remote request (``traceparents``);
 5. region service there: ``region.apply_remote``, whose context goes on its own
    changelog and queue records (step 1 again);
-6. dispatcher: ``listener.process_events``, one span in each trace of the batch.
+6. dispatcher: ``process {queue topic}``, one span in each trace of the batch.
+
+The messaging spans (3, 4, 6) are named as OpenTelemetry's messaging
+conventions name them, ``{messaging.operation.name} {destination}``, with
+``messaging.operation.type`` and ``messaging.destination.name`` set; a send's
+destination is the topic it writes to, the remote site's inbound topic.
+``span_role`` tells the three apart in a span file (``WAN_TRACE``).
 
 The metric names follow OpenTelemetry's messaging conventions under the
 ``sluice.`` prefix (below, ``METRICS``); every one carries
@@ -45,13 +52,15 @@ and, per partition, ``messaging.destination.partition.id``.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import logging
+import operator
 import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +103,11 @@ SENDER_CONNECTED = "sluice.gateway.sender.connected"
 CLIENTS = "sluice.subscriptions.clients"
 REGISTRATIONS_REFUSED = "sluice.subscriptions.registrations_refused"
 EVENTS_NOT_QUEUED = "sluice.subscriptions.events_not_queued"
+EVENTS_QUEUED = "sluice.queue.events_queued"
+QUEUE_STATE = "sluice.queue.state"
+QUEUE_ALERT_THRESHOLD = "sluice.queue.alert_threshold"
+PARTITION_PRIMARY = "sluice.queue.partition.primary"
+DUPLICATE_BATCHES = "sluice.batches.duplicates_received"
 
 #: name → (unit, description): the catalogue every service draws from.
 METRICS: dict[str, tuple[str, str]] = {
@@ -120,7 +134,33 @@ METRICS: dict[str, tuple[str, str]] = {
     REGISTRATIONS_REFUSED: ("{registration}", "Client registrations refused: no token, or the wrong one"),
     EVENTS_NOT_QUEUED: ("{event}", "Events a client's interest called for that its full queue (maximum-message-count) "
                                    "did not take; the client is then unregistered and resynchronises"),
+    EVENTS_QUEUED: ("{event}", "Events written into a queue (Geode's EventsQueued): counted by the region service "
+                               "as each window of writes commits, re-enqueued and wan-copy events included"),
+    QUEUE_STATE: ("{state}", "1 for the state a queue is in (sluice.state: running, paused, stopped), 0 for the "
+                             "other two, as each member of the queue follows the control topic"),
+    QUEUE_ALERT_THRESHOLD: ("s", "The queue's alert-threshold: the age of its oldest event that raises an alert "
+                                 "(0: it never does)"),
+    PARTITION_PRIMARY: ("{partition}", "1 for each partition of the queue this member is the primary of, 0 for "
+                                       "each it is not: a partition whose maximum over the members is 0 has none"),
+    DUPLICATE_BATCHES: ("{batch}", "Gateway batches the receiver had applied and acknowledged before "
+                                   "(Geode's DuplicateBatchesReceived): acknowledged again, applied not again"),
 }
+
+#: The instrument of each metric that is not a counter (counters: the rest of ``METRICS``).
+GAUGES = frozenset({QUEUE_SIZE, QUEUE_OLDEST_AGE, SENDER_CONNECTED, CLIENTS, QUEUE_STATE, QUEUE_ALERT_THRESHOLD,
+                    PARTITION_PRIMARY})
+HISTOGRAMS = frozenset({BATCH_DURATION, LISTENER_DURATION})
+
+
+def prometheus_names(name: str) -> tuple[str, ...]:
+    """The names ``name``'s samples have on /metrics (OpenTelemetry's Prometheus exporter: dots
+    become underscores, a unit of seconds adds ``_seconds``, a counter ``_total``, a histogram
+    its ``_bucket``, ``_sum`` and ``_count``): what alerts and dashboards select."""
+    base = name.replace(".", "_") + ("_seconds" if METRICS[name][0] == "s" else "")
+    if name in HISTOGRAMS:
+        return (f"{base}_bucket", f"{base}_sum", f"{base}_count")
+    return (base,) if name in GAUGES else (f"{base}_total",)
+
 
 #: Histogram buckets in seconds, for batch and listener latencies (1 ms .. 60 s).
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -203,6 +243,95 @@ def observe(name: str, read: Callable[[], Reading], *, gauge: bool = False) -> N
         meter().create_observable_counter(name, [callback], unit=unit, description=description)
 
 
+# --- queue state, primaries and events queued ---------------------------------------------
+
+#: The states of ``QUEUE_STATE`` (sluice.state), as the control topic names them in upper case.
+QUEUE_STATES = ("running", "paused", "stopped")
+
+
+def observe_queue(primary: Any, owned: Callable[[Any], Iterable[int]]) -> None:
+    """Report ``QUEUE_STATE``, ``QUEUE_ALERT_THRESHOLD`` and ``PARTITION_PRIMARY`` for a queue
+    primary (core/queueloop.py), read at each collection from what it holds already: its
+    ``desired`` state, its ``alert_threshold_ms()``, ``owned(primary)`` (the partitions it is
+    the primary of) and ``attributes(partition)``."""
+    observe(QUEUE_STATE, queue_state_reader(primary), gauge=True)
+    observe(QUEUE_ALERT_THRESHOLD, reader(primary, lambda live: live.alert_threshold_ms() / 1000.0,
+                                          lambda live: live.attributes()), gauge=True)
+    observe(PARTITION_PRIMARY, partition_primary_reader(primary, owned), gauge=True)
+
+
+def queue_state_reader(primary: Any) -> Callable[[], Reading]:
+    """``QUEUE_STATE`` of ``primary``: 1 for its ``desired`` state, 0 for the other two."""
+    def read(live: Any) -> Reading:
+        current = str(getattr(live.desired, "value", live.desired)).lower()
+        base = live.attributes()
+        return [(1 if name == current else 0, {**base, "sluice.state": name}) for name in QUEUE_STATES]
+    return _bound(primary, read)
+
+
+def partition_primary_reader(primary: Any, owned: Callable[[Any], Iterable[int]]) -> Callable[[], Reading]:
+    """``PARTITION_PRIMARY`` of ``primary``: every partition of its queue's topic, 1 for those in
+    ``owned(primary)``, 0 for the others, so that a partition no member holds is a series whose
+    maximum over the members is 0, not a missing one."""
+    partitions = next((q.partitions for q in primary.cfg.all_attached_queues()
+                       if q.id == primary.queue_id and q.kind == primary.kind), 0)
+
+    def read(live: Any) -> Reading:
+        mine = set(owned(live))
+        return [(1 if p in mine else 0, live.attributes(p)) for p in range(partitions)]
+    return _bound(primary, read)
+
+
+def _bound(owner: Any, read: Callable[[Any], Reading]) -> Callable[[], Reading]:
+    """``read(owner)`` as a reader for :func:`observe`, holding ``owner`` weakly."""
+    ref = weakref.ref(owner)
+
+    def bound() -> Reading:
+        live = ref()
+        return [] if live is None else read(live)
+    return bound
+
+
+_TOPIC = operator.itemgetter(0)
+
+
+def count_topics(tally: collections.Counter[str], records: Sequence[tuple[Any, Any]],
+                 skip: Collection[Any] = ()) -> None:
+    """Add the ``(record, tag)`` pairs of one written batch to ``tally``, by each record's topic
+    (its first field), leaving out those whose tag is in ``skip``.
+
+    Once per batch, not per record: the pass is ``Counter.update`` over itemgetters, which runs
+    in C, so a region service's window of writes costs no Python call per record.  The region
+    service reads ``EVENTS_QUEUED`` from it (``events_queued_reader``)."""
+    if skip:
+        records = [pair for pair in records if pair[1] not in skip]
+    tally.update(map(_TOPIC, map(_TOPIC, records)))
+
+
+def events_queued_reader(owner: Any, tally: Callable[[Any], Mapping[str, int] | None],
+                         queues: Mapping[str, Mapping[str, Any]]) -> Callable[[], Reading]:
+    """A reader of ``EVENTS_QUEUED``: for each queue topic of ``queues`` (topic → that queue's
+    attributes), the count ``tally(owner)`` holds for it, 0 before its first event; the
+    tally's other topics (the changelogs) are not queues and are left out."""
+    ref = weakref.ref(owner)
+
+    def read() -> Reading:
+        live = ref()
+        counts = None if live is None else tally(live)
+        if counts is None:
+            return []
+        return [(counts.get(topic, 0), attributes) for topic, attributes in queues.items()]
+    return read
+
+
+def queue_attributes(cfg: Any, **more: Any) -> dict[str, dict[str, Any]]:
+    """Queue topic → the attributes its queue's metrics carry (those of core/queueloop.py's
+    ``attributes()`` that the site file decides), for every queue of ``cfg`` a region feeds."""
+    return {q.topic: {**base_attributes(cfg.site), "sluice.queue.id": q.id, "sluice.queue.kind": q.kind,
+                      "messaging.destination.name": q.topic, **more}
+            for q in cfg.all_attached_queues()}
+
+
 # --- trace context in records (W3C traceparent) ------------------------------------------------
 
 #: The header of a changelog or queue record: its event's W3C trace context.
@@ -245,6 +374,23 @@ def header(headers: list[tuple[str, bytes]] | None, name: str) -> bytes | None:
     return found
 
 
+#: ``messaging.operation.type`` of the messaging spans, by ``messaging.operation.name``.
+_OPERATION_TYPES = {"send": "send", "receive": "receive", "process": "process"}
+
+
+def messaging_span(operation: str, destination: str, *, parent: str | bytes | None = None,
+                   kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+                   attributes: Mapping[str, Any] | None = None) -> trace.Span:
+    """A span named ``{operation} {destination}`` (OpenTelemetry's messaging conventions), with
+    ``messaging.operation.name``, ``messaging.operation.type`` and ``messaging.destination.name``
+    set over ``attributes``; ``operation`` is send, receive or process."""
+    if operation not in _OPERATION_TYPES:
+        raise ValueError(f"messaging operation {operation!r}: send, receive or process")
+    return start_span(f"{operation} {destination}", parent=parent, kind=kind, attributes={
+        **(attributes or {}), "messaging.operation.name": operation,
+        "messaging.operation.type": _OPERATION_TYPES[operation], "messaging.destination.name": destination})
+
+
 def start_span(name: str, *, parent: str | bytes | None = None, kind: trace.SpanKind = trace.SpanKind.INTERNAL,
                attributes: Mapping[str, Any] | None = None) -> trace.Span:
     """A span child of ``parent`` (a traceparent), or a new root; the caller ends it."""
@@ -253,8 +399,24 @@ def start_span(name: str, *, parent: str | bytes | None = None, kind: trace.Span
 
 # --- reading a span file (the demo, the tests) -----------------------------------------------------
 
-#: The spans of one write on one site, applied on another and handed to a listener, in order.
+#: The roles (``span_role``) of the spans of one write on one site, applied on another and handed to a
+#: listener, in order.
 WAN_TRACE = ("region.put", "gateway.send", "gateway.receive", "region.apply_remote", "listener.process_events")
+
+
+def span_role(span: Mapping[str, Any]) -> str:
+    """What a span of a span file is in a WAN trace: ``gateway.send`` (a gateway sender's send),
+    ``gateway.receive`` (the receiver's processing), ``listener.process_events`` (a dispatcher's
+    offer to its listener), else its name (``region.put``, ``region.apply_remote`` ...)."""
+    attributes = span.get("attributes") or {}
+    operation = attributes.get("messaging.operation.name")
+    if operation == "send" and attributes.get("sluice.queue.kind") == "gateway-sender":
+        return "gateway.send"
+    if operation == "process" and attributes.get("sluice.component") == "receiver":
+        return "gateway.receive"
+    if operation == "process" and attributes.get("sluice.queue.kind") == "async-event-queue":
+        return "listener.process_events"
+    return str(span["name"])
 
 
 def read_spans(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -271,13 +433,14 @@ def span_site(span: Mapping[str, Any]) -> str | None:
 
 def wan_traces(spans: Iterable[Mapping[str, Any]], origin: str, target: str) -> list[str]:
     """The trace ids holding a region write at ``origin`` (``region.put``, ``region.create`` ...),
-    its ``gateway.send`` and ``gateway.receive``, its ``region.apply_remote`` at
-    ``target`` and a ``listener.process_events`` call; oldest first."""
+    its send (``gateway.send``) and the receiver's processing (``gateway.receive``), its
+    ``region.apply_remote`` at ``target`` and a listener's processing
+    (``listener.process_events``), by ``span_role``; oldest first."""
     seen: dict[str, set[tuple[str, str | None]]] = {}
     started: dict[str, str] = {}
     for span in spans:
         trace_id = span["context"]["trace_id"]
-        seen.setdefault(trace_id, set()).add((span["name"], span_site(span)))
+        seen.setdefault(trace_id, set()).add((span_role(span), span_site(span)))
         started[trace_id] = min(started.get(trace_id, span["start_time"]), span["start_time"])
 
     def complete(names: set[tuple[str, str | None]]) -> bool:
@@ -487,9 +650,11 @@ def installed() -> Telemetry | None:
 
 __all__ = [
     "ALERTS", "BATCHES_ACKNOWLEDGED", "BATCHES_REJECTED", "BATCHES_RESENT", "BATCHES_SENT", "BATCH_DURATION",
-    "CLIENTS", "CONFLICTS_RESOLVED", "DEAD_LETTERED", "DUPLICATES_DISCARDED", "EVENTS_APPLIED",
-    "EVENTS_DELIVERED", "FAILOVERS", "LISTENER_DURATION", "METRICS", "QUEUE_OLDEST_AGE", "QUEUE_SIZE",
-    "WAN_TRACE", "read_spans", "span_site", "wan_traces", "BATCH_TRACEPARENTS", "TRACEPARENT", "JsonFormatter", "JsonLinesSpanExporter", "Telemetry", "add_options",
+    "CLIENTS", "CONFLICTS_RESOLVED", "DEAD_LETTERED", "DUPLICATES_DISCARDED", "DUPLICATE_BATCHES", "EVENTS_APPLIED",
+    "EVENTS_DELIVERED", "EVENTS_QUEUED", "FAILOVERS", "LISTENER_DURATION", "METRICS", "PARTITION_PRIMARY",
+    "QUEUE_ALERT_THRESHOLD", "QUEUE_OLDEST_AGE", "QUEUE_SIZE", "QUEUE_STATE", "QUEUE_STATES",
+    "GAUGES", "HISTOGRAMS", "WAN_TRACE", "count_topics", "prometheus_names", "events_queued_reader", "messaging_span", "observe_queue", "partition_primary_reader", "queue_attributes", "queue_state_reader",
+    "read_spans", "span_role", "span_site", "wan_traces", "BATCH_TRACEPARENTS", "TRACEPARENT", "JsonFormatter", "JsonLinesSpanExporter", "Telemetry", "add_options",
     "base_attributes", "context_from", "header", "histogram", "install", "installed", "log_format", "meter",
     "metrics_port", "observe", "otlp_wanted", "setup_logging", "start_span", "traceparent_of", "tracer", "tracing",
 ]

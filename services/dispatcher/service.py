@@ -145,13 +145,13 @@ class DispatcherService(QueuePrimary):
                                    f"dispatcher {self.member_id} listener {type(listener).__name__}")
 
     def _listener_spans(self, part: QueuePartition, batch: Batch[AsyncEvent]) -> list[Any]:
-        """A ``listener.process_events`` span in each trace the batch's events belong to."""
+        """A ``process {queue topic}`` span in each trace the batch's events belong to."""
         attributes = {**self.attributes(part.tp.partition), "messaging.operation.name": "process",
                       "messaging.batch.message_count": len(batch.events), "sluice.batch.id": batch.batch_id,
                       "sluice.listener": type(self._listener()).__name__}
         traces = dict.fromkeys(tp for tp in map(event_traceparent, batch.events) if tp is not None)
-        return [telemetry.start_span("listener.process_events", parent=tp, kind=SpanKind.CONSUMER,
-                                     attributes=attributes) for tp in traces]
+        return [telemetry.messaging_span("process", self.topic, parent=tp, kind=SpanKind.CONSUMER,
+                                         attributes=attributes) for tp in traces]
 
     def on_stopped(self) -> None:
         self._close_listeners()

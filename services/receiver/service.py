@@ -344,7 +344,8 @@ class ReceiverService:
             log.warning("receiver of dsid %d: no gateway keys, batches are not verified (accepted dsids %s); "
                         "set gateway_private_key and gateway_public_keys", cfg.dsid, sorted(self.accepted))
         self._stats_lock = threading.Lock()
-        self.stats = {"batches": 0, "duplicate_batches": 0, "rejected_batches": 0, "bad_signatures": 0,
+        self.stats = {"batches": 0, "duplicate_batches": 0, "duplicate_batch_events": 0, "rejected_batches": 0,
+                      "bad_signatures": 0,
                       "stale_batches": 0, "events_applied": 0, "events_recovered": 0, "events_duplicate": 0,
                       "conflicts": 0, "exceptions": 0, "dead_lettered": 0, "acks_unverified": 0,
                       "unauthorized_alerts": 0}
@@ -379,6 +380,7 @@ class ReceiverService:
             self, lambda receiver: receiver.stats["unauthorized_alerts"],
             lambda receiver: receiver._attributes(**{"sluice.alert.name": "region_unauthorized"})))
         telemetry.observe(telemetry.SENDER_CONNECTED, self._read_senders, gauge=True)
+        telemetry.observe(telemetry.DUPLICATE_BATCHES, self._read_stats("duplicate_batches"))
 
     def _attributes(self, **more: Any) -> dict[str, Any]:
         return {**telemetry.base_attributes(self.cfg.site), "sluice.component": "receiver",
@@ -398,7 +400,7 @@ class ReceiverService:
 
     def _read_duplicates(self) -> telemetry.Reading:
         return [(self.stats["events_duplicate"], self._attributes(**{"sluice.duplicate.of": "event"})),
-                (self.stats["duplicate_batches"], self._attributes(**{"sluice.duplicate.of": "batch"}))]
+                (self.stats["duplicate_batch_events"], self._attributes(**{"sluice.duplicate.of": "batch"}))]
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -765,6 +767,7 @@ class ReceiverService:
         count = len(batch.bodies)
         if batch.batch_id <= self._last_batch.get(key, -1):
             self._count("duplicate_batches")
+            self._count("duplicate_batch_events", count)
             figures = lane.figures.counting(msg.offset(), now_ms, duplicate_batches=1) if new else lane.figures
             last_id = _event_id_of(batch.bodies[-1]) if count else None
             self._ack(msg, key, batch, last_applied=count - 1, last_event_id=last_id, exceptions=[], duplicate=True,
@@ -810,7 +813,7 @@ class ReceiverService:
 
     def _receive_spans(self, msg: Message, batch: BatchView, count: int) -> tuple[list[str | None], list[Any]]:
         """Each event's trace context from the batch's header (None for one without),
-        and, with tracing on, a ``gateway.receive`` span for each, whose context
+        and, with tracing on, a ``process {inbound topic}`` span for each, whose context
         then goes with its event to the region service."""
         raw = telemetry.header(msg.headers(), telemetry.BATCH_TRACEPARENTS)
         if raw is not None:
@@ -828,8 +831,8 @@ class ReceiverService:
         spans = []
         for i, parent in enumerate(traces):
             if parent is not None:
-                span = telemetry.start_span("gateway.receive", parent=parent, kind=SpanKind.CONSUMER,
-                                            attributes=attributes)
+                span = telemetry.messaging_span("process", self.inbound, parent=parent, kind=SpanKind.CONSUMER,
+                                                attributes=attributes)
                 spans.append(span)
                 traces[i] = telemetry.traceparent_of(span)
         return traces, spans

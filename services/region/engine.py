@@ -116,6 +116,7 @@ a lock of its own; everything else is owned by one thread.
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 import queue
@@ -124,6 +125,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+from ..core import telemetry
 from ..core.codec import Codec
 from ..core.errors import (
     BrokerUnavailable,
@@ -450,6 +452,8 @@ class RegionEngine:
                       "hanging_transactions": 0, "loads_skipped": 0,
                       "loads_from_standby": 0, "loads_from_store": 0, "records_replayed": 0,
                       "buckets_revoked": 0, "windows_rewritten": 0, "wan_copied": 0}
+        #: Records of committed windows by topic: a queue topic's count is its events queued (metrics).
+        self.records_written: collections.Counter[str] = collections.Counter()
         #: Standby copies of buckets other instances own (a region with redundant_copies; standby.py).
         self._standby = StandbyKeeper(kafka_settings=kafka_settings, client_id=client_id,
                                       changelog_topics=changelog_topics, dsid=dsid, member_id=member_id,
@@ -960,6 +964,7 @@ class RegionEngine:
                     ob = self._current(*slot)
                     if ob is not None:
                         ob.end = offset + 2
+                telemetry.count_topics(self.records_written, window.records, skip)
             self._windows_done += 1
             self._window_changed.notify_all()
         error = outcome.error

@@ -335,6 +335,9 @@ class RegionService:
         for name, stat in ((telemetry.EVENTS_APPLIED, "applied"), (telemetry.DUPLICATES_DISCARDED, "duplicates"),
                            (telemetry.CONFLICTS_RESOLVED, "conflicts_lost")):
             telemetry.observe(name, self._read_engine(stat))
+        telemetry.observe(telemetry.EVENTS_QUEUED, telemetry.events_queued_reader(
+            self, lambda service: None if service.engine is None else service.engine.records_written,
+            telemetry.queue_attributes(self.cfg, **{"sluice.component": "region"})))
 
     def _read_engine(self, stat: str) -> Callable[[], telemetry.Reading]:
         """A metric reader of the engine's counter ``stat`` (nothing before the engine exists)."""

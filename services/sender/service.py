@@ -711,7 +711,7 @@ class GatewaySenderService(QueuePrimary):
 
     def _send_spans(self, part: QueuePartition, batch: Batch[AsyncEvent],
                     events: list[AsyncEvent]) -> tuple[list[Any], list[tuple[str, bytes]] | None]:
-        """A ``gateway.send`` span per event that came with a trace context, and the
+        """A ``send {remote inbound topic}`` span per event that came with a trace context, and the
         batch record's header carrying each event's context to the receiver (one
         line per event, empty for an event without)."""
         attributes = {**self.attributes(part.tp.partition), "messaging.operation.name": "send",
@@ -728,8 +728,8 @@ class GatewaySenderService(QueuePrimary):
                 key = e.key
             except MalformedRecord:
                 key = ""  # its receiver finds out, and its ack says so
-            span = telemetry.start_span("gateway.send", parent=parent, kind=SpanKind.PRODUCER,
-                                        attributes={**attributes, "sluice.key": key})
+            span = telemetry.messaging_span("send", self.remote_inbound, parent=parent, kind=SpanKind.PRODUCER,
+                                            attributes={**attributes, "sluice.key": key})
             spans.append(span)
             lines.append(telemetry.traceparent_of(span) or "")
         if not spans:

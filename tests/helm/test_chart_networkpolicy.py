@@ -75,8 +75,8 @@ def test_one_policy_per_component_selecting_its_pods_only(request: pytest.Fixtur
 @pytest.mark.parametrize("name", SITES)
 def test_only_the_release_and_its_clients_reach_the_region_service(request: pytest.FixtureRequest, name: str) -> None:
     """The region service's HTTP port takes the release's region instances (forwarding to a
-    bucket's owner), its receivers (apply_remote) and networkPolicy.regionClients, nobody else;
-    its health port takes monitoring (and kubelet) only."""
+    bucket's owner), its receivers (apply_remote), its `helm test` pods (/readyz) and
+    networkPolicy.regionClients, nobody else; its health port takes monitoring (and kubelet) only."""
     release = release_of(request, name)
     values = values_of(name)
     site = yaml.safe_load(release.site_file("sluice-site"))
@@ -84,7 +84,8 @@ def test_only_the_release_and_its_clients_reach_the_region_service(request: pyte
     health = values["health"]["port"]
     ingress = policy_of(release, "region")["ingress"]
     assert ingress == [
-        {"from": [component_peer("region"), component_peer("receiver"), *values["networkPolicy"]["regionClients"]],
+        {"from": [component_peer("region"), component_peer("receiver"), component_peer("helm-test"),
+                  *values["networkPolicy"]["regionClients"]],
          "ports": [port(region_port)]},
         {"from": values["networkPolicy"]["monitoring"]["peers"], "ports": [port(health)]},
     ]
@@ -162,7 +163,10 @@ def test_policies_follow_the_values(helm: Helm, tmp_path: Path) -> None:
     assert subscriptions["ingress"][0]["from"] == [
         {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}},
         {"ipBlock": {"cidr": "10.0.0.0/16"}}]
-    assert policy_of(release, "region")["ingress"][0]["from"][2:] == clients
+    assert policy_of(release, "region")["ingress"][0]["from"][3:] == clients
+    # Without `helm test` pods, nothing of theirs is let in.
+    no_tests = helm.template("--set", "tests.enabled=false")
+    assert policy_of(no_tests, "region")["ingress"][0]["from"] == [component_peer("region"), component_peer("receiver")]
 
     closed = helm.template("--set", "networkPolicy.monitoring.peers=null")
     assert policy_of(closed, "subscriptions")["ingress"] == []

@@ -64,14 +64,26 @@ def test_one_trace_from_the_put_on_a_to_the_apply_on_b_and_the_listener(site_a, 
     assert len(traces) == 1, _summary(spans)
     trace_id = traces[0]
     mine = [s for s in spans if s["context"]["trace_id"] == trace_id]
-    by_name = {s["name"]: s for s in mine}
+    by_name = {telemetry.span_role(s): s for s in mine}
     assert set(telemetry.WAN_TRACE) <= set(by_name), _summary(spans)
     assert telemetry.span_site(by_name["region.put"]) == "a"
     assert telemetry.span_site(by_name["region.apply_remote"]) == "b"
     assert headers[0].decode().split("-")[1] == trace_id.removeprefix("0x")
 
+    # The messaging spans are named `{operation} {destination}` (OpenTelemetry's messaging
+    # conventions): a send's destination is the remote site's inbound topic.
+    inbound_b = load_config(path_b).topics.gateway_inbound()
+    for role, name, operation, destination in (
+            ("gateway.send", f"send {inbound_b}", "send", inbound_b),
+            ("gateway.receive", f"process {inbound_b}", "process", inbound_b),
+            ("listener.process_events", f"process {cfg_a.topics.queue('audit')}", "process", cfg_a.topics.queue("audit"))):
+        attributes = by_name[role]["attributes"]
+        assert by_name[role]["name"] == name
+        assert attributes["messaging.operation.name"] == attributes["messaging.operation.type"] == operation
+        assert attributes["messaging.destination.name"] == destination
+
     # Parent links: put → send → receive → apply on b; the listener call is a child of the put.
-    ids = {s["context"]["span_id"]: s["name"] for s in mine}
+    ids = {s["context"]["span_id"]: telemetry.span_role(s) for s in mine}
     # The root: FastAPI's server span of the HTTP request on a.
     assert ids[by_name["region.put"]["parent_id"]] == "POST /regions/{region}/put"
     assert by_name["POST /regions/{region}/put"]["parent_id"] is None

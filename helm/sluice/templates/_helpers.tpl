@@ -304,14 +304,18 @@ Kubernetes refuses a projected volume that names one path twice, and the
 service refuses a site file naming a TLS/SASL file its pod lacks: both are
 said here, naming the workload, before anything is installed.  Files of a
 Secret given without `items` are not known to the chart and not checked.
-Arguments: (list root kafkaSecrets who own): who names the workload and own
-the value its kafkaSecrets come from, in messages.
+Arguments: (list root kafkaSecrets who own [lenient]): who names the workload
+and own the value its kafkaSecrets come from, in messages.  With lenient true
+(`helm test`'s pods, which must not stop a release from rendering) a problem
+gives the JSON `false` instead of failing.
 */}}
 {{- define "sluice.kafkaSources" -}}
 {{- $root := index . 0 }}
 {{- $own := index . 1 | default list }}
 {{- $who := index . 2 }}
 {{- $ownName := index . 3 }}
+{{- $lenient := and (gt (len .) 4) (index . 4) }}
+{{- $problem := "" }}
 {{- $sources := concat ($root.Values.kafka.secrets | default list) $own }}
 {{- $paths := dict }}
 {{- $complete := true }}
@@ -322,8 +326,8 @@ the value its kafkaSecrets come from, in messages.
 {{- $secret := .name }}
 {{- range .items }}
 {{- $path := .path | trimPrefix "./" }}
-{{- if hasKey $paths $path }}
-{{- fail (printf "%s: the Secrets %s and %s both project %s into %s (kafka.secrets and %s share that folder, and Kubernetes refuses a path twice): give the file once" $who (get $paths $path) $secret $path $root.Values.kafka.secretMountPath $ownName) }}
+{{- if and (hasKey $paths $path) (not $problem) }}
+{{- $problem = printf "%s: the Secrets %s and %s both project %s into %s (kafka.secrets and %s share that folder, and Kubernetes refuses a path twice): give the file once" $who (get $paths $path) $secret $path $root.Values.kafka.secretMountPath $ownName }}
 {{- end }}
 {{- $_ := set $paths $path $secret }}
 {{- end }}
@@ -341,14 +345,20 @@ the value its kafkaSecrets come from, in messages.
 {{- range $key := list "ssl_ca_location" "ssl_certificate_location" "ssl_key_location" "sasl_password_file" "ssl_key_password_file" }}
 {{- $file := get $section $key }}
 {{- if and $file (kindIs "string" $file) (hasPrefix $mount $file) }}
-{{- if not (hasKey $paths (trimPrefix $mount $file)) }}
-{{- fail (printf "%s: the site file's %s.%s is %s, but no Secret of kafka.secrets or %s projects %s there: add it to one of them" $who $where $key $file $ownName (trimPrefix $mount $file)) }}
+{{- if and (not (hasKey $paths (trimPrefix $mount $file))) (not $problem) }}
+{{- $problem = printf "%s: the site file's %s.%s is %s, but no Secret of kafka.secrets or %s projects %s there: add it to one of them" $who $where $key $file $ownName (trimPrefix $mount $file) }}
 {{- end }}
 {{- end }}
 {{- end }}
 {{- end }}
 {{- end }}
+{{- if and $problem $lenient }}
+{{- toJson false }}
+{{- else if $problem }}
+{{- fail $problem }}
+{{- else }}
 {{- toJson $sources }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -496,6 +506,8 @@ spec:
       labels:
         {{- include "sluice.labels" $root | nindent 8 }}
         {{- toYaml $selector | nindent 8 }}
+        # What the metrics Service (monitoring.serviceMonitor) selects: the pods serving /metrics.
+        sluice/metrics: "true"
       annotations:
         checksum/site: {{ include "sluice.site" $root | sha256sum }}
         {{- if $root.Values.health.prometheusScrape }}

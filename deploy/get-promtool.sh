@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Print the path of a promtool binary for the alert rules' tests
+# (tests/helm/test_alerts.py) and `make promtool`, building it once into the
+# cache from the Go module proxy.
+#
+#   deploy/get-promtool.sh        # prints e.g. ~/.cache/sluice/bin/promtool-v0.316.0
+#
+# Where promtool comes from, first that applies wins:
+#
+#   1. $SLUICE_PROMTOOL, when it names an executable (an operator's own);
+#   2. the cache: ${SLUICE_CACHE:-~/.cache/sluice}/bin/promtool-<version>;
+#   3. with go: `go install github.com/prometheus/prometheus/cmd/promtool@v0.316.0`
+#      (Prometheus 3.x's Go module version) from the Go module proxy.  It
+#      compiles Prometheus's rule engine and its dependencies: many minutes
+#      on a clean cache on 2 cores, about 1.5 GB of module and build cache.
+#
+# Exit status: 0 the path is on stdout; 3 no way to get promtool here (no go;
+# the reason is on stderr, and the tests skip with it); anything else: the
+# build failed (it is not hidden: the tests fail with its message).
+set -euo pipefail
+
+GO_PROMTOOL_MODULE="github.com/prometheus/prometheus/cmd/promtool"
+GO_PROMTOOL_VERSION="v0.316.0"
+
+say() { echo "get-promtool: $*" >&2; }
+
+if [[ -n "${SLUICE_PROMTOOL:-}" ]]; then
+    if [[ -x "$SLUICE_PROMTOOL" ]]; then
+        echo "$SLUICE_PROMTOOL"
+        exit 0
+    fi
+    say "SLUICE_PROMTOOL=$SLUICE_PROMTOOL is not an executable file"
+    exit 2
+fi
+
+cache="${SLUICE_CACHE:-$HOME/.cache/sluice}"
+bin="$cache/bin"
+promtool="$bin/promtool-$GO_PROMTOOL_VERSION"
+
+if [[ -x "$promtool" ]]; then
+    echo "$promtool"
+    exit 0
+fi
+
+if ! command -v go >/dev/null 2>&1; then
+    say "cannot get promtool on $(uname -s)/$(uname -m): go (for go install $GO_PROMTOOL_MODULE@$GO_PROMTOOL_VERSION) is not installed"
+    exit 3
+fi
+
+mkdir -p "$bin"
+work="$(mktemp -d "$bin/.get-promtool.XXXXXX")"
+trap 'rm -rf "$work"' EXIT
+start=$SECONDS
+say "building promtool $GO_PROMTOOL_VERSION with go install (minutes on a clean cache)"
+GOBIN="$work" go install "$GO_PROMTOOL_MODULE@$GO_PROMTOOL_VERSION"
+mv -f "$work/promtool" "$promtool"
+say "promtool $GO_PROMTOOL_VERSION ready in $((SECONDS - start)) s: $promtool"
+echo "$promtool"

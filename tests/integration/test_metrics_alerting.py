@@ -1,0 +1,144 @@
+"""The metrics the chart's alerts and dashboard read, on real service processes' /metrics after a known workload.
+
+Two sites on the session's broker (test_health_endpoints.write_sites): a's
+region service, its parallel gateway sender a→b (4 partitions) and its async
+event queue's dispatcher; b's region service and receiver.  50 puts on a
+must show as 50 events queued for each of a's two queues; the sender's state
+gauge follows pause and resume through the control topic; its one instance is
+the primary of every partition; and a batch written again into b's inbound
+topic is counted as one duplicate batch, its events as discarded.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from sluice.admin.cli import set_state
+from sluice.client import RegionClient
+from sluice.core.config import load_config
+from sluice.core.kafka import TopicPartition, make_consumer, make_producer
+from sluice.core.processes import ReceiverProcess, SenderProcess, ServiceProcess
+
+from regionkit import DispatcherProcess, RegionProcess
+from test_health_endpoints import write_sites
+
+pytestmark = pytest.mark.timeout(300)
+
+EVENTS = 50
+
+
+def samples(proc: ServiceProcess, name: str, **labels: str) -> list[tuple[dict[str, str], float]]:
+    """The samples of ``name`` (as Prometheus names it) on ``proc``'s /metrics whose labels include ``labels``."""
+    response = httpx.get(f"{proc.metrics_url}/metrics", timeout=5)
+    assert response.status_code == 200
+    return [(s.labels, s.value) for family in text_string_to_metric_families(response.text) for s in family.samples
+            if s.name == name and labels.items() <= s.labels.items()]
+
+
+def value(proc: ServiceProcess, name: str, **labels: str) -> float:
+    found = samples(proc, name, **labels)
+    assert found, f"no {name} with {labels} on {proc.metrics_url}"
+    return sum(v for _, v in found)
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 60) -> None:
+    end = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < end, f"timed out waiting until {what}"
+        time.sleep(0.3)
+
+
+def replay_first_batch(bootstrap: str, inbound: str, partitions: int) -> None:
+    """Write the first record of ``inbound`` again, bytes and headers (its signature) unchanged."""
+    consumer = make_consumer({"bootstrap.servers": bootstrap})
+    try:
+        consumer.assign([TopicPartition(inbound, p, 0) for p in range(partitions)])
+        end = time.monotonic() + 30
+        while True:
+            assert time.monotonic() < end, f"no record in {inbound}"
+            msg = consumer.poll(0.5)
+            if msg is not None and msg.error() is None and msg.value():
+                break
+    finally:
+        consumer.close()
+    producer = make_producer({"bootstrap.servers": bootstrap})
+    producer.produce(inbound, msg.value(), msg.key(), partition=msg.partition(), headers=msg.headers())
+    assert producer.flush(30) == 0
+
+
+def test_events_queued_state_primaries_and_duplicate_batches(site_a, unique_prefix, tmp_path: Path) -> None:
+    path_a, path_b = write_sites(tmp_path, site_a.bootstrap, unique_prefix, alert_threshold_ms=45000)
+    cfg_a, cfg_b = load_config(path_a), load_config(path_b)
+    procs: list[ServiceProcess] = []
+    try:
+        region_a = RegionProcess(path_a, tmp_path / "region-a.log")
+        region_b = RegionProcess(path_b, tmp_path / "region-b.log")
+        procs += [region_a, region_b]
+        region_a.wait_ready()
+        region_b.wait_ready()
+        sender = SenderProcess(path_a, "orders-to-b", tmp_path / "sender.log")
+        dispatcher = DispatcherProcess(path_a, "audit", tmp_path / "dispatcher.log")
+        receiver = ReceiverProcess(path_b, tmp_path / "receiver.log")
+        procs += [sender, dispatcher, receiver]
+
+        # Before any write: every queue is there, at 0.
+        for queue_id in ("orders-to-b", "audit"):
+            assert value(region_a, "sluice_queue_events_queued_total", sluice_queue_id=queue_id) == 0
+
+        client = RegionClient([region_a.url])
+        for n in range(EVENTS):
+            client.put("orders", f"k{n}", {"n": n})
+        client_b = RegionClient([region_b.url])
+        wait_for("b has every put", lambda: len(client_b.keys("orders")) == EVENTS)
+
+        # Each put is one event queued for the sender and one for the async event queue.
+        assert value(region_a, "sluice_queue_events_queued_total", sluice_queue_id="orders-to-b",
+                     sluice_queue_kind="gateway-sender", sluice_site="a",
+                     messaging_destination_name=cfg_a.topics.queue("orders-to-b")) == EVENTS
+        assert value(region_a, "sluice_queue_events_queued_total", sluice_queue_id="audit",
+                     sluice_queue_kind="async-event-queue") == EVENTS
+
+        # The sender's one instance is the primary of each of its 4 partitions; its threshold is 45 s.
+        wait_for("the sender holds every partition", lambda: value(
+            sender, "sluice_queue_partition_primary", sluice_queue_id="orders-to-b") == 4)
+        primaries = samples(sender, "sluice_queue_partition_primary", sluice_queue_id="orders-to-b")
+        assert sorted(labels["messaging_destination_partition_id"] for labels, _ in primaries) == ["0", "1", "2", "3"]
+        assert value(sender, "sluice_queue_alert_threshold_seconds", sluice_queue_id="orders-to-b") == 45.0
+        assert value(dispatcher, "sluice_queue_alert_threshold_seconds", sluice_queue_id="audit") == 0.0
+
+        def state_of(proc: ServiceProcess, queue_id: str) -> dict[str, float]:
+            return {labels["sluice_state"]: v for labels, v in samples(proc, "sluice_queue_state",
+                                                                         sluice_queue_id=queue_id)}
+
+        assert state_of(sender, "orders-to-b") == {"running": 1, "paused": 0, "stopped": 0}
+        assert state_of(dispatcher, "audit") == {"running": 1, "paused": 0, "stopped": 0}
+        set_state(cfg_a, "orders-to-b", "PAUSED", issued_by="test")
+        wait_for("the sender reports paused", lambda: state_of(sender, "orders-to-b")["paused"] == 1)
+        assert state_of(sender, "orders-to-b") == {"running": 0, "paused": 1, "stopped": 0}
+        set_state(cfg_a, "orders-to-b", "STOPPED", issued_by="test")
+        wait_for("the sender reports stopped", lambda: state_of(sender, "orders-to-b")["stopped"] == 1)
+        set_state(cfg_a, "orders-to-b", "RUNNING", issued_by="test")
+        wait_for("the sender reports running", lambda: state_of(sender, "orders-to-b")["running"] == 1)
+
+        # No duplicate yet; then a batch b applied is written into its inbound topic again.
+        assert value(receiver, "sluice_batches_duplicates_received_total") == 0
+        assert value(receiver, "sluice_events_duplicates_discarded_total", sluice_duplicate_of="batch") == 0
+        applied = value(receiver, "sluice_batches_acknowledged_total")
+        replay_first_batch(site_a.bootstrap, cfg_b.topics.gateway_inbound(), cfg_b.receiver.inbound_partitions)
+        wait_for("the receiver counts the duplicate batch",
+                 lambda: value(receiver, "sluice_batches_duplicates_received_total") == 1)
+        discarded = value(receiver, "sluice_events_duplicates_discarded_total", sluice_duplicate_of="batch")
+        assert 1 <= discarded <= 20  # the replayed batch's events: batch_size is 20
+        assert value(receiver, "sluice_batches_duplicates_received_total", sluice_component="receiver",
+                     messaging_destination_name=cfg_b.topics.gateway_inbound()) == 1
+        assert value(receiver, "sluice_batches_acknowledged_total") == applied + 1  # acknowledged again
+        assert value(receiver, "sluice_events_applied_total") == EVENTS  # applied not again
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
