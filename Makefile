@@ -53,8 +53,14 @@ helm:
 demo: jars
 	$(PY) -m sluice.cli demo
 
+# The suite runs on WORKERS pytest-xdist workers: its tests mostly wait on brokers and service processes, so
+# four overlap well on two cores.  Tests that share a costly session resource (PostgreSQL, Spark, helm, a
+# module's services) carry an xdist_group and run on one worker (tests/conftest.py).  WORKERS=0 runs serially.
+WORKERS ?= 4
+XDIST   := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadgroup)
+
 test: jars
-	$(PY) -m pytest tests -q -ra --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest tests -q -ra --durations=15 $(XDIST) $(PYTEST_ARGS)
 
 bench: jars
 	$(PY) -m bench $(if $(ONLY),--only $(ONLY))

@@ -28,7 +28,8 @@ from sluice.region.guard import CLIENT, MEMBER, credential_of
 
 from regionkit import RegionProcess, write_site
 
-pytestmark = pytest.mark.timeout(180)
+#: One worker of `pytest -n` runs the whole module: its services are started once, in a module-scoped fixture.
+pytestmark = [pytest.mark.timeout(180), pytest.mark.xdist_group("region_fuzz")]
 
 TOKEN = "client-" + uuid.uuid4().hex
 MEMBER_TOKEN = "member-" + uuid.uuid4().hex

@@ -38,7 +38,8 @@ from sluice.core.directory import MemberTrust, live_urls, read_instances
 
 from regionkit import RegionProcess, write_site
 
-pytestmark = pytest.mark.timeout(240)
+#: One worker of `pytest -n` runs the whole module: its services are started once, in a module-scoped fixture.
+pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("region_security")]
 
 TOKEN = "client-" + uuid.uuid4().hex
 MEMBER_TOKEN = "member-" + uuid.uuid4().hex

@@ -33,7 +33,8 @@ from sluice.core.topics import apply_topics
 from sluice.core.clientregistry import bearer, create_queue, read_latest, registry_partition
 from sluice.subscriptions.service import SubscriptionService
 
-pytestmark = pytest.mark.timeout(240)
+#: One worker of `pytest -n` runs the whole module: its services are started once, in a module-scoped fixture.
+pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("subscriptions_security")]
 
 TOKEN = "security-token"
 PARTITIONS = 2
