@@ -26,8 +26,10 @@ from sluice.core.kafka import consumed_position, make_consumer, read_to_end, unt
 from sluice.core.processes import RegionProcess
 from sluice.core.topics import apply_topics
 
-__all__ = ["DispatcherProcess", "RegionProcess", "end_offsets", "read_queue", "read_topic", "wait_standbys",
-           "write_aeq_site", "write_site"]
+from waiting import wait_for
+
+__all__ = ["DispatcherProcess", "RegionProcess", "end_offsets", "queue_in_state", "queue_size", "read_queue",
+           "read_topic", "wait_standbys", "write_aeq_site", "write_site"]
 
 
 def write_site(
@@ -114,17 +116,15 @@ class QueueRecord:
 
 def wait_standbys(keeper: RegionProcess, owner: RegionProcess, timeout_s: float = 60.0) -> set[int]:
     """Until ``keeper`` holds a standby copy, caught up, of every bucket ``owner`` owns; those buckets."""
-    deadline = time.monotonic() + timeout_s
-    rows: list[dict[str, Any]] = []
-    while time.monotonic() < deadline:
+    def kept_copies() -> set[int] | None:
         rows = httpx.get(f"{keeper.url}/buckets", timeout=10).json()["buckets"]
         theirs = {r["bucket"] for r in rows if r["owner"] == owner.url}
         kept = {r["bucket"] for r in rows
                 if any(s["url"] == keeper.url and 0 <= s["lag"] <= 1 for s in r["standbys"])}
-        if theirs and theirs <= kept:
-            return theirs
-        time.sleep(0.2)
-    raise AssertionError(f"{keeper.url} never kept a copy of every bucket of {owner.url}: {rows}")
+        return theirs if theirs and theirs <= kept else None
+
+    return wait_for(kept_copies, timeout_s=timeout_s, poll_s=0.2,
+                    what=f"{keeper.url} keeps a caught-up copy of every bucket of {owner.url}")
 
 
 def read_topic(bootstrap: str, topic: str, partitions: int,
@@ -193,3 +193,18 @@ def control_records(cfg: SiteConfig) -> list[tuple[str, str]]:
         consumer.close()
     records = [get_codec().decode_as("ControlRecord", m.value()) for m in messages if m.value() is not None]
     return [(r["target_id"], r["state"]) for r in records]
+
+
+def queue_size(cfg: SiteConfig, queue_id: str) -> int:
+    """Events waiting in every partition of a queue, as its primaries last reported (``sluice admin status``)."""
+    from sluice.admin.cli import queue_status
+
+    return sum(row.size for row in queue_status(cfg, queue_id))
+
+
+def queue_in_state(cfg: SiteConfig, queue_id: str, state: str) -> bool:
+    """Every partition of the queue has a primary, and each reports ``state`` ("running", "paused", "stopped")."""
+    from sluice.admin.cli import queue_status
+
+    rows = queue_status(cfg, queue_id)
+    return bool(rows) and all(row.primary != "—" and row.state == state for row in rows)

@@ -6,7 +6,6 @@ aborted records to read_committed readers (tests/README.md)."""
 from __future__ import annotations
 
 import socket
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,8 @@ from sluice.client import RegionClient
 from sluice.core.config import load_config
 from sluice.core.processes import ReceiverProcess, RegionProcess, SenderProcess
 from sluice.core.topics import apply_topics
+
+from waiting import read_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -64,12 +65,8 @@ def test_a_to_b_on_this_broker(any_site, unique_prefix, tmp_path: Path):
         for i in range(0, 200, 10):
             a.destroy("orders", f"k{i}")
         expected = {f"k{i}": {"n": i} for i in range(200) if i % 10}
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            got = {k: e["value"] for k, e in b.get_all("orders", [f"k{i}" for i in range(200)]).items() if e}
-            if got == expected:
-                break
-            time.sleep(0.5)
+        got = read_until(lambda: {k: e["value"] for k, e in b.get_all("orders", [f"k{i}" for i in range(200)]).items()
+                                  if e}, lambda got: got == expected, timeout_s=120, poll_s=0.5)
         assert got == expected, f"B has {len(got)} of {len(expected)} entries; receiver log:\n{procs[2].log_tail()}"
     finally:
         for proc in reversed(procs):

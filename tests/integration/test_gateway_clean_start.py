@@ -12,7 +12,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,6 +28,7 @@ from sluice.core.processes import ReceiverProcess, SenderProcess
 from sluice.core.topics import apply_topics
 
 from regionkit import RegionProcess, read_queue
+from waiting import wait_for
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -65,11 +65,7 @@ def _sites(tmp_path: Path, bootstrap: str, prefix: str) -> tuple[Path, Path, Any
 
 
 def _wait(what: str, check: Callable[[], bool], timeout_s: float = 90) -> None:
-    end = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > end:
-            raise AssertionError(f"{what}: not within {timeout_s}s")
-        time.sleep(0.25)
+    wait_for(check, timeout_s=timeout_s, what=what, poll_s=0.25)
 
 
 def _admin(path: Path, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:

@@ -16,7 +16,12 @@ from sluice.core.config import load_config
 from sluice.core.processes import ReceiverProcess, RegionProcess, SenderProcess
 from sluice.core.topics import apply_topics
 
+from waiting import read_until, wait_for
+
 pytestmark = pytest.mark.timeout(300)
+
+#: How long both sites may take to converge once the senders run.
+CONVERGE_S = 90
 
 HERE = str(Path(__file__).resolve().parent)
 
@@ -69,7 +74,9 @@ def test_conflicting_writes_converge_on_the_winner_of_the_rule(resolver, site_a,
             values |= {k: {"tags": [site, f"{site}-{k}"]} for k in tagged}
             clients[site].put_all("orders", values)
             written[site] = values
-            time.sleep(0.01)
+            written_ms = time.time_ns() // 1_000_000
+            wait_for(lambda: time.time_ns() // 1_000_000 > written_ms, timeout_s=1.0,
+                     what="the clock past the millisecond of the last write", poll_s=0.001)
         for name, other in (("a", "b"), ("b", "a")):
             set_state(sites[name][1], f"to-{other}", "RUNNING", issued_by="test")
 
@@ -81,13 +88,9 @@ def test_conflicting_writes_converge_on_the_winner_of_the_rule(resolver, site_a,
                         for k in numbered}
             expected |= {k: {"tags": sorted(set(written["a"][k]["tags"]) | set(written["b"][k]["tags"]))}
                          for k in tagged}
-        deadline = time.monotonic() + 90
-        while True:
-            got = {n: {k: (e or {}).get("value") for k, e in c.get_all("orders", keys).items()}
-                   for n, c in clients.items()}
-            if got["a"] == got["b"] == expected or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
+        got = read_until(lambda: {n: {k: (e or {}).get("value") for k, e in c.get_all("orders", keys).items()}
+                                  for n, c in clients.items()},
+                         lambda got: got["a"] == got["b"] == expected, timeout_s=CONVERGE_S, poll_s=0.5)
         for site in ("a", "b"):
             wrong = {k: (got[site][k], expected[k]) for k in keys if got[site][k] != expected[k]}
             assert not wrong, f"site {site}: {len(wrong)} keys not the winner, e.g. {list(wrong.items())[:3]}"

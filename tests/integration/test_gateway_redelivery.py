@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
@@ -21,6 +20,7 @@ from sluice.core.topics import apply_topics
 
 from regionkit import RegionProcess, read_topic
 from transmit_recorder import read_transmits
+from waiting import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -57,11 +57,7 @@ def _sites(tmp_path: Path, bootstrap: str, prefix: str) -> tuple[Path, Path, Any
 
 
 def _wait(what: str, check: Callable[[], bool], timeout_s: float = 90) -> None:
-    end = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > end:
-            raise AssertionError(f"{what}: not within {timeout_s}s")
-        time.sleep(0.2)
+    wait_for(check, timeout_s=timeout_s, what=what, poll_s=0.2)
 
 
 def test_a_batch_sent_again_after_no_ack_has_every_event_possible_duplicate(site_a, unique_prefix, tmp_path: Path):

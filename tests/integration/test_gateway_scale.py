@@ -41,6 +41,7 @@ from sluice.core.topics import apply_topics
 
 from recording_listener import read_offers
 from regionkit import DispatcherProcess, RegionProcess, end_offsets, read_topic
+from waiting import read_until, settles, wait_for
 
 # --- site files ---------------------------------------------------------------------------
 
@@ -111,6 +112,8 @@ REMOVE_ALL_CHUNK = 100
 SINGLES_PER_STEP = 4  # single create/put/destroy after each bulk operation: about 3% of all
 CATCH_UP_TIMEOUT_S = 240
 STALL_TIMEOUT_S = 60
+#: How often B's progress is sampled while it catches up (the timeline in a failure's message).
+SAMPLE_S = 1.0
 
 
 def _scale_sites(tmp_path: Path, bootstrap: str, prefix: str) -> tuple[Path, Path, SiteConfig, SiteConfig]:
@@ -281,25 +284,24 @@ def test_a_to_b_100k_mixed_operations_parallel_and_serial(site_a, unique_prefix,
         # Wait for B: first its changelogs' size, then the regions themselves.
         client_a, client_b = RegionClient([region_a.url]), RegionClient([region_b.url])
         deadline = started + CATCH_UP_TIMEOUT_S
-        last_progress = (time.monotonic(), -1)
+        last_progress = [time.monotonic(), -1]
         views: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
-        while True:
+
+        def caught_up() -> bool:
+            """One sample of B's progress; True once B's regions equal A's.  Fails on a stall or the deadline."""
             size_b = _changelog_size(bootstrap, cfg_b, REGION_BUCKETS)
             now = time.monotonic()
             samples.append(Sample(now - started, size_a, size_b))
             if size_b != last_progress[1]:
-                last_progress = (now, size_b)
+                last_progress[:] = [now, size_b]
             # B's offsets are at least its records: compare the regions once B could hold them all.
             if size_b >= records_a:
-                views = {}
+                views.clear()
                 for region in REGION_BUCKETS:
                     keys = sorted(set(client_a.keys(region)) | set(client_b.keys(region)))
                     views[region] = (_region_view(client_a, region, keys), _region_view(client_b, region, keys))
                 if all(a == b for a, b in views.values()):
-                    end_to_end_s = time.monotonic() - started
-                    cpu = {name: _cpu_s(pid) - cpu_before[name] for name, pid in cpu_pids.items()}
-                    cpu["test (writers, checks)"] = time.process_time() - cpu_test_before
-                    break
+                    return True
             if now > deadline or now - last_progress[0] > STALL_TIMEOUT_S:
                 why = "no progress for %d s" % STALL_TIMEOUT_S if now <= deadline else \
                     "not caught up in %d s" % CATCH_UP_TIMEOUT_S
@@ -307,7 +309,14 @@ def test_a_to_b_100k_mixed_operations_parallel_and_serial(site_a, unique_prefix,
                 pytest.fail(f"B's changelogs end at {size_b} (offsets) for A's {records_a} records: {why}; "
                             f"timeline (s, A, B in offsets): {timeline}\n"
                             f"{_log_tails([receiver, sender_orders, sender_customers])}")
-            time.sleep(1.0)
+            return False
+
+        # caught_up() fails by itself past the deadline; the extra second gives it its last sample.
+        wait_for(caught_up, timeout_s=max(0.0, deadline - time.monotonic()) + SAMPLE_S + 1, poll_s=SAMPLE_S,
+                 what="B's regions equal A's")
+        end_to_end_s = time.monotonic() - started
+        cpu = {name: _cpu_s(pid) - cpu_before[name] for name, pid in cpu_pids.items()}
+        cpu["test (writers, checks)"] = time.process_time() - cpu_test_before
         client_a.close()
         client_b.close()
 
@@ -393,6 +402,8 @@ MESH_INBOUND_PARTITIONS = 2
 CREATES_PER_SITE = 60  # single creates
 PUT_ALL_PER_SITE = 60  # created by put_all (PUTALL_CREATE), in 3 chunks
 MESH_TIMEOUT_S = 120
+#: Once converged, nothing more may arrive on any inbound topic or at any listener for this long.
+MESH_QUIET_S = 3.0
 
 
 def _mesh_sites(tmp_path: Path, bootstrap: str, prefix: str) -> tuple[dict[str, Path], dict[str, SiteConfig]]:
@@ -489,16 +500,16 @@ def test_mesh_listeners_see_one_create_per_key_and_each_inbound_event_once_from_
         deadline = started + MESH_TIMEOUT_S
         clients = {s: RegionClient([regions[s].url]) for s in DSIDS}
         expected = {k: c.value for k, c in created.items()}
-        while True:
-            views = {s: {k: v for k, (v, _) in _region_view(clients[s], "orders", keys).items()} for s in DSIDS}
-            heard = {s: _listener_keys(tmp_path / f"audit-{s}.jsonl") for s in DSIDS}
-            if all(v == expected for v in views.values()) and all(h == set(keys) for h in heard.values()):
-                break
-            if time.monotonic() > deadline:
-                pytest.fail("no convergence in %d s: " % MESH_TIMEOUT_S + ", ".join(
-                    f"{s} region misses {len(set(keys) - views[s].keys())}, listener {len(set(keys) - heard[s])}"
-                    for s in DSIDS))
-            time.sleep(0.5)
+        def mesh_views() -> tuple[dict[str, dict[str, Any]], dict[str, set[str]]]:
+            return ({s: {k: v for k, (v, _) in _region_view(clients[s], "orders", keys).items()} for s in DSIDS},
+                    {s: _listener_keys(tmp_path / f"audit-{s}.jsonl") for s in DSIDS})
+
+        views, heard = read_until(mesh_views, lambda seen: all(v == expected for v in seen[0].values()) and all(
+            h == set(keys) for h in seen[1].values()), timeout_s=MESH_TIMEOUT_S, poll_s=0.5)
+        if not (all(v == expected for v in views.values()) and all(h == set(keys) for h in heard.values())):
+            pytest.fail("no convergence in %d s: " % MESH_TIMEOUT_S + ", ".join(
+                f"{s} region misses {len(set(keys) - views[s].keys())}, listener {len(set(keys) - heard[s])}"
+                for s in DSIDS))
         converged_s = time.monotonic() - started
         for client in clients.values():
             client.close()
@@ -507,14 +518,8 @@ def test_mesh_listeners_see_one_create_per_key_and_each_inbound_event_once_from_
             return tuple(sum(end_offsets(bootstrap, cfgs[s].topics.gateway_inbound(), MESH_INBOUND_PARTITIONS))
                          for s in DSIDS) + tuple(len(read_offers(str(tmp_path / f"audit-{s}.jsonl"))) for s in DSIDS)
 
-        marks = quiet_marks()
-        quiet_since = time.monotonic()
-        while time.monotonic() - quiet_since < 3.0:
-            time.sleep(0.5)
-            now_marks = quiet_marks()
-            if now_marks != marks:
-                marks, quiet_since = now_marks, time.monotonic()
-            assert time.monotonic() < deadline + 30, "inbound topics or listeners never went quiet"
+        settles(quiet_marks, quiet_s=MESH_QUIET_S, timeout_s=max(0.0, deadline - time.monotonic()) + 30, poll_s=0.5,
+                what="the inbound topics' end offsets and the listeners' offers")
 
         codec = get_codec()
         report = []

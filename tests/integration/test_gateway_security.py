@@ -38,6 +38,8 @@ from sluice.core.processes import ReceiverProcess, RegionProcess, SenderProcess
 from sluice.core.signing import SIGNATURE_HEADER, SIGNER_HEADER, Signer, Verifier, sign
 from sluice.core.topics import apply_topics
 
+from waiting import wait_for
+
 pytestmark = pytest.mark.timeout(240)
 
 KEYS = {site: sitekeys.generate() for site in ("a", "b", "c", "intruder")}
@@ -129,14 +131,7 @@ def _read(bootstrap: str, topic: str, partitions: int) -> list[Record]:
 
 def _wait(what: str, check: Callable[[], Any], timeout_s: float = 60) -> Any:
     """Poll ``check`` until it returns something true, with a deadline."""
-    end = time.monotonic() + timeout_s
-    while True:
-        found = check()
-        if found:
-            return found
-        if time.monotonic() > end:
-            raise AssertionError(f"{what}: not within {timeout_s:g} s")
-        time.sleep(0.2)
+    return wait_for(check, timeout_s=timeout_s, what=what, poll_s=0.2)
 
 
 def _alerts(proc: Any, name: str) -> float:

@@ -9,7 +9,6 @@ a port of its own (``SLUICE_METRICS_PORT=0``, as ServiceProcess sets it).
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +22,17 @@ from sluice.core.processes import ReceiverProcess, SenderProcess, ServiceProcess
 from sluice.core.topics import apply_topics
 
 from regionkit import DispatcherProcess, RegionProcess
+from waiting import read_until, wait_for
 
 pytestmark = pytest.mark.timeout(300)
+
+#: How long a service may take to be ready, B to hold what A wrote, a metric or an alert to show up, and
+#: the queue to be empty once everything is acknowledged.
+READY_S = 60
+DELIVERY_S = 60
+METRIC_S = 30
+ALERT_S = 30
+DRAIN_S = 30
 
 
 def write_sites(tmp_path: Path, bootstrap: str, prefix: str, alert_threshold_ms: int = 60000,
@@ -57,16 +65,17 @@ def write_sites(tmp_path: Path, bootstrap: str, prefix: str, alert_threshold_ms:
     return paths[0], paths[1]
 
 
-def wait_ready(proc: ServiceProcess, timeout_s: float = 60) -> dict[str, Any]:
-    end = time.monotonic() + timeout_s
-    body: dict[str, Any] = {}
-    while time.monotonic() < end:
+def wait_ready(proc: ServiceProcess, timeout_s: float = READY_S) -> dict[str, Any]:
+    def ready() -> tuple[int, dict[str, Any]]:
         status, body = probe(f"{proc.metrics_url}/readyz")
-        if status == 200:
-            return body
-        assert status == 503 and body["ready"] is False and body["not_ready"], body
-        time.sleep(0.2)
-    raise AssertionError(f"{proc.announcement} not ready: {body}\n{proc.log_tail()}")
+        assert status in (200, 503), (status, body)
+        if status == 503:
+            assert body["ready"] is False and body["not_ready"], body
+        return status, body
+
+    status, body = read_until(ready, lambda answer: answer[0] == 200, timeout_s=timeout_s, poll_s=0.2)
+    assert status == 200, f"{proc.announcement} not ready: {body}\n{proc.log_tail()}"
+    return body
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:
@@ -116,19 +125,13 @@ def test_every_service_serves_health_readiness_and_metrics(site_a, unique_prefix
         for n in range(50):
             client.put("orders", f"k{n}", {"n": n})
         client_b = RegionClient([region_b.url])
-        end = time.monotonic() + 60
-        while len(client_b.keys("orders")) < 50 and time.monotonic() < end:
-            time.sleep(0.2)
+        read_until(lambda: len(client_b.keys("orders")), lambda count: count >= 50, timeout_s=DELIVERY_S, poll_s=0.2)
         assert len(client_b.keys("orders")) == 50
 
         # What each scrape shows, with OpenTelemetry's messaging attributes.
         def settled(proc: ServiceProcess, name: str, at_least: float, **labels: str) -> str:
-            end = time.monotonic() + 30
-            while True:
-                text = scrape(proc)
-                if metric_value(text, name, **labels) >= at_least or time.monotonic() > end:
-                    return text
-                time.sleep(0.3)
+            return read_until(lambda: scrape(proc), lambda text: metric_value(text, name, **labels) >= at_least,
+                              timeout_s=METRIC_S, poll_s=0.3)
 
         text = settled(sender, "sluice_batches_acknowledged_total", 1, sluice_queue_id="orders-to-b")
         assert metric_value(text, "sluice_batches_acknowledged_total", messaging_system="kafka", sluice_site="a",
@@ -142,10 +145,8 @@ def test_every_service_serves_health_readiness_and_metrics(site_a, unique_prefix
         assert metric_value(text, "sluice_batches_sent_total",
                             messaging_destination_name=f"{unique_prefix}a.queue.orders-to-b") >= 1
         # Everything acknowledged and removed: the queue is empty again.
-        end = time.monotonic() + 30
-        while metric_value(scrape(sender), "sluice_queue_size", sluice_queue_id="orders-to-b") > 0:
-            assert time.monotonic() < end, scrape(sender)
-            time.sleep(0.5)
+        wait_for(lambda: metric_value(scrape(sender), "sluice_queue_size", sluice_queue_id="orders-to-b") == 0,
+                 timeout_s=DRAIN_S, what="sluice_queue_size 0 once everything is acknowledged", poll_s=0.5)
         assert metric_value(scrape(sender), "sluice_queue_oldest_event_age_seconds", sluice_queue_id="orders-to-b") == 0
 
         text = settled(dispatcher, "sluice_events_delivered_total", 50, sluice_queue_id="audit")
@@ -193,10 +194,8 @@ def test_json_logs_and_the_alert_threshold_as_a_log_record_and_a_metric(site_a, 
             SenderProcess(path_a, "orders-to-b", log, env={"SLUICE_LOG_FORMAT": "json"}) as sender:
         region.wait_ready()
         RegionClient([region.url]).put("orders", "k1", {"n": 1})
-        end = time.monotonic() + 30
-        while "ALERT" not in log.read_text():
-            assert time.monotonic() < end, log.read_text()
-            time.sleep(0.3)
+        wait_for(lambda: "ALERT" in log.read_text(), timeout_s=ALERT_S, what="an ALERT in the sender's log",
+                 poll_s=0.3)
         records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
         assert all({"time", "level", "logger", "message"} <= r.keys() for r in records)
         alert = next(r for r in records if r["message"].startswith("ALERT"))
