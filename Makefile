@@ -14,10 +14,10 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench soak install jars clean help helm docs
+.PHONY: demo test test-long bench soak install jars clean help helm docs
 
 help:
-	@echo "make demo | make test | make bench [ONLY=name] | make soak [SEED=1] [MINUTES=10] | make helm | make docs | make clean"
+	@echo "make demo | make test [WORKERS=4] | make test-long | make bench [ONLY=name] | make soak [SEED=1] [MINUTES=10] | make helm | make docs | make clean"
 
 # The compiled codec is built by the same install (pip builds services/core/_eventwire.pyx).
 $(STAMP): pyproject.toml services/core/_eventwire.pyx
@@ -61,6 +61,11 @@ XDIST   := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadgroup)
 
 test: jars
 	$(PY) -m pytest tests -q -ra --durations=15 $(XDIST) $(PYTEST_ARGS)
+
+# The long tier: the tests marked `slow` (tests/README.md says which and why), out of `make test`; CI runs
+# them after it.
+test-long: jars
+	$(PY) -m pytest tests -m slow -q -ra --durations=15 $(XDIST) $(PYTEST_ARGS)
 
 bench: jars
 	$(PY) -m bench $(if $(ONLY),--only $(ONLY))

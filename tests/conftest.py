@@ -64,6 +64,9 @@ KAFKA_IMAGE = os.environ.get("SLUICE_KAFKA_IMAGE", f"apache/kafka:{KAFKA_VERSION
 DOCKER_URL = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
 DOCKER_PING_TIMEOUT_S = 2.0
 CONTAINER_START_TIMEOUT_S = 120
+#: How long a session site's embedded broker may take to answer: under `make test` every pytest-xdist worker
+#: starts its own, so several JVMs start at once on two cores (a few seconds each on an idle machine).
+SITE_START_TIMEOUT_S = 180.0
 
 
 @dataclass(frozen=True)
@@ -216,9 +219,9 @@ class _SiteStarter:
             return Site(name, bootstrap, engine), container.stop
         broker: BrokerProcess
         if engine == "kafka":
-            broker = EmbeddedKafka(name, data_dir=self.tmp_root / name / "kafka")
+            broker = EmbeddedKafka(name, data_dir=self.tmp_root / name / "kafka", start_timeout_s=SITE_START_TIMEOUT_S)
         else:
-            broker = EmbeddedTansu(name, data_dir=self.tmp_root / name / "tansu")
+            broker = EmbeddedTansu(name, data_dir=self.tmp_root / name / "tansu", start_timeout_s=SITE_START_TIMEOUT_S)
         broker.start()
         rss = broker.rss_bytes()
         memory = f", {rss / 2**20:.0f} MB resident" if rss is not None else ""

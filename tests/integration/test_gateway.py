@@ -21,7 +21,7 @@ from sluice.core.eventwire import read_gateway_batch
 from sluice.core.processes import ReceiverProcess, SenderProcess
 from sluice.core.topics import apply_topics
 
-from regionkit import RegionProcess, read_topic
+from regionkit import RegionProcess, read_topic, remote, write_two_sites, write_two_way_sites
 from waiting import holds_for, read_until, wait_for
 
 pytestmark = pytest.mark.timeout(400)
@@ -46,34 +46,18 @@ DRAIN_S = 120
 
 
 def _sites(tmp_path: Path, bootstrap: str, prefix: str) -> tuple[Path, Path, Any, Any]:
-    kafka = {"bootstrap_servers": bootstrap, "session_timeout_ms": 3000, "heartbeat_interval_ms": 500}
-    remote_b = {"bootstrap_servers": bootstrap, "topic_prefix": f"{prefix}b."}
-    site_a = {
-        "site": "a", "dsid": 1, "kafka": {**kafka, "topic_prefix": f"{prefix}a."},
+    sender = {"remote_dsid": 2, "batch_size": 50, "batch_time_interval_ms": 20, "socket_read_timeout_ms": 10000,
+              "remote": remote(bootstrap, prefix, "b")}
+    two = write_two_sites(tmp_path, bootstrap, prefix, a={
         "regions": [{"name": "orders", "buckets": 8, "gateway_senders": ["orders-to-b"]},
                     {"name": "customers", "buckets": 4, "gateway_senders": ["customers-to-b"]}],
-        "gateway_senders": [
-            {"id": "orders-to-b", "remote_dsid": 2, "parallel": True, "batch_size": 50,
-             "batch_time_interval_ms": 20, "socket_read_timeout_ms": 10000, "remote": remote_b},
-            {"id": "customers-to-b", "remote_dsid": 2, "parallel": False, "dispatcher_threads": 3,
-             "batch_size": 50, "batch_time_interval_ms": 20, "socket_read_timeout_ms": 10000, "remote": remote_b},
-        ],
-    }
-    site_b = {
-        "site": "b", "dsid": 2, "kafka": {**kafka, "topic_prefix": f"{prefix}b."},
+        "gateway_senders": [{"id": "orders-to-b", "parallel": True, **sender},
+                            {"id": "customers-to-b", "parallel": False, "dispatcher_threads": 3, **sender}],
+    }, b={
         "regions": [{"name": "orders", "buckets": 8}, {"name": "customers", "buckets": 4}],
         "receiver": {"inbound_partitions": 4, "accepted_dsids": [1]},
-    }
-    paths = []
-    cfgs = []
-    for name, data in (("a", site_a), ("b", site_b)):
-        path = tmp_path / f"site-{name}.yaml"
-        path.write_text(yaml.safe_dump(data))
-        cfg = load_config(path)
-        assert apply_topics(cfg).ok
-        paths.append(path)
-        cfgs.append(cfg)
-    return paths[0], paths[1], cfgs[0], cfgs[1]
+    })
+    return two.path_a, two.path_b, two.cfg_a, two.cfg_b
 
 
 def _changelog_ids(bootstrap: str, cfg: Any, region: str, buckets: int) -> dict[str, list[EventID]]:
@@ -156,25 +140,10 @@ def test_a_to_b_parallel_and_serial_with_a_sender_killed_mid_run(site_a, unique_
 
 
 def _two_way_sites(tmp_path: Path, bootstrap: str, prefix: str) -> tuple[Path, Path, Any, Any]:
-    kafka = {"bootstrap_servers": bootstrap, "session_timeout_ms": 3000, "heartbeat_interval_ms": 500}
-    paths, cfgs = [], []
-    for name, dsid, other, other_dsid, key_max in (("a", 1, "b", 2, 256), ("b", 2, "a", 1, 64)):
-        data = {
-            "site": name, "dsid": dsid, "kafka": {**kafka, "topic_prefix": f"{prefix}{name}."},
-            "regions": [{"name": "orders", "buckets": 4, "gateway_senders": [f"to-{other}"],
-                         "key_max_bytes": key_max}],
-            "gateway_senders": [{"id": f"to-{other}", "remote_dsid": other_dsid, "parallel": True, "batch_size": 20,
-                                 "batch_time_interval_ms": 20, "socket_read_timeout_ms": 10000,
-                                 "remote": {"bootstrap_servers": bootstrap, "topic_prefix": f"{prefix}{other}."}}],
-            "receiver": {"inbound_partitions": 2, "accepted_dsids": [other_dsid]},
-        }
-        path = tmp_path / f"site-{name}.yaml"
-        path.write_text(yaml.safe_dump(data))
-        cfg = load_config(path)
-        assert apply_topics(cfg).ok
-        paths.append(path)
-        cfgs.append(cfg)
-    return paths[0], paths[1], cfgs[0], cfgs[1]
+    two = write_two_way_sites(tmp_path, bootstrap, prefix, buckets=4,
+                              sender={"batch_size": 20, "batch_time_interval_ms": 20, "socket_read_timeout_ms": 10000},
+                              region={"a": {"key_max_bytes": 256}, "b": {"key_max_bytes": 64}})
+    return two.path_a, two.path_b, two.cfg_a, two.cfg_b
 
 
 def test_both_ways_with_conflicting_writes_converge_and_a_refused_event_is_dead_lettered(
@@ -328,26 +297,16 @@ def test_a_paused_remote_broker_grows_the_queue_alerts_then_drains_losing_nothin
         pytest.skip("needs two embedded brokers (one per site) to pause one of them")
     from sluice.admin.cli import queue_status
 
-    kafka = {"session_timeout_ms": 3000, "heartbeat_interval_ms": 500}
-    site_a_data = {
-        "site": "a", "dsid": 1,
-        "kafka": {**kafka, "bootstrap_servers": site_a.bootstrap, "topic_prefix": f"{unique_prefix}a."},
+    two = write_two_sites(tmp_path, site_a.bootstrap, unique_prefix, bootstrap_b=site_b.bootstrap, a={
         "regions": [{"name": "orders", "buckets": 4, "gateway_senders": ["to-b"]}],
         "gateway_senders": [{"id": "to-b", "remote_dsid": 2, "parallel": True, "batch_size": 50,
                              "batch_time_interval_ms": 20, "socket_read_timeout_ms": 5000, "alert_threshold_ms": 3000,
-                             "remote": {"bootstrap_servers": site_b.bootstrap, "topic_prefix": f"{unique_prefix}b."}}],
-    }
-    site_b_data = {
-        "site": "b", "dsid": 2,
-        "kafka": {**kafka, "bootstrap_servers": site_b.bootstrap, "topic_prefix": f"{unique_prefix}b."},
+                             "remote": remote(site_b.bootstrap, unique_prefix, "b")}],
+    }, b={
         "regions": [{"name": "orders", "buckets": 4}],
         "receiver": {"inbound_partitions": 2, "accepted_dsids": [1]},
-    }
-    cfgs = {}
-    for name, data in (("a", site_a_data), ("b", site_b_data)):
-        (tmp_path / f"site-{name}.yaml").write_text(yaml.safe_dump(data))
-        cfgs[name] = load_config(tmp_path / f"site-{name}.yaml")
-        assert apply_topics(cfgs[name]).ok
+    })
+    cfgs = {"a": two.cfg_a, "b": two.cfg_b}
     procs: list[Any] = []
     paused = False
     try:

@@ -8,14 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from sluice.admin.cli import set_state
 from sluice.client import RegionClient
-from sluice.core.config import load_config
 from sluice.core.processes import ReceiverProcess, RegionProcess, SenderProcess
-from sluice.core.topics import apply_topics
 
+from regionkit import write_two_way_sites
 from waiting import read_until, wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -27,25 +25,10 @@ HERE = str(Path(__file__).resolve().parent)
 
 
 def _sites(tmp_path: Path, bootstrap: str, prefix: str, resolver: str | None) -> dict[str, tuple[Path, Any]]:
-    kafka = {"bootstrap_servers": bootstrap, "session_timeout_ms": 3000, "heartbeat_interval_ms": 500}
-    out = {}
-    for name, dsid, other, other_dsid in (("a", 1, "b", 2), ("b", 2, "a", 1)):
-        data: dict[str, Any] = {
-            "site": name, "dsid": dsid, "kafka": {**kafka, "topic_prefix": f"{prefix}{name}."},
-            "regions": [{"name": "orders", "buckets": 4, "gateway_senders": [f"to-{other}"]}],
-            "gateway_senders": [{"id": f"to-{other}", "remote_dsid": other_dsid, "parallel": True,
-                                 "batch_size": 20, "batch_time_interval_ms": 20, "socket_read_timeout_ms": 10000,
-                                 "remote": {"bootstrap_servers": bootstrap, "topic_prefix": f"{prefix}{other}."}}],
-            "receiver": {"inbound_partitions": 2, "accepted_dsids": [other_dsid]},
-        }
-        if resolver:
-            data["gateway_conflict_resolver"] = resolver
-        path = tmp_path / f"site-{name}.yaml"
-        path.write_text(yaml.safe_dump(data))
-        cfg = load_config(path)
-        assert apply_topics(cfg).ok
-        out[name] = (path, cfg)
-    return out
+    extra = {"gateway_conflict_resolver": resolver} if resolver else {}
+    two = write_two_way_sites(tmp_path, bootstrap, prefix, buckets=4, a=extra, b=extra,
+                              sender={"batch_size": 20, "batch_time_interval_ms": 20, "socket_read_timeout_ms": 10000})
+    return {"a": (two.path_a, two.cfg_a), "b": (two.path_b, two.cfg_b)}
 
 
 @pytest.mark.parametrize("resolver", [None, "conflict_resolvers:MaxOrMerge"], ids=["timestamp-rule", "resolver"])

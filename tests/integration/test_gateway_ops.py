@@ -17,8 +17,8 @@ from sluice.core import sitekeys
 from sluice.core.config import load_config
 from sluice.core.eventwire import read_gateway_batch
 from sluice.core.processes import ReceiverProcess, RegionProcess, SenderProcess
-from sluice.core.topics import apply_topics
 
+from regionkit import remote, write_two_sites
 from waiting import holds_for, wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -38,34 +38,21 @@ FILTERS = ["gateway_filters:KeepLocalOut", "gateway_filters:HoldSecrets", "gatew
 
 
 def _sites(tmp_path: Path, bootstrap: str, prefix: str) -> tuple[Path, Path, Any]:
-    kafka = {"bootstrap_servers": bootstrap, "session_timeout_ms": 3000, "heartbeat_interval_ms": 500}
-    site_a = {
-        "site": "a", "dsid": 1, "kafka": {**kafka, "topic_prefix": f"{prefix}a."},
+    two = write_two_sites(tmp_path, bootstrap, prefix, a={
         "gateway_private_key": A_PRIVATE, "gateway_public_keys": {2: B_PUBLIC},  # B verifies every batch
         "regions": [{"name": "orders", "buckets": 8, "gateway_senders": ["to-b"]}],
         "gateway_senders": [{
             "id": "to-b", "remote_dsid": 2, "parallel": True, "batch_size": 10, "batch_time_interval_ms": 20,
             "max_batches_in_flight": 4, "socket_read_timeout_ms": 10000,
             "event_filters": FILTERS, "event_substitution_filter": "gateway_filters:Redact",
-            "remote": {"bootstrap_servers": bootstrap, "topic_prefix": f"{prefix}b."},
+            "remote": remote(bootstrap, prefix, "b"),
         }],
-    }
-    site_b = {
-        "site": "b", "dsid": 2, "kafka": {**kafka, "topic_prefix": f"{prefix}b."},
+    }, b={
         "regions": [{"name": "orders", "buckets": 8}],
         "gateway_private_key": B_PRIVATE, "gateway_public_keys": {1: A_PUBLIC},  # A verifies every ack
         "receiver": {"inbound_partitions": 2, "accepted_dsids": [1]},
-    }
-    paths = []
-    cfg_a = None
-    for name, data in (("a", site_a), ("b", site_b)):
-        path = tmp_path / f"site-{name}.yaml"
-        path.write_text(yaml.safe_dump(data))
-        cfg = load_config(path)
-        assert apply_topics(cfg).ok
-        paths.append(path)
-        cfg_a = cfg_a or cfg
-    return paths[0], paths[1], cfg_a
+    })
+    return two.path_a, two.path_b, two.cfg_a
 
 
 def _wait(what: str, check: Callable[[], bool], timeout_s: float = DELIVERY_S) -> None:

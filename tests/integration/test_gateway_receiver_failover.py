@@ -25,7 +25,7 @@ from sluice.core.events import EventID, Operation
 from sluice.core.processes import REPO, ReceiverProcess, RegionProcess, SenderProcess
 from sluice.core.topics import apply_topics
 
-from regionkit import read_topic
+from regionkit import read_topic, remote, write_two_sites
 from waiting import read_until, wait_for
 
 pytestmark = pytest.mark.timeout(400)
@@ -41,27 +41,16 @@ REDELIVERY_S = 90
 
 
 def _sites(tmp_path: Path, bootstrap: str, prefix: str) -> tuple[Path, Path, Any, Any]:
-    kafka = {"bootstrap_servers": bootstrap, "session_timeout_ms": 3000, "heartbeat_interval_ms": 500}
-    site_a = {
-        "site": "a", "dsid": 1, "kafka": {**kafka, "topic_prefix": f"{prefix}a."},
+    two = write_two_sites(tmp_path, bootstrap, prefix, a={
         "regions": [{"name": "orders", "buckets": 8, "gateway_senders": ["to-b"]}],
         "gateway_senders": [{"id": "to-b", "remote_dsid": 2, "parallel": True, "batch_size": 50,
                              "batch_time_interval_ms": 20, "socket_read_timeout_ms": 5000,
-                             "remote": {"bootstrap_servers": bootstrap, "topic_prefix": f"{prefix}b."}}],
-    }
-    site_b = {
-        "site": "b", "dsid": 2, "kafka": {**kafka, "topic_prefix": f"{prefix}b."},
+                             "remote": remote(bootstrap, prefix, "b")}],
+    }, b={
         "regions": [{"name": "orders", "buckets": 8}],
         "receiver": {"inbound_partitions": 4, "accepted_dsids": [1]},
-    }
-    out = []
-    for name, data in (("a", site_a), ("b", site_b)):
-        path = tmp_path / f"site-{name}.yaml"
-        path.write_text(yaml.safe_dump(data))
-        cfg = load_config(path)
-        assert apply_topics(cfg).ok
-        out += [path, cfg]
-    return out[0], out[2], out[1], out[3]
+    })
+    return two.path_a, two.path_b, two.cfg_a, two.cfg_b
 
 
 def _applied(bootstrap: str, cfg: Any) -> dict[str, list[EventID]]:

@@ -29,32 +29,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from sluice.client import RegionClient
 from sluice.core.codec import get_codec
-from sluice.core.config import SiteConfig, load_config
+from sluice.core.config import SiteConfig
 from sluice.core.events import EventID
 from sluice.core.eventwire import read_gateway_batch
 from sluice.core.processes import ReceiverProcess, SenderProcess
-from sluice.core.topics import apply_topics
 
 from recording_listener import read_offers
-from regionkit import DispatcherProcess, RegionProcess, end_offsets, read_topic
+from regionkit import (DSIDS, DispatcherProcess, RegionProcess, apply_site_file, end_offsets, read_topic, remote,
+                       site_data, write_two_sites)
 from waiting import read_until, settles, wait_for
-
-# --- site files ---------------------------------------------------------------------------
-
-KAFKA_TIMING = {"session_timeout_ms": 3000, "heartbeat_interval_ms": 500}
-
-
-def _write_site(path: Path, data: dict[str, Any]) -> SiteConfig:
-    path.write_text(yaml.safe_dump(data))
-    cfg = load_config(path)
-    report = apply_topics(cfg)
-    assert report.ok, report
-    return cfg
-
 
 # --- reading topics -------------------------------------------------------------------------
 
@@ -118,13 +104,10 @@ SAMPLE_S = 1.0
 
 def _scale_sites(tmp_path: Path, bootstrap: str, prefix: str) -> tuple[Path, Path, SiteConfig, SiteConfig]:
     """A: ``orders`` → parallel sender, ``customers`` → serial sender (KEY, 3 threads); B: one receiver."""
-    remote_b = {"bootstrap_servers": bootstrap, "topic_prefix": f"{prefix}b."}
     # Geode's default batch size; a short interval so a batch leaves as soon as the last ack is in.
     batching = {"batch_size": 100, "batch_time_interval_ms": 20, "socket_read_timeout_ms": 10000,
-                "remote": remote_b}
-    site_a = {
-        "site": "a", "dsid": 1, "kafka": {"bootstrap_servers": bootstrap, "topic_prefix": f"{prefix}a.",
-                                          **KAFKA_TIMING},
+                "remote": remote(bootstrap, prefix, "b")}
+    two = write_two_sites(tmp_path, bootstrap, prefix, a={
         "regions": [{"name": "orders", "buckets": REGION_BUCKETS["orders"], "gateway_senders": ["orders-to-b"]},
                     {"name": "customers", "buckets": REGION_BUCKETS["customers"],
                      "gateway_senders": ["customers-to-b"]}],
@@ -133,16 +116,11 @@ def _scale_sites(tmp_path: Path, bootstrap: str, prefix: str) -> tuple[Path, Pat
             {"id": "customers-to-b", "remote_dsid": 2, "parallel": False, "dispatcher_threads": 3,
              "order_policy": "KEY", **batching},
         ],
-    }
-    site_b = {
-        "site": "b", "dsid": 2, "kafka": {"bootstrap_servers": bootstrap, "topic_prefix": f"{prefix}b.",
-                                          **KAFKA_TIMING},
+    }, b={
         "regions": [{"name": r, "buckets": n} for r, n in REGION_BUCKETS.items()],
         "receiver": {"inbound_partitions": 4, "accepted_dsids": [1]},
-    }
-    cfg_a = _write_site(tmp_path / "site-a.yaml", site_a)
-    cfg_b = _write_site(tmp_path / "site-b.yaml", site_b)
-    return tmp_path / "site-a.yaml", tmp_path / "site-b.yaml", cfg_a, cfg_b
+    })
+    return two.path_a, two.path_b, two.cfg_a, two.cfg_b
 
 
 @dataclass
@@ -396,7 +374,6 @@ def test_a_to_b_100k_mixed_operations_parallel_and_serial(site_a, unique_prefix,
 
 # --- 2. the mesh as its listeners see it ----------------------------------------------------
 
-DSIDS = {"a": 1, "b": 2, "c": 3}
 MESH_BUCKETS = 4
 MESH_INBOUND_PARTITIONS = 2
 CREATES_PER_SITE = 60  # single creates
@@ -409,24 +386,23 @@ MESH_QUIET_S = 3.0
 def _mesh_sites(tmp_path: Path, bootstrap: str, prefix: str) -> tuple[dict[str, Path], dict[str, SiteConfig]]:
     """Each site: ``orders`` → a sender to each other site, and the recording queue ``audit``."""
     paths, cfgs = {}, {}
-    for site, dsid in DSIDS.items():
+    for site in DSIDS:
         others = [s for s in DSIDS if s != site]
         senders = [{"id": f"to-{t}", "remote_dsid": DSIDS[t], "parallel": True, "batch_size": 20,
                     "batch_time_interval_ms": 20, "socket_read_timeout_ms": 10000,
-                    "remote": {"bootstrap_servers": bootstrap, "topic_prefix": f"{prefix}{t}."}} for t in others]
+                    "remote": remote(bootstrap, prefix, t)} for t in others]
         audit = {"id": "audit", "parallel": False, "dispatcher_threads": 2, "order_policy": "KEY",
                  "batch_size": 50, "listener": {"type": "python", "class_path": "recording_listener:RecordingListener",
                                                 "settings": {"path": str(tmp_path / f"audit-{site}.jsonl")}}}
-        data = {"site": site, "dsid": dsid,
-                "kafka": {"bootstrap_servers": bootstrap, "topic_prefix": f"{prefix}{site}.", **KAFKA_TIMING},
-                "regions": [{"name": "orders", "buckets": MESH_BUCKETS,
-                             "gateway_senders": [s["id"] for s in senders], "async_event_queues": ["audit"]}],
-                "gateway_senders": senders,
-                "async_event_queues": [audit],
-                "receiver": {"inbound_partitions": MESH_INBOUND_PARTITIONS,
-                             "accepted_dsids": [DSIDS[o] for o in others]}}
+        data = site_data(site, bootstrap, prefix,
+                         regions=[{"name": "orders", "buckets": MESH_BUCKETS,
+                                   "gateway_senders": [s["id"] for s in senders], "async_event_queues": ["audit"]}],
+                         gateway_senders=senders,
+                         async_event_queues=[audit],
+                         receiver={"inbound_partitions": MESH_INBOUND_PARTITIONS,
+                                   "accepted_dsids": [DSIDS[o] for o in others]})
         paths[site] = tmp_path / f"site-{site}.yaml"
-        cfgs[site] = _write_site(paths[site], data)
+        cfgs[site] = apply_site_file(paths[site], data)
     return paths, cfgs
 
 

@@ -14,14 +14,11 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 
 from sluice.client import RegionClient
-from sluice.core.config import load_config
 from sluice.core.processes import ReceiverProcess, SenderProcess, ServiceProcess, SubscriptionsProcess, probe
-from sluice.core.topics import apply_topics
 
-from regionkit import DispatcherProcess, RegionProcess
+from regionkit import DispatcherProcess, RegionProcess, remote, write_two_sites
 from waiting import read_until, wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -37,32 +34,22 @@ DRAIN_S = 30
 
 def write_sites(tmp_path: Path, bootstrap: str, prefix: str, alert_threshold_ms: int = 60000,
                 group_transaction_events: bool = False) -> tuple[Path, Path]:
-    kafka = {"bootstrap_servers": bootstrap, "session_timeout_ms": 3000, "heartbeat_interval_ms": 500}
-    site_a = {
-        "site": "a", "dsid": 1, "kafka": {**kafka, "topic_prefix": f"{prefix}a."},
+    two = write_two_sites(tmp_path, bootstrap, prefix, a={
         "regions": [{"name": "orders", "buckets": 4, "gateway_senders": ["orders-to-b"],
                      "async_event_queues": ["audit"]}],
         "gateway_senders": [{"id": "orders-to-b", "remote_dsid": 2, "parallel": True, "batch_size": 20,
                              "batch_time_interval_ms": 20, "alert_threshold_ms": alert_threshold_ms,
                              "group_transaction_events": group_transaction_events,
-                             "remote": {"bootstrap_servers": bootstrap, "topic_prefix": f"{prefix}b."}}],
+                             "remote": remote(bootstrap, prefix, "b")}],
         "async_event_queues": [{"id": "audit", "batch_size": 20, "listener": {
             "type": "python", "class_path": "recording_listener:RecordingListener",
             "settings": {"path": str(tmp_path / "offers.jsonl")}}}],
-    }
-    site_b = {
-        "site": "b", "dsid": 2, "kafka": {**kafka, "topic_prefix": f"{prefix}b."},
+    }, b={
         "regions": [{"name": "orders", "buckets": 4}],
         "receiver": {"inbound_partitions": 2, "accepted_dsids": [1]},
         "subscriptions": {"registry_partitions": 2},
-    }
-    paths = []
-    for name, data in (("a", site_a), ("b", site_b)):
-        path = tmp_path / f"site-{name}.yaml"
-        path.write_text(yaml.safe_dump(data))
-        assert apply_topics(load_config(path)).ok
-        paths.append(path)
-    return paths[0], paths[1]
+    })
+    return two.path_a, two.path_b
 
 
 def wait_ready(proc: ServiceProcess, timeout_s: float = READY_S) -> dict[str, Any]:

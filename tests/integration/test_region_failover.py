@@ -88,8 +88,18 @@ class Writer(threading.Thread):
             self.error = exc
 
 
-@pytest.mark.parametrize(("copies", "stores"), [(0, False), (1, False), (1, True)],
-                         ids=["no-copies", "redundant-copies-1", "copies-and-local-stores"])
+#: The variant with copies and local stores runs in `make test`: it kills an owner that has a standby, the
+#: survivor promotes its copies, and the killed instance comes back on its dirty store, all under writes.
+#: The two others are the long tier (`make test-long`, CI): each is 10,000 operations through two processes,
+#: minutes of CPU on two cores, and what they add is covered in `make test` too: reading a killed owner's
+#: buckets from the changelog (test_region_kept_buckets, the soak's kill-region) and promoting standby copies
+#: (the variant kept).
+LONG = pytest.mark.slow
+
+
+@pytest.mark.parametrize(("copies", "stores"), [pytest.param(0, False, marks=LONG, id="no-copies"),
+                                                pytest.param(1, False, marks=LONG, id="redundant-copies-1"),
+                                                pytest.param(1, True, id="copies-and-local-stores")])
 def test_kill_9_one_of_two_instances_mid_stream_loses_and_duplicates_nothing(site_a, unique_prefix, tmp_path: Path,
                                                                             copies: int, stores: bool):
     """A SIGKILLed owner's buckets move to the survivor; the region and both queues stay exact."""
