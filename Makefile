@@ -14,10 +14,10 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench soak install jars clean help helm helm-package promtool docs lock
+.PHONY: demo test test-long bench soak install jars clean help helm helm-package promtool docs lock
 
 help:
-	@echo "make demo | make test | make bench [ONLY=name] | make soak [SEED=1] [MINUTES=10] | make helm | make helm-package | make promtool | make docs | make lock | make clean"
+	@echo "make demo | make test [WORKERS=4] | make test-long | make bench [ONLY=name] | make soak [SEED=1] [MINUTES=10] | make helm | make helm-package | make promtool | make docs | make lock | make clean"
 
 # The compiled codec is built by the same install (pip builds services/core/_eventwire.pyx).
 $(STAMP): pyproject.toml services/core/_eventwire.pyx
@@ -69,8 +69,19 @@ promtool:
 demo: jars
 	$(PY) -m sluice.cli demo
 
+# The suite runs on WORKERS pytest-xdist workers: its tests mostly wait on brokers and service processes, so
+# four overlap well on two cores.  Tests that share a costly session resource (PostgreSQL, Spark, helm, a
+# module's services) carry an xdist_group and run on one worker (tests/conftest.py).  WORKERS=0 runs serially.
+WORKERS ?= 4
+XDIST   := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadgroup)
+
 test: jars
-	$(PY) -m pytest tests -q -ra --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest tests -q -ra --durations=15 $(XDIST) $(PYTEST_ARGS)
+
+# The long tier: the tests marked `slow` (tests/README.md says which and why), out of `make test`; CI runs
+# them after it.
+test-long: jars
+	$(PY) -m pytest tests -m slow -q -ra --durations=15 $(XDIST) $(PYTEST_ARGS)
 
 bench: jars
 	$(PY) -m bench $(if $(ONLY),--only $(ONLY))

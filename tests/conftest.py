@@ -64,6 +64,9 @@ KAFKA_IMAGE = os.environ.get("SLUICE_KAFKA_IMAGE", f"apache/kafka:{KAFKA_VERSION
 DOCKER_URL = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
 DOCKER_PING_TIMEOUT_S = 2.0
 CONTAINER_START_TIMEOUT_S = 120
+#: How long a session site's embedded broker may take to answer: under `make test` every pytest-xdist worker
+#: starts its own, so several JVMs start at once on two cores (a few seconds each on an idle machine).
+SITE_START_TIMEOUT_S = 180.0
 
 
 @dataclass(frozen=True)
@@ -216,9 +219,9 @@ class _SiteStarter:
             return Site(name, bootstrap, engine), container.stop
         broker: BrokerProcess
         if engine == "kafka":
-            broker = EmbeddedKafka(name, data_dir=self.tmp_root / name / "kafka")
+            broker = EmbeddedKafka(name, data_dir=self.tmp_root / name / "kafka", start_timeout_s=SITE_START_TIMEOUT_S)
         else:
-            broker = EmbeddedTansu(name, data_dir=self.tmp_root / name / "tansu")
+            broker = EmbeddedTansu(name, data_dir=self.tmp_root / name / "tansu", start_timeout_s=SITE_START_TIMEOUT_S)
         broker.start()
         rss = broker.rss_bytes()
         memory = f", {rss / 2**20:.0f} MB resident" if rss is not None else ""
@@ -241,12 +244,80 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return lines
 
 
+#: Under ``pytest -n`` each worker starts its own sites; the controller gathers what they started from here.
+_WORKER_STARTED_KEY = pytest.StashKey[list[str]]()
+WORKER_OUTPUT_KEY = "sluice_brokers_started"
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """On a pytest-xdist worker: hand the controller the list of brokers this worker started."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    starter = session.config.stash.get(_STARTER_KEY, None)
+    if workeroutput is not None and starter is not None:
+        workeroutput[WORKER_OUTPUT_KEY] = list(starter.started)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """On the pytest-xdist controller: keep what a finished worker started, for the summary."""
+    started = getattr(node, "workeroutput", {}).get(WORKER_OUTPUT_KEY, [])
+    worker = getattr(node, "gateway", None)
+    name = getattr(worker, "id", "worker")
+    node.config.stash.setdefault(_WORKER_STARTED_KEY, []).extend(f"[{name}] {line}" for line in started)
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
     starter = config.stash.get(_STARTER_KEY, None)
-    if starter is not None and starter.started:
+    started = list(starter.started) if starter is not None else []
+    started += config.stash.get(_WORKER_STARTED_KEY, [])
+    if started:
         terminalreporter.section("sluice brokers started")
-        for line in starter.started:
+        for line in started:
             terminalreporter.write_line(line)
+
+
+#: Tests that must share one worker of ``pytest -n`` (pytest-xdist, ``--dist loadgroup``) because they share a
+#: session resource that is costly to start twice: by folder, and by fixture.
+XDIST_GROUP_BY_FOLDER = {"pipelines": "spark", "helm": "helm"}
+XDIST_GROUP_BY_FIXTURE = {"postgres": "postgres"}
+TESTS_ROOT = Path(__file__).resolve().parent
+
+
+def xdist_group_of(item: pytest.Item) -> str | None:
+    """The worker group of ``item`` (see XDIST_GROUP_BY_FOLDER), None when any worker may run it."""
+    try:
+        folder = item.path.relative_to(TESTS_ROOT).parts[0]
+    except (ValueError, IndexError):
+        return None
+    if folder in XDIST_GROUP_BY_FOLDER:
+        return XDIST_GROUP_BY_FOLDER[folder]
+    for fixture, group in XDIST_GROUP_BY_FIXTURE.items():
+        if fixture in getattr(item, "fixturenames", ()):
+            return group
+    return None
+
+
+#: Folders in the order their tests are handed to workers: the long ones first, so that no long test starts
+#: last and keeps one worker busy while the others are idle; the many short unit tests fill in at the end.
+FOLDER_ORDER = ["faults", "integration", "pipelines", "helm", "tools", "unit"]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Group the tests that share a costly session resource (pytest-xdist runs a group on one worker) and hand
+    out the long folders first."""
+    def folder_rank(item: pytest.Item) -> int:
+        try:
+            folder = item.path.relative_to(TESTS_ROOT).parts[0]
+        except (ValueError, IndexError):
+            return len(FOLDER_ORDER)
+        return FOLDER_ORDER.index(folder) if folder in FOLDER_ORDER else len(FOLDER_ORDER)
+
+    items.sort(key=folder_rank)  # stable: the order within a folder is kept
+    for item in items:
+        group = xdist_group_of(item)
+        if group is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -26,8 +26,11 @@ from sluice.core.kafka import consumed_position, make_consumer, read_to_end, unt
 from sluice.core.processes import RegionProcess
 from sluice.core.topics import apply_topics
 
-__all__ = ["DispatcherProcess", "RegionProcess", "end_offsets", "read_queue", "read_topic", "wait_standbys",
-           "write_aeq_site", "write_site"]
+from waiting import wait_for
+
+__all__ = ["DSIDS", "SITE_KAFKA", "DispatcherProcess", "RegionProcess", "TwoSites", "apply_site_file", "end_offsets",
+           "queue_in_state", "queue_size", "read_queue", "read_topic", "remote", "site_data", "wait_standbys",
+           "write_aeq_site", "write_site", "write_two_sites", "write_two_way_sites"]
 
 
 def write_site(
@@ -76,6 +79,78 @@ def write_site(
     return cfg
 
 
+#: The Kafka client timing of every simulated site: short sessions, so that a killed member's work moves
+#: within seconds.
+SITE_KAFKA = {"session_timeout_ms": 3000, "heartbeat_interval_ms": 500}
+#: The distributed-system id of each simulated site.
+DSIDS = {"a": 1, "b": 2, "c": 3}
+
+
+def remote(bootstrap: str, prefix: str, site: str) -> dict[str, Any]:
+    """The ``remote`` block of a gateway sender to ``site``: its cluster and its topic prefix within the test."""
+    return {"bootstrap_servers": bootstrap, "topic_prefix": f"{prefix}{site}."}
+
+
+def site_data(site: str, bootstrap: str, prefix: str, *, kafka: dict[str, Any] | None = None,
+              **sections: Any) -> dict[str, Any]:
+    """The site file of ``site`` (its dsid from DSIDS): Kafka at ``bootstrap`` with SITE_KAFKA's timing (or
+    ``kafka``'s settings over it), topics under ``<prefix><site>.``, and ``sections`` (regions,
+    gateway_senders, receiver, ...) as given."""
+    return {"site": site, "dsid": DSIDS[site],
+            "kafka": {"bootstrap_servers": bootstrap, "topic_prefix": f"{prefix}{site}.", **SITE_KAFKA,
+                      **(kafka or {})},
+            **sections}
+
+
+def apply_site_file(path: Path, data: dict[str, Any]) -> SiteConfig:
+    """Write ``data`` as a site file at ``path``, load it and create its topics; the loaded configuration."""
+    path.write_text(yaml.safe_dump(data))
+    cfg = load_config(path)
+    report = apply_topics(cfg)
+    assert report.ok, report
+    return cfg
+
+
+@dataclass(frozen=True)
+class TwoSites:
+    """Site a (dsid 1) and site b (dsid 2): their files and loaded configurations, topics created."""
+
+    path_a: Path
+    path_b: Path
+    cfg_a: SiteConfig
+    cfg_b: SiteConfig
+
+
+def write_two_sites(tmp_path: Path, bootstrap: str, prefix: str, *, a: dict[str, Any], b: dict[str, Any],
+                    bootstrap_b: str | None = None, kafka: dict[str, Any] | None = None) -> TwoSites:
+    """The two-site setup of the gateway tests: ``tmp_path/site-a.yaml`` with the sections ``a`` and
+    ``tmp_path/site-b.yaml`` with ``b`` (see site_data; ``kafka`` for other client timing), both on
+    ``bootstrap`` unless b has its own cluster (``bootstrap_b``), every topic created."""
+    path_a, path_b = tmp_path / "site-a.yaml", tmp_path / "site-b.yaml"
+    cfg_a = apply_site_file(path_a, site_data("a", bootstrap, prefix, kafka=kafka, **a))
+    cfg_b = apply_site_file(path_b, site_data("b", bootstrap_b or bootstrap, prefix, kafka=kafka, **b))
+    return TwoSites(path_a, path_b, cfg_a, cfg_b)
+
+
+def write_two_way_sites(tmp_path: Path, bootstrap: str, prefix: str, *, buckets: int, sender: dict[str, Any],
+                        region: dict[str, dict[str, Any]] | None = None, a: dict[str, Any] | None = None,
+                        b: dict[str, Any] | None = None) -> TwoSites:
+    """A→B and B→A (write_two_sites): each site has region ``orders`` feeding a parallel gateway sender
+    ``to-<other>`` (settings ``sender``) and a receiver (2 inbound partitions) accepting the other;
+    ``region[site]`` adds settings to that site's region, ``a``/``b`` sections to its file."""
+    def sections(site: str, other: str, extra: dict[str, Any] | None) -> dict[str, Any]:
+        return {
+            "regions": [{"name": "orders", "buckets": buckets, "gateway_senders": [f"to-{other}"],
+                         **(region or {}).get(site, {})}],
+            "gateway_senders": [{"id": f"to-{other}", "remote_dsid": DSIDS[other], "parallel": True,
+                                 "remote": remote(bootstrap, prefix, other), **sender}],
+            "receiver": {"inbound_partitions": 2, "accepted_dsids": [DSIDS[other]]},
+            **(extra or {}),
+        }
+
+    return write_two_sites(tmp_path, bootstrap, prefix, a=sections("a", "b", a), b=sections("b", "a", b))
+
+
 def write_aeq_site(path: Path, *, site: str, bootstrap: str, prefix: str, queue: dict[str, Any],
                    buckets: int = 8) -> SiteConfig:
     """A site file with region ``orders`` feeding one async event queue ``queue``."""
@@ -114,17 +189,15 @@ class QueueRecord:
 
 def wait_standbys(keeper: RegionProcess, owner: RegionProcess, timeout_s: float = 60.0) -> set[int]:
     """Until ``keeper`` holds a standby copy, caught up, of every bucket ``owner`` owns; those buckets."""
-    deadline = time.monotonic() + timeout_s
-    rows: list[dict[str, Any]] = []
-    while time.monotonic() < deadline:
+    def kept_copies() -> set[int] | None:
         rows = httpx.get(f"{keeper.url}/buckets", timeout=10).json()["buckets"]
         theirs = {r["bucket"] for r in rows if r["owner"] == owner.url}
         kept = {r["bucket"] for r in rows
                 if any(s["url"] == keeper.url and 0 <= s["lag"] <= 1 for s in r["standbys"])}
-        if theirs and theirs <= kept:
-            return theirs
-        time.sleep(0.2)
-    raise AssertionError(f"{keeper.url} never kept a copy of every bucket of {owner.url}: {rows}")
+        return theirs if theirs and theirs <= kept else None
+
+    return wait_for(kept_copies, timeout_s=timeout_s, poll_s=0.2,
+                    what=f"{keeper.url} keeps a caught-up copy of every bucket of {owner.url}")
 
 
 def read_topic(bootstrap: str, topic: str, partitions: int,
@@ -193,3 +266,18 @@ def control_records(cfg: SiteConfig) -> list[tuple[str, str]]:
         consumer.close()
     records = [get_codec().decode_as("ControlRecord", m.value()) for m in messages if m.value() is not None]
     return [(r["target_id"], r["state"]) for r in records]
+
+
+def queue_size(cfg: SiteConfig, queue_id: str) -> int:
+    """Events waiting in every partition of a queue, as its primaries last reported (``sluice admin status``)."""
+    from sluice.admin.cli import queue_status
+
+    return sum(row.size for row in queue_status(cfg, queue_id))
+
+
+def queue_in_state(cfg: SiteConfig, queue_id: str, state: str) -> bool:
+    """Every partition of the queue has a primary, and each reports ``state`` ("running", "paused", "stopped")."""
+    from sluice.admin.cli import queue_status
+
+    rows = queue_status(cfg, queue_id)
+    return bool(rows) and all(row.primary != "—" and row.state == state for row in rows)

@@ -11,7 +11,6 @@ and derandomized, so a run is repeatable and takes seconds.
 from __future__ import annotations
 
 import collections
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from sluice.admin import serve
 from sluice.core.config import SiteConfig
 
 from regionkit import control_records, write_site
+from waiting import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -52,10 +52,7 @@ def test_fuzzing_the_pages_api_with_the_token_on_finds_no_server_error_and_no_fo
     monkeypatch.setattr(serve, "set_state", recording_set_state)
     sampler.start()
     try:
-        deadline = time.monotonic() + 30
-        while not sampler.ready and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert sampler.ready, "the sampler never took a first sample"
+        wait_for(lambda: sampler.ready, timeout_s=30, what="the sampler's first sample")
         app = serve.create_app(sampler, TOKEN)
         schema = schemathesis.openapi.from_asgi("/api/openapi.json", app, headers=AUTH)
         answers: collections.Counter[tuple[str, str, int]] = collections.Counter()

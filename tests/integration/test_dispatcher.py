@@ -16,9 +16,18 @@ from sluice.client import RegionClient
 from sluice.core.events import EventID
 
 from recording_listener import read_offers
-from regionkit import DispatcherProcess, RegionProcess, write_aeq_site
+from regionkit import DispatcherProcess, RegionProcess, queue_in_state, queue_size, write_aeq_site
+from waiting import holds_for, read_until, wait_for
 
 pytestmark = pytest.mark.timeout(300)
+
+#: How long every event written may take to be delivered, a state change to reach every primary, and the
+#: queue to drain (as its status reports say) once the last offer was accepted.
+DELIVERY_S = 60
+STATE_S = 30
+DRAIN_S = 30
+#: The window in which a paused dispatcher would have dispatched what was written (many batch intervals).
+HELD_S = 1.0
 
 
 def _queue(queue_id: str, log: Path, **extra: Any) -> dict[str, Any]:
@@ -50,17 +59,17 @@ def _write(urls: list[str], threads: int, per_thread: int, keys: int) -> list[tu
     return [a for per in acked for a in per]
 
 
-def _wait_delivered(log: Path, expected: set[tuple[str, int, int]], timeout_s: float = 60) -> list[dict[str, Any]]:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        offers = read_offers(str(log))
-        got = {(e[4], e[5], e[6]) for o in offers if o["accepted"] for e in o["events"]}
-        if expected <= got:
-            return offers
-        time.sleep(0.2)
-    offers = read_offers(str(log))
-    got = {(e[4], e[5], e[6]) for o in offers if o["accepted"] for e in o["events"]}
-    pytest.fail(f"{len(expected - got)} of {len(expected)} events never delivered")
+def _delivered(offers: list[dict[str, Any]]) -> set[tuple[str, int, int]]:
+    return {(e[4], e[5], e[6]) for o in offers if o["accepted"] for e in o["events"]}
+
+
+def _wait_delivered(log: Path, expected: set[tuple[str, int, int]],
+                    timeout_s: float = DELIVERY_S) -> list[dict[str, Any]]:
+    offers = read_until(lambda: read_offers(str(log)), lambda offers: expected <= _delivered(offers),
+                        timeout_s=timeout_s, poll_s=0.2)
+    missing = expected - _delivered(offers)
+    assert not missing, f"{len(missing)} of {len(expected)} events never delivered"
+    return offers
 
 
 @pytest.mark.parametrize("order_policy", ["KEY", "THREAD"])
@@ -159,10 +168,13 @@ def test_pause_under_writes_then_resume_loses_nothing(site_a, unique_prefix, tmp
         _wait_delivered(log, {(e.member_id, e.thread_id, e.sequence_id) for _, e, _ in first})
 
         set_state(cfg, "q", "PAUSED", issued_by="test")
-        time.sleep(1.0)  # the dispatcher reads the control topic within a poll
+        wait_for(lambda: queue_in_state(cfg, "q", "paused"), timeout_s=STATE_S, what="every primary of q paused")
         delivered_before = len(read_offers(str(log)))
         second = _write([region.url], threads=2, per_thread=100, keys=10)
-        time.sleep(1.0)
+        wait_for(lambda: queue_size(cfg, "q") >= len(second), timeout_s=STATE_S,
+                 what=f"the paused queue to report the {len(second)} events written")
+        holds_for(lambda: len(read_offers(str(log))) == delivered_before, window_s=HELD_S,
+                  what="a paused dispatcher offers nothing")
         sizes_paused = sum(r.size for r in queue_status(cfg, "q"))
         assert sizes_paused >= len(second), f"queue size {sizes_paused} while paused, {len(second)} written"
         assert len(read_offers(str(log))) == delivered_before, "dispatched while paused"
@@ -171,9 +183,7 @@ def test_pause_under_writes_then_resume_loses_nothing(site_a, unique_prefix, tmp
         offers = _wait_delivered(log, {(e.member_id, e.thread_id, e.sequence_id) for _, e, _ in first + second})
         delivered = [e for o in offers if o["accepted"] for e in o["events"]]
         assert len(delivered) == len(first) + len(second)
-        deadline = time.monotonic() + 20
-        while sum(r.size for r in queue_status(cfg, "q")) > 0 and time.monotonic() < deadline:
-            time.sleep(0.5)
+        read_until(lambda: queue_size(cfg, "q"), lambda size: size == 0, timeout_s=DRAIN_S, poll_s=0.5)
         sizes_after = sum(r.size for r in queue_status(cfg, "q"))
         assert sizes_after == 0
         print(f"\nqueue size paused {sizes_paused} → drained to {sizes_after}")
@@ -283,9 +293,7 @@ def test_an_event_body_that_does_not_decode_is_dead_lettered_at_first_touch_and_
             with sqlite3.connect(tmp_path / "q.db") as conn:
                 keys = {k for (k,) in conn.execute("SELECT key FROM orders_live")}
             assert keys == {f"k{i}" for i in range(25) if i != damaged_at}
-        deadline = time.monotonic() + 30
-        while sum(r.size for r in queue_status(cfg, "q")) > 0 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        read_until(lambda: queue_size(cfg, "q"), lambda size: size == 0, timeout_s=DRAIN_S, poll_s=0.2)
         assert sum(r.size for r in queue_status(cfg, "q")) == 0, "the queue drained past the dead letter"
         assert dispatcher.proc.poll() is None
     finally:

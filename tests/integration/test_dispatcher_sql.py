@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -16,9 +15,15 @@ from sluice.client import RegionClient
 from sluice.core.events import EventID
 
 from recording_listener import read_offers
-from regionkit import DispatcherProcess, RegionProcess, write_aeq_site
+from regionkit import DispatcherProcess, RegionProcess, queue_size, write_aeq_site
+from waiting import read_until
 
 pytestmark = pytest.mark.timeout(400)
+
+#: How long the first offers may take once the writers start, and the queues to drain (and the table to
+#: catch up) after the last write.
+FLOWING_S = 60
+DRAIN_S = 90
 
 
 def _sql_queue(queue_id: str, log: Path, url: str, table: str, **extra: Any) -> dict[str, Any]:
@@ -73,9 +78,8 @@ def test_kill_9_of_the_primary_dispatcher_mid_run_loses_nothing(site_a, unique_p
         for w in writers:
             w.start()
         # Kill whichever dispatcher is primary for more partitions, once events flow.
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and len([o for o in read_offers(str(log)) if o["accepted"]]) < 10:
-            time.sleep(0.1)
+        read_until(lambda: [o for o in read_offers(str(log)) if o["accepted"]], lambda accepted: len(accepted) >= 10,
+                   timeout_s=FLOWING_S)
         owners = {r.primary for r in queue_status(cfg, "wb") if r.primary != "—"}
         victim = d1 if d1.member_id in owners else d2
         victim.kill()
@@ -84,11 +88,8 @@ def test_kill_9_of_the_primary_dispatcher_mid_run_loses_nothing(site_a, unique_p
             w.join(120)
 
         # Wait until the queue is drained and the table caught up.
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            if sum(r.size for r in queue_status(cfg, "wb")) == 0 and _live_table(postgres, table) == expected:
-                break
-            time.sleep(0.5)
+        read_until(lambda: queue_size(cfg, "wb") == 0 and _live_table(postgres, table) == expected, bool,
+                   timeout_s=DRAIN_S, poll_s=0.5)
         offers = read_offers(str(log))
         delivered = [e for o in offers if o["accepted"] for e in o["events"]]
         ids = [(e[4], e[5], e[6]) for e in delivered]
@@ -149,11 +150,7 @@ def test_conflation_gives_the_same_table_with_fewer_listener_calls(site_a, uniqu
         for n in range(20):
             client.put_all("orders", {f"k{i}": {"n": n, "i": i} for i in range(30)})
         client.destroy("orders", "k3")
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if all(sum(r.size for r in queue_status(cfg, q)) == 0 for q in ("on", "off")):
-                break
-            time.sleep(0.3)
+        read_until(lambda: all(queue_size(cfg, q) == 0 for q in ("on", "off")), bool, timeout_s=DRAIN_S, poll_s=0.3)
         tables = {}
         for q in ("on", "off"):
             with sqlite3.connect(tmp_path / f"{q}.db") as conn:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,9 +25,9 @@ from sluice.admin.clean import clean_history
 from sluice.client import RegionClient
 from sluice.core.config import load_config
 from sluice.core.processes import ReceiverProcess, SenderProcess
-from sluice.core.topics import apply_topics
 
-from regionkit import RegionProcess, read_queue
+from regionkit import RegionProcess, read_queue, remote, write_two_sites
+from waiting import wait_for
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -37,39 +36,23 @@ CLEANED = 60  # written while the sender is stopped, before the clean
 
 
 def _sites(tmp_path: Path, bootstrap: str, prefix: str) -> tuple[Path, Path, Any, Any]:
-    kafka = {"bootstrap_servers": bootstrap, "session_timeout_ms": 3000, "heartbeat_interval_ms": 500}
-    site_a = {
-        "site": "a", "dsid": 1, "kafka": {**kafka, "topic_prefix": f"{prefix}a."},
+    two = write_two_sites(tmp_path, bootstrap, prefix, a={
         "regions": [{"name": "orders", "buckets": BUCKETS, "gateway_senders": ["to-b"],
                      "async_event_queues": ["audit"]}],
         "gateway_senders": [{
             "id": "to-b", "remote_dsid": 2, "parallel": True, "batch_size": 10, "batch_time_interval_ms": 20,
-            "socket_read_timeout_ms": 10000,
-            "remote": {"bootstrap_servers": bootstrap, "topic_prefix": f"{prefix}b."},
+            "socket_read_timeout_ms": 10000, "remote": remote(bootstrap, prefix, "b"),
         }],
         "async_event_queues": [{"id": "audit", "listener": {"type": "python", "class_path": "x.y:Z"}}],
-    }
-    site_b = {
-        "site": "b", "dsid": 2, "kafka": {**kafka, "topic_prefix": f"{prefix}b."},
+    }, b={
         "regions": [{"name": "orders", "buckets": BUCKETS}],
         "receiver": {"inbound_partitions": 2, "accepted_dsids": [1]},
-    }
-    out: list[Any] = []
-    for name, data in (("a", site_a), ("b", site_b)):
-        path = tmp_path / f"site-{name}.yaml"
-        path.write_text(yaml.safe_dump(data))
-        cfg = load_config(path)
-        assert apply_topics(cfg).ok
-        out += [path, cfg]
-    return out[0], out[2], out[1], out[3]
+    })
+    return two.path_a, two.path_b, two.cfg_a, two.cfg_b
 
 
 def _wait(what: str, check: Callable[[], bool], timeout_s: float = 90) -> None:
-    end = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > end:
-            raise AssertionError(f"{what}: not within {timeout_s}s")
-        time.sleep(0.25)
+    wait_for(check, timeout_s=timeout_s, what=what, poll_s=0.25)
 
 
 def _admin(path: Path, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:

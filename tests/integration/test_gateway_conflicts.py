@@ -8,39 +8,27 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from sluice.admin.cli import set_state
 from sluice.client import RegionClient
-from sluice.core.config import load_config
 from sluice.core.processes import ReceiverProcess, RegionProcess, SenderProcess
-from sluice.core.topics import apply_topics
+
+from regionkit import write_two_way_sites
+from waiting import read_until, wait_for
 
 pytestmark = pytest.mark.timeout(300)
+
+#: How long both sites may take to converge once the senders run.
+CONVERGE_S = 90
 
 HERE = str(Path(__file__).resolve().parent)
 
 
 def _sites(tmp_path: Path, bootstrap: str, prefix: str, resolver: str | None) -> dict[str, tuple[Path, Any]]:
-    kafka = {"bootstrap_servers": bootstrap, "session_timeout_ms": 3000, "heartbeat_interval_ms": 500}
-    out = {}
-    for name, dsid, other, other_dsid in (("a", 1, "b", 2), ("b", 2, "a", 1)):
-        data: dict[str, Any] = {
-            "site": name, "dsid": dsid, "kafka": {**kafka, "topic_prefix": f"{prefix}{name}."},
-            "regions": [{"name": "orders", "buckets": 4, "gateway_senders": [f"to-{other}"]}],
-            "gateway_senders": [{"id": f"to-{other}", "remote_dsid": other_dsid, "parallel": True,
-                                 "batch_size": 20, "batch_time_interval_ms": 20, "socket_read_timeout_ms": 10000,
-                                 "remote": {"bootstrap_servers": bootstrap, "topic_prefix": f"{prefix}{other}."}}],
-            "receiver": {"inbound_partitions": 2, "accepted_dsids": [other_dsid]},
-        }
-        if resolver:
-            data["gateway_conflict_resolver"] = resolver
-        path = tmp_path / f"site-{name}.yaml"
-        path.write_text(yaml.safe_dump(data))
-        cfg = load_config(path)
-        assert apply_topics(cfg).ok
-        out[name] = (path, cfg)
-    return out
+    extra = {"gateway_conflict_resolver": resolver} if resolver else {}
+    two = write_two_way_sites(tmp_path, bootstrap, prefix, buckets=4, a=extra, b=extra,
+                              sender={"batch_size": 20, "batch_time_interval_ms": 20, "socket_read_timeout_ms": 10000})
+    return {"a": (two.path_a, two.cfg_a), "b": (two.path_b, two.cfg_b)}
 
 
 @pytest.mark.parametrize("resolver", [None, "conflict_resolvers:MaxOrMerge"], ids=["timestamp-rule", "resolver"])
@@ -69,7 +57,9 @@ def test_conflicting_writes_converge_on_the_winner_of_the_rule(resolver, site_a,
             values |= {k: {"tags": [site, f"{site}-{k}"]} for k in tagged}
             clients[site].put_all("orders", values)
             written[site] = values
-            time.sleep(0.01)
+            written_ms = time.time_ns() // 1_000_000
+            wait_for(lambda: time.time_ns() // 1_000_000 > written_ms, timeout_s=1.0,
+                     what="the clock past the millisecond of the last write", poll_s=0.001)
         for name, other in (("a", "b"), ("b", "a")):
             set_state(sites[name][1], f"to-{other}", "RUNNING", issued_by="test")
 
@@ -81,13 +71,9 @@ def test_conflicting_writes_converge_on_the_winner_of_the_rule(resolver, site_a,
                         for k in numbered}
             expected |= {k: {"tags": sorted(set(written["a"][k]["tags"]) | set(written["b"][k]["tags"]))}
                          for k in tagged}
-        deadline = time.monotonic() + 90
-        while True:
-            got = {n: {k: (e or {}).get("value") for k, e in c.get_all("orders", keys).items()}
-                   for n, c in clients.items()}
-            if got["a"] == got["b"] == expected or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
+        got = read_until(lambda: {n: {k: (e or {}).get("value") for k, e in c.get_all("orders", keys).items()}
+                                  for n, c in clients.items()},
+                         lambda got: got["a"] == got["b"] == expected, timeout_s=CONVERGE_S, poll_s=0.5)
         for site in ("a", "b"):
             wrong = {k: (got[site][k], expected[k]) for k in keys if got[site][k] != expected[k]}
             assert not wrong, f"site {site}: {len(wrong)} keys not the winner, e.g. {list(wrong.items())[:3]}"

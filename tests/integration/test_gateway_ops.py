@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -18,9 +17,18 @@ from sluice.core import sitekeys
 from sluice.core.config import load_config
 from sluice.core.eventwire import read_gateway_batch
 from sluice.core.processes import ReceiverProcess, RegionProcess, SenderProcess
-from sluice.core.topics import apply_topics
+
+from regionkit import remote, write_two_sites
+from waiting import holds_for, wait_for
 
 pytestmark = pytest.mark.timeout(300)
+
+#: How long a delivery, a state change reaching every primary, or a status report may take.
+DELIVERY_S = 60
+STATE_S = 30
+STATUS_S = 30
+#: The window in which a paused or stopped sender would have sent what was written (many batch intervals).
+HELD_S = 2.0
 
 HERE = str(Path(__file__).resolve().parent)
 # Each site signs what it sends (batches, acks) with its own key and verifies the other's.
@@ -30,42 +38,31 @@ FILTERS = ["gateway_filters:KeepLocalOut", "gateway_filters:HoldSecrets", "gatew
 
 
 def _sites(tmp_path: Path, bootstrap: str, prefix: str) -> tuple[Path, Path, Any]:
-    kafka = {"bootstrap_servers": bootstrap, "session_timeout_ms": 3000, "heartbeat_interval_ms": 500}
-    site_a = {
-        "site": "a", "dsid": 1, "kafka": {**kafka, "topic_prefix": f"{prefix}a."},
+    two = write_two_sites(tmp_path, bootstrap, prefix, a={
         "gateway_private_key": A_PRIVATE, "gateway_public_keys": {2: B_PUBLIC},  # B verifies every batch
         "regions": [{"name": "orders", "buckets": 8, "gateway_senders": ["to-b"]}],
         "gateway_senders": [{
             "id": "to-b", "remote_dsid": 2, "parallel": True, "batch_size": 10, "batch_time_interval_ms": 20,
             "max_batches_in_flight": 4, "socket_read_timeout_ms": 10000,
             "event_filters": FILTERS, "event_substitution_filter": "gateway_filters:Redact",
-            "remote": {"bootstrap_servers": bootstrap, "topic_prefix": f"{prefix}b."},
+            "remote": remote(bootstrap, prefix, "b"),
         }],
-    }
-    site_b = {
-        "site": "b", "dsid": 2, "kafka": {**kafka, "topic_prefix": f"{prefix}b."},
+    }, b={
         "regions": [{"name": "orders", "buckets": 8}],
         "gateway_private_key": B_PRIVATE, "gateway_public_keys": {1: A_PUBLIC},  # A verifies every ack
         "receiver": {"inbound_partitions": 2, "accepted_dsids": [1]},
-    }
-    paths = []
-    cfg_a = None
-    for name, data in (("a", site_a), ("b", site_b)):
-        path = tmp_path / f"site-{name}.yaml"
-        path.write_text(yaml.safe_dump(data))
-        cfg = load_config(path)
-        assert apply_topics(cfg).ok
-        paths.append(path)
-        cfg_a = cfg_a or cfg
-    return paths[0], paths[1], cfg_a
+    })
+    return two.path_a, two.path_b, two.cfg_a
 
 
-def _wait(what: str, check: Callable[[], bool], timeout_s: float = 60) -> None:
-    end = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > end:
-            raise AssertionError(f"{what}: not within {timeout_s}s")
-        time.sleep(0.2)
+def _wait(what: str, check: Callable[[], bool], timeout_s: float = DELIVERY_S) -> None:
+    wait_for(check, timeout_s=timeout_s, what=what, poll_s=0.2)
+
+
+def _in_state(cfg: Any, state: str) -> bool:
+    """Every partition of to-b has a primary, and each reports ``state``."""
+    rows = queue_status(cfg, "to-b")
+    return bool(rows) and all(r.primary != "—" and r.state == state for r in rows)
 
 
 def _values(client: RegionClient, keys: list[str]) -> dict[str, Any]:
@@ -107,10 +104,12 @@ def test_filters_substitution_pause_stop_and_status(site_a, unique_prefix, tmp_p
 
         # 2. Pause: writes wait in the queue; resume delivers them.
         set_state(cfg_a, "to-b", "PAUSED", issued_by="test")
-        time.sleep(1.0)
+        _wait("every primary of to-b paused", lambda: _in_state(cfg_a, "paused"), STATE_S)
         paused = {f"p{i}": {"n": i} for i in range(200)}
         a.put_all("orders", paused)
-        time.sleep(2.0)
+        _wait("the paused queue holds every write",
+              lambda: sum(r.size for r in queue_status(cfg_a, "to-b")) == len(paused), STATUS_S)
+        holds_for(lambda: _values(b, list(paused)) == {}, window_s=HELD_S, what="a paused sender sends nothing")
         rows = queue_status(cfg_a, "to-b")
         assert sum(r.size for r in rows) == len(paused), "the paused queue does not hold every write"
         assert {r.state for r in rows if r.primary != "—"} == {"paused"}
@@ -120,10 +119,12 @@ def test_filters_substitution_pause_stop_and_status(site_a, unique_prefix, tmp_p
 
         # 3. Stop: the same, and nothing is dropped (Geode would drop a stopped parallel sender's events).
         set_state(cfg_a, "to-b", "STOPPED", issued_by="test")
-        time.sleep(1.0)
+        _wait("every primary of to-b stopped", lambda: _in_state(cfg_a, "stopped"), STATE_S)
         stopped = {f"s{i}": {"n": i} for i in range(200)}
         a.put_all("orders", stopped)
-        time.sleep(2.0)
+        _wait("the stopped queue holds every write",
+              lambda: sum(r.size for r in queue_status(cfg_a, "to-b")) == len(stopped), STATUS_S)
+        holds_for(lambda: _values(b, list(stopped)) == {}, window_s=HELD_S, what="a stopped sender sends nothing")
         assert sum(r.size for r in queue_status(cfg_a, "to-b")) == len(stopped)
         assert _values(b, list(stopped)) == {}, "a stopped sender sent"
         set_state(cfg_a, "to-b", "RUNNING", issued_by="test")
@@ -131,7 +132,10 @@ def test_filters_substitution_pause_stop_and_status(site_a, unique_prefix, tmp_p
         _wait("A's queue is empty again", lambda: sum(r.size for r in queue_status(cfg_a, "to-b")) == 0)
 
         # 4. Status as a user sees it.
-        time.sleep(2.5)  # one status report after the last ack
+        events = len(sent) + 20 + len(paused) + len(stopped)
+        _wait("a status report after the last ack", lambda: _in_state(cfg_a, "running") and all(
+            r.last_delivered_age_s is not None for r in queue_status(cfg_a, "to-b")) and sum(
+            r.events for r in queue_status(cfg_a, "to-b")) == events, STATUS_S)
         rows = queue_status(cfg_a, "to-b")
         assert len(rows) == 8 and all(r.primary != "—" and r.state == "running" for r in rows)
         assert all(r.last_delivered_age_s is not None and r.last_delivered_age_s < 60 for r in rows)

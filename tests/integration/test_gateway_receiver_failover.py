@@ -9,7 +9,6 @@ import random
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections import defaultdict
 from pathlib import Path
@@ -26,33 +25,32 @@ from sluice.core.events import EventID, Operation
 from sluice.core.processes import REPO, ReceiverProcess, RegionProcess, SenderProcess
 from sluice.core.topics import apply_topics
 
-from regionkit import read_topic
+from regionkit import read_topic, remote, write_two_sites
+from waiting import read_until, wait_for
 
 pytestmark = pytest.mark.timeout(400)
 
+#: How long the writers may take to reach the point of the kill, B to catch up with A afterwards, the
+#: status records to follow the last ack, and a receiver or region instance to take its share.
+WRITES_S = 120
+CONVERGE_S = 120
+STATUS_S = 60
+ASSIGN_S = 60
+#: How long the killed receiver's batch may take to be applied again and acknowledged by its successor.
+REDELIVERY_S = 90
+
 
 def _sites(tmp_path: Path, bootstrap: str, prefix: str) -> tuple[Path, Path, Any, Any]:
-    kafka = {"bootstrap_servers": bootstrap, "session_timeout_ms": 3000, "heartbeat_interval_ms": 500}
-    site_a = {
-        "site": "a", "dsid": 1, "kafka": {**kafka, "topic_prefix": f"{prefix}a."},
+    two = write_two_sites(tmp_path, bootstrap, prefix, a={
         "regions": [{"name": "orders", "buckets": 8, "gateway_senders": ["to-b"]}],
         "gateway_senders": [{"id": "to-b", "remote_dsid": 2, "parallel": True, "batch_size": 50,
                              "batch_time_interval_ms": 20, "socket_read_timeout_ms": 5000,
-                             "remote": {"bootstrap_servers": bootstrap, "topic_prefix": f"{prefix}b."}}],
-    }
-    site_b = {
-        "site": "b", "dsid": 2, "kafka": {**kafka, "topic_prefix": f"{prefix}b."},
+                             "remote": remote(bootstrap, prefix, "b")}],
+    }, b={
         "regions": [{"name": "orders", "buckets": 8}],
         "receiver": {"inbound_partitions": 4, "accepted_dsids": [1]},
-    }
-    out = []
-    for name, data in (("a", site_a), ("b", site_b)):
-        path = tmp_path / f"site-{name}.yaml"
-        path.write_text(yaml.safe_dump(data))
-        cfg = load_config(path)
-        assert apply_topics(cfg).ok
-        out += [path, cfg]
-    return out[0], out[2], out[1], out[3]
+    })
+    return two.path_a, two.path_b, two.cfg_a, two.cfg_b
 
 
 def _applied(bootstrap: str, cfg: Any) -> dict[str, list[EventID]]:
@@ -92,8 +90,7 @@ def test_a_receiver_killed_mid_stream_loses_nothing_and_applies_nothing_twice(si
         threads = [threading.Thread(target=writer, args=(i,)) for i in range(3)]
         for t in threads:
             t.start()
-        while written[0] < 3000:
-            time.sleep(0.05)
+        wait_for(lambda: written[0] >= 3000, timeout_s=WRITES_S, what="3000 entries written on A")
         # Both receivers own inbound partitions by now; kill the one whose log shows an assignment.
         victim = next(r for r in receivers if "inbound partitions [" in r.log_tail(100_000))
         victim.kill()
@@ -102,14 +99,8 @@ def test_a_receiver_killed_mid_stream_loses_nothing_and_applies_nothing_twice(si
             t.join(120)
 
         client_a, client_b = RegionClient([region_a.url]), RegionClient([region_b.url])
-        deadline = time.monotonic() + 120
-        while True:
-            keys = sorted(client_a.keys("orders"))
-            a = {k: (e or {}).get("value") for k, e in client_a.get_all("orders", keys).items()}
-            b = {k: (e or {}).get("value") for k, e in client_b.get_all("orders", keys).items()}
-            if a == b or time.monotonic() > deadline:
-                break
-            time.sleep(1)
+        a, b = read_until(lambda: _both_sites(client_a, client_b), lambda seen: seen[0] == seen[1],
+                          timeout_s=CONVERGE_S, poll_s=1.0)
         differ = [k for k in a if a[k] != b.get(k)]
         assert not differ, f"{len(differ)} keys differ on B, e.g. {[(k, a[k], b.get(k)) for k in differ[:3]]}"
         ids_a, ids_b = _applied(site_a.bootstrap, cfg_a), _applied(site_a.bootstrap, cfg_b)
@@ -124,6 +115,14 @@ def test_a_receiver_killed_mid_stream_loses_nothing_and_applies_nothing_twice(si
     finally:
         for proc in reversed(procs):
             proc.stop()
+
+
+def _both_sites(client_a: RegionClient, client_b: RegionClient) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every key of A's ``orders`` with its value on A and on B."""
+    keys = sorted(client_a.keys("orders"))
+    a = {k: (e or {}).get("value") for k, e in client_a.get_all("orders", keys).items()}
+    b = {k: (e or {}).get("value") for k, e in client_b.get_all("orders", keys).items()}
+    return a, b
 
 
 def admin_status_json(path: Path) -> dict[str, Any]:
@@ -165,9 +164,7 @@ def test_receiver_figures_survive_a_kill_and_add_up_to_what_the_site_applied(sit
         for t in threads:
             t.start()
         # Kill a receiver that is applying: one whose log shows an assignment, once batches flow.
-        deadline = time.monotonic() + 120
-        while written[0] < 2500 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: written[0] >= 2500, timeout_s=WRITES_S, what="2500 entries written on A")
         victim = next(r for r in receivers if "inbound partitions [" in r.log_tail(100_000))
         victim.kill()
         survivor = next(r for r in receivers if r is not victim)
@@ -175,14 +172,8 @@ def test_receiver_figures_survive_a_kill_and_add_up_to_what_the_site_applied(sit
             t.join(120)
 
         client_a, client_b = RegionClient([region_a.url]), RegionClient([region_b.url])
-        deadline = time.monotonic() + 120
-        while True:
-            keys = sorted(client_a.keys("orders"))
-            a = {k: (e or {}).get("value") for k, e in client_a.get_all("orders", keys).items()}
-            b = {k: (e or {}).get("value") for k, e in client_b.get_all("orders", keys).items()}
-            if a == b or time.monotonic() > deadline:
-                break
-            time.sleep(1)
+        a, b = read_until(lambda: _both_sites(client_a, client_b), lambda seen: seen[0] == seen[1],
+                          timeout_s=CONVERGE_S, poll_s=1.0)
         assert a == b, "B never caught up with A"
         ids_b = _applied(site_a.bootstrap, cfg_b)
         applied = sum(len(v) for v in ids_b.values())
@@ -190,14 +181,12 @@ def test_receiver_figures_survive_a_kill_and_add_up_to_what_the_site_applied(sit
 
         # The figures travel with the partitions: the survivor's acks carry them, so what `status` shows
         # is complete as soon as the last batch is acknowledged; the status records follow within seconds.
-        deadline = time.monotonic() + 60
-        while True:
-            status = admin_status_json(path_b)
-            totals, partitions = status["receiver_totals"], status["receiver_partitions"]
-            settled = all(p["member"] == survivor.member_id for p in partitions)
-            if (totals["events_applied"] == applied and settled) or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
+        status = read_until(lambda: admin_status_json(path_b),
+                            lambda status: status["receiver_totals"]["events_applied"] == applied and all(
+                                p["member"] == survivor.member_id for p in status["receiver_partitions"]),
+                            timeout_s=STATUS_S, poll_s=0.5)
+        totals, partitions = status["receiver_totals"], status["receiver_partitions"]
+        settled = all(p["member"] == survivor.member_id for p in partitions)
         rows = sum(r["events_applied"] for r in status["receivers"])
         assert totals["events_applied"] == applied, (
             f"site B's receivers say {totals['events_applied']} events applied ({totals['events_recovered']} of them "
@@ -249,13 +238,10 @@ def test_a_batch_half_applied_by_a_killed_receiver_is_counted_once(site_a, uniqu
         first = RegionProcess(path_b, tmp_path / "region-b1.log")
         second = RegionProcess(path_b, tmp_path / "region-b2.log")
         procs += [first, second]
-        deadline = time.monotonic() + 60
-        while True:
-            rows = httpx.get(f"{first.url}/buckets", timeout=10).json()["buckets"]
-            owners = {r["bucket"]: r["owner"] for r in rows}
-            if set(owners.values()) == {first.url, second.url} or time.monotonic() > deadline:
-                break
-            time.sleep(0.3)
+        owners = read_until(lambda: {r["bucket"]: r["owner"] for r in
+                                     httpx.get(f"{first.url}/buckets", timeout=10).json()["buckets"]},
+                            lambda owners: set(owners.values()) == {first.url, second.url}, timeout_s=ASSIGN_S,
+                            poll_s=0.3)
         assert set(owners.values()) == {first.url, second.url}, owners
         first.wait_ready()
         second.wait_ready()
@@ -264,17 +250,15 @@ def test_a_batch_half_applied_by_a_killed_receiver_is_counted_once(site_a, uniqu
                    for url in (first.url, second.url)}
         victim = ReceiverProcess(path_b, tmp_path / "receiver-b1.log")
         procs.append(victim)
-        deadline = time.monotonic() + 60
-        while "inbound partitions [0, 1]" not in victim.log_tail(100_000) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        read_until(lambda: victim.log_tail(100_000), lambda log: "inbound partitions [0, 1]" in log,
+                   timeout_s=ASSIGN_S, poll_s=0.2)
         # The first owner's events come first in the batch; the second owner is paused, so the receiver
         # waits on it with the first owner's events applied.
         batch = [_event(k, Operation.CREATE, b"1", n) for n, k in enumerate(keys_of[first.url] + keys_of[second.url])]
         second.pause()
         _send(cfg_b, site_a.bootstrap, 1, batch)
-        deadline = time.monotonic() + 60
-        while len(_applied(site_a.bootstrap, cfg_b)) < len(keys_of[first.url]) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        read_until(lambda: _applied(site_a.bootstrap, cfg_b), lambda ids: len(ids) >= len(keys_of[first.url]),
+                   timeout_s=ASSIGN_S, poll_s=0.2)
         assert set(_applied(site_a.bootstrap, cfg_b)) == set(keys_of[first.url])
         victim.kill()
         second.resume()
@@ -282,9 +266,8 @@ def test_a_batch_half_applied_by_a_killed_receiver_is_counted_once(site_a, uniqu
 
         successor = ReceiverProcess(path_b, tmp_path / "receiver-b2.log")
         procs.append(successor)
-        deadline = time.monotonic() + 90
-        while len(read_topic(site_a.bootstrap, cfg_b.topics.gateway_acks(), 2)) < 1 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        read_until(lambda: read_topic(site_a.bootstrap, cfg_b.topics.gateway_acks(), 2), bool,
+                   timeout_s=REDELIVERY_S, poll_s=0.2)
         ids_b = _applied(site_a.bootstrap, cfg_b)
         assert sorted(ids_b) == sorted(keys_of[first.url] + keys_of[second.url])
         assert all(len(v) == 1 for v in ids_b.values()), "an event applied twice"

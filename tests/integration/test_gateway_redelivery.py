@@ -3,24 +3,21 @@
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-import yaml
 
 from sluice.admin.cli import queue_status
 from sluice.client import RegionClient
 from sluice.core.codec import get_codec
-from sluice.core.config import load_config
 from sluice.core.eventwire import read_gateway_batch
 from sluice.core.processes import ReceiverProcess, SenderProcess
-from sluice.core.topics import apply_topics
 
-from regionkit import RegionProcess, read_topic
+from regionkit import RegionProcess, read_topic, remote, write_two_sites
 from transmit_recorder import read_transmits
+from waiting import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -29,39 +26,24 @@ KEYS = [f"r{i}" for i in range(12)]
 
 
 def _sites(tmp_path: Path, bootstrap: str, prefix: str) -> tuple[Path, Path, Any, Any]:
-    kafka = {"bootstrap_servers": bootstrap, "session_timeout_ms": 3000, "heartbeat_interval_ms": 500}
-    site_a = {
-        "site": "a", "dsid": 1, "kafka": {**kafka, "topic_prefix": f"{prefix}a."},
+    two = write_two_sites(tmp_path, bootstrap, prefix, a={
         "regions": [{"name": "orders", "buckets": 2, "gateway_senders": ["to-b"]}],
         "gateway_senders": [{
             "id": "to-b", "remote_dsid": 2, "parallel": True, "batch_size": 4, "batch_time_interval_ms": 20,
             # No receiver runs at first: each batch waits 1.5 s for its ack, then goes again.
             "socket_read_timeout_ms": 1500, "retry_interval_ms": 300,
             "event_filters": ["transmit_recorder:RecordTransmits"],
-            "remote": {"bootstrap_servers": bootstrap, "topic_prefix": f"{prefix}b."},
+            "remote": remote(bootstrap, prefix, "b"),
         }],
-    }
-    site_b = {
-        "site": "b", "dsid": 2, "kafka": {**kafka, "topic_prefix": f"{prefix}b."},
+    }, b={
         "regions": [{"name": "orders", "buckets": 2}],
         "receiver": {"inbound_partitions": 2, "accepted_dsids": [1]},
-    }
-    out: list[Any] = []
-    for name, data in (("a", site_a), ("b", site_b)):
-        path = tmp_path / f"site-{name}.yaml"
-        path.write_text(yaml.safe_dump(data))
-        cfg = load_config(path)
-        assert apply_topics(cfg).ok
-        out += [path, cfg]
-    return out[0], out[2], out[1], out[3]
+    })
+    return two.path_a, two.path_b, two.cfg_a, two.cfg_b
 
 
 def _wait(what: str, check: Callable[[], bool], timeout_s: float = 90) -> None:
-    end = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > end:
-            raise AssertionError(f"{what}: not within {timeout_s}s")
-        time.sleep(0.2)
+    wait_for(check, timeout_s=timeout_s, what=what, poll_s=0.2)
 
 
 def test_a_batch_sent_again_after_no_ack_has_every_event_possible_duplicate(site_a, unique_prefix, tmp_path: Path):

@@ -29,31 +29,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from sluice.client import RegionClient
 from sluice.core.codec import get_codec
-from sluice.core.config import SiteConfig, load_config
+from sluice.core.config import SiteConfig
 from sluice.core.events import EventID
 from sluice.core.eventwire import read_gateway_batch
 from sluice.core.processes import ReceiverProcess, SenderProcess
-from sluice.core.topics import apply_topics
 
 from recording_listener import read_offers
-from regionkit import DispatcherProcess, RegionProcess, end_offsets, read_topic
-
-# --- site files ---------------------------------------------------------------------------
-
-KAFKA_TIMING = {"session_timeout_ms": 3000, "heartbeat_interval_ms": 500}
-
-
-def _write_site(path: Path, data: dict[str, Any]) -> SiteConfig:
-    path.write_text(yaml.safe_dump(data))
-    cfg = load_config(path)
-    report = apply_topics(cfg)
-    assert report.ok, report
-    return cfg
-
+from regionkit import (DSIDS, DispatcherProcess, RegionProcess, apply_site_file, end_offsets, read_topic, remote,
+                       site_data, write_two_sites)
+from waiting import read_until, settles, wait_for
 
 # --- reading topics -------------------------------------------------------------------------
 
@@ -111,17 +98,16 @@ REMOVE_ALL_CHUNK = 100
 SINGLES_PER_STEP = 4  # single create/put/destroy after each bulk operation: about 3% of all
 CATCH_UP_TIMEOUT_S = 240
 STALL_TIMEOUT_S = 60
+#: How often B's progress is sampled while it catches up (the timeline in a failure's message).
+SAMPLE_S = 1.0
 
 
 def _scale_sites(tmp_path: Path, bootstrap: str, prefix: str) -> tuple[Path, Path, SiteConfig, SiteConfig]:
     """A: ``orders`` → parallel sender, ``customers`` → serial sender (KEY, 3 threads); B: one receiver."""
-    remote_b = {"bootstrap_servers": bootstrap, "topic_prefix": f"{prefix}b."}
     # Geode's default batch size; a short interval so a batch leaves as soon as the last ack is in.
     batching = {"batch_size": 100, "batch_time_interval_ms": 20, "socket_read_timeout_ms": 10000,
-                "remote": remote_b}
-    site_a = {
-        "site": "a", "dsid": 1, "kafka": {"bootstrap_servers": bootstrap, "topic_prefix": f"{prefix}a.",
-                                          **KAFKA_TIMING},
+                "remote": remote(bootstrap, prefix, "b")}
+    two = write_two_sites(tmp_path, bootstrap, prefix, a={
         "regions": [{"name": "orders", "buckets": REGION_BUCKETS["orders"], "gateway_senders": ["orders-to-b"]},
                     {"name": "customers", "buckets": REGION_BUCKETS["customers"],
                      "gateway_senders": ["customers-to-b"]}],
@@ -130,16 +116,11 @@ def _scale_sites(tmp_path: Path, bootstrap: str, prefix: str) -> tuple[Path, Pat
             {"id": "customers-to-b", "remote_dsid": 2, "parallel": False, "dispatcher_threads": 3,
              "order_policy": "KEY", **batching},
         ],
-    }
-    site_b = {
-        "site": "b", "dsid": 2, "kafka": {"bootstrap_servers": bootstrap, "topic_prefix": f"{prefix}b.",
-                                          **KAFKA_TIMING},
+    }, b={
         "regions": [{"name": r, "buckets": n} for r, n in REGION_BUCKETS.items()],
         "receiver": {"inbound_partitions": 4, "accepted_dsids": [1]},
-    }
-    cfg_a = _write_site(tmp_path / "site-a.yaml", site_a)
-    cfg_b = _write_site(tmp_path / "site-b.yaml", site_b)
-    return tmp_path / "site-a.yaml", tmp_path / "site-b.yaml", cfg_a, cfg_b
+    })
+    return two.path_a, two.path_b, two.cfg_a, two.cfg_b
 
 
 @dataclass
@@ -281,25 +262,24 @@ def test_a_to_b_100k_mixed_operations_parallel_and_serial(site_a, unique_prefix,
         # Wait for B: first its changelogs' size, then the regions themselves.
         client_a, client_b = RegionClient([region_a.url]), RegionClient([region_b.url])
         deadline = started + CATCH_UP_TIMEOUT_S
-        last_progress = (time.monotonic(), -1)
+        last_progress = [time.monotonic(), -1]
         views: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
-        while True:
+
+        def caught_up() -> bool:
+            """One sample of B's progress; True once B's regions equal A's.  Fails on a stall or the deadline."""
             size_b = _changelog_size(bootstrap, cfg_b, REGION_BUCKETS)
             now = time.monotonic()
             samples.append(Sample(now - started, size_a, size_b))
             if size_b != last_progress[1]:
-                last_progress = (now, size_b)
+                last_progress[:] = [now, size_b]
             # B's offsets are at least its records: compare the regions once B could hold them all.
             if size_b >= records_a:
-                views = {}
+                views.clear()
                 for region in REGION_BUCKETS:
                     keys = sorted(set(client_a.keys(region)) | set(client_b.keys(region)))
                     views[region] = (_region_view(client_a, region, keys), _region_view(client_b, region, keys))
                 if all(a == b for a, b in views.values()):
-                    end_to_end_s = time.monotonic() - started
-                    cpu = {name: _cpu_s(pid) - cpu_before[name] for name, pid in cpu_pids.items()}
-                    cpu["test (writers, checks)"] = time.process_time() - cpu_test_before
-                    break
+                    return True
             if now > deadline or now - last_progress[0] > STALL_TIMEOUT_S:
                 why = "no progress for %d s" % STALL_TIMEOUT_S if now <= deadline else \
                     "not caught up in %d s" % CATCH_UP_TIMEOUT_S
@@ -307,7 +287,14 @@ def test_a_to_b_100k_mixed_operations_parallel_and_serial(site_a, unique_prefix,
                 pytest.fail(f"B's changelogs end at {size_b} (offsets) for A's {records_a} records: {why}; "
                             f"timeline (s, A, B in offsets): {timeline}\n"
                             f"{_log_tails([receiver, sender_orders, sender_customers])}")
-            time.sleep(1.0)
+            return False
+
+        # caught_up() fails by itself past the deadline; the extra second gives it its last sample.
+        wait_for(caught_up, timeout_s=max(0.0, deadline - time.monotonic()) + SAMPLE_S + 1, poll_s=SAMPLE_S,
+                 what="B's regions equal A's")
+        end_to_end_s = time.monotonic() - started
+        cpu = {name: _cpu_s(pid) - cpu_before[name] for name, pid in cpu_pids.items()}
+        cpu["test (writers, checks)"] = time.process_time() - cpu_test_before
         client_a.close()
         client_b.close()
 
@@ -387,35 +374,35 @@ def test_a_to_b_100k_mixed_operations_parallel_and_serial(site_a, unique_prefix,
 
 # --- 2. the mesh as its listeners see it ----------------------------------------------------
 
-DSIDS = {"a": 1, "b": 2, "c": 3}
 MESH_BUCKETS = 4
 MESH_INBOUND_PARTITIONS = 2
 CREATES_PER_SITE = 60  # single creates
 PUT_ALL_PER_SITE = 60  # created by put_all (PUTALL_CREATE), in 3 chunks
 MESH_TIMEOUT_S = 120
+#: Once converged, nothing more may arrive on any inbound topic or at any listener for this long.
+MESH_QUIET_S = 3.0
 
 
 def _mesh_sites(tmp_path: Path, bootstrap: str, prefix: str) -> tuple[dict[str, Path], dict[str, SiteConfig]]:
     """Each site: ``orders`` → a sender to each other site, and the recording queue ``audit``."""
     paths, cfgs = {}, {}
-    for site, dsid in DSIDS.items():
+    for site in DSIDS:
         others = [s for s in DSIDS if s != site]
         senders = [{"id": f"to-{t}", "remote_dsid": DSIDS[t], "parallel": True, "batch_size": 20,
                     "batch_time_interval_ms": 20, "socket_read_timeout_ms": 10000,
-                    "remote": {"bootstrap_servers": bootstrap, "topic_prefix": f"{prefix}{t}."}} for t in others]
+                    "remote": remote(bootstrap, prefix, t)} for t in others]
         audit = {"id": "audit", "parallel": False, "dispatcher_threads": 2, "order_policy": "KEY",
                  "batch_size": 50, "listener": {"type": "python", "class_path": "recording_listener:RecordingListener",
                                                 "settings": {"path": str(tmp_path / f"audit-{site}.jsonl")}}}
-        data = {"site": site, "dsid": dsid,
-                "kafka": {"bootstrap_servers": bootstrap, "topic_prefix": f"{prefix}{site}.", **KAFKA_TIMING},
-                "regions": [{"name": "orders", "buckets": MESH_BUCKETS,
-                             "gateway_senders": [s["id"] for s in senders], "async_event_queues": ["audit"]}],
-                "gateway_senders": senders,
-                "async_event_queues": [audit],
-                "receiver": {"inbound_partitions": MESH_INBOUND_PARTITIONS,
-                             "accepted_dsids": [DSIDS[o] for o in others]}}
+        data = site_data(site, bootstrap, prefix,
+                         regions=[{"name": "orders", "buckets": MESH_BUCKETS,
+                                   "gateway_senders": [s["id"] for s in senders], "async_event_queues": ["audit"]}],
+                         gateway_senders=senders,
+                         async_event_queues=[audit],
+                         receiver={"inbound_partitions": MESH_INBOUND_PARTITIONS,
+                                   "accepted_dsids": [DSIDS[o] for o in others]})
         paths[site] = tmp_path / f"site-{site}.yaml"
-        cfgs[site] = _write_site(paths[site], data)
+        cfgs[site] = apply_site_file(paths[site], data)
     return paths, cfgs
 
 
@@ -489,16 +476,16 @@ def test_mesh_listeners_see_one_create_per_key_and_each_inbound_event_once_from_
         deadline = started + MESH_TIMEOUT_S
         clients = {s: RegionClient([regions[s].url]) for s in DSIDS}
         expected = {k: c.value for k, c in created.items()}
-        while True:
-            views = {s: {k: v for k, (v, _) in _region_view(clients[s], "orders", keys).items()} for s in DSIDS}
-            heard = {s: _listener_keys(tmp_path / f"audit-{s}.jsonl") for s in DSIDS}
-            if all(v == expected for v in views.values()) and all(h == set(keys) for h in heard.values()):
-                break
-            if time.monotonic() > deadline:
-                pytest.fail("no convergence in %d s: " % MESH_TIMEOUT_S + ", ".join(
-                    f"{s} region misses {len(set(keys) - views[s].keys())}, listener {len(set(keys) - heard[s])}"
-                    for s in DSIDS))
-            time.sleep(0.5)
+        def mesh_views() -> tuple[dict[str, dict[str, Any]], dict[str, set[str]]]:
+            return ({s: {k: v for k, (v, _) in _region_view(clients[s], "orders", keys).items()} for s in DSIDS},
+                    {s: _listener_keys(tmp_path / f"audit-{s}.jsonl") for s in DSIDS})
+
+        views, heard = read_until(mesh_views, lambda seen: all(v == expected for v in seen[0].values()) and all(
+            h == set(keys) for h in seen[1].values()), timeout_s=MESH_TIMEOUT_S, poll_s=0.5)
+        if not (all(v == expected for v in views.values()) and all(h == set(keys) for h in heard.values())):
+            pytest.fail("no convergence in %d s: " % MESH_TIMEOUT_S + ", ".join(
+                f"{s} region misses {len(set(keys) - views[s].keys())}, listener {len(set(keys) - heard[s])}"
+                for s in DSIDS))
         converged_s = time.monotonic() - started
         for client in clients.values():
             client.close()
@@ -507,14 +494,8 @@ def test_mesh_listeners_see_one_create_per_key_and_each_inbound_event_once_from_
             return tuple(sum(end_offsets(bootstrap, cfgs[s].topics.gateway_inbound(), MESH_INBOUND_PARTITIONS))
                          for s in DSIDS) + tuple(len(read_offers(str(tmp_path / f"audit-{s}.jsonl"))) for s in DSIDS)
 
-        marks = quiet_marks()
-        quiet_since = time.monotonic()
-        while time.monotonic() - quiet_since < 3.0:
-            time.sleep(0.5)
-            now_marks = quiet_marks()
-            if now_marks != marks:
-                marks, quiet_since = now_marks, time.monotonic()
-            assert time.monotonic() < deadline + 30, "inbound topics or listeners never went quiet"
+        settles(quiet_marks, quiet_s=MESH_QUIET_S, timeout_s=max(0.0, deadline - time.monotonic()) + 30, poll_s=0.5,
+                what="the inbound topics' end offsets and the listeners' offers")
 
         codec = get_codec()
         report = []

@@ -38,6 +38,9 @@ from sluice.core.processes import ReceiverProcess, RegionProcess, SenderProcess
 from sluice.core.signing import SIGNATURE_HEADER, SIGNER_HEADER, Signer, Verifier, sign
 from sluice.core.topics import apply_topics
 
+from regionkit import remote, write_two_sites
+from waiting import wait_for
+
 pytestmark = pytest.mark.timeout(240)
 
 KEYS = {site: sitekeys.generate() for site in ("a", "b", "c", "intruder")}
@@ -129,14 +132,7 @@ def _read(bootstrap: str, topic: str, partitions: int) -> list[Record]:
 
 def _wait(what: str, check: Callable[[], Any], timeout_s: float = 60) -> Any:
     """Poll ``check`` until it returns something true, with a deadline."""
-    end = time.monotonic() + timeout_s
-    while True:
-        found = check()
-        if found:
-            return found
-        if time.monotonic() > end:
-            raise AssertionError(f"{what}: not within {timeout_s:g} s")
-        time.sleep(0.2)
+    return wait_for(check, timeout_s=timeout_s, what=what, poll_s=0.2)
 
 
 def _alerts(proc: Any, name: str) -> float:
@@ -232,23 +228,18 @@ def _two_sites(tmp_path: Path, bootstrap: str, prefix: str, *, sender: dict[str,
                region_b: dict[str, Any] | None = None) -> tuple[Path, Path, Any, Any]:
     """Site a (dsid 1) with gateway sender to-b and no region service of its own running (the test writes its
     queue); site b (dsid 2) with a receiver.  Each signs with its key and holds the other's public key."""
-    path_a, path_b = tmp_path / "site-a.yaml", tmp_path / "site-b.yaml"
-    cfg_a = _write_site(path_a, {
-        "site": "a", "dsid": 1, "kafka": _kafka(bootstrap, f"{prefix}a."),
+    two = write_two_sites(tmp_path, bootstrap, prefix, a={
         "regions": [{"name": "orders", "buckets": 2, "gateway_senders": ["to-b"]}],
         "gateway_senders": [{"id": "to-b", "remote_dsid": 2, "parallel": True, "batch_size": 50,
-                             "batch_time_interval_ms": 20, "remote": {"bootstrap_servers": bootstrap,
-                                                                      "topic_prefix": f"{prefix}b."}, **sender}],
+                             "batch_time_interval_ms": 20, "remote": remote(bootstrap, prefix, "b"), **sender}],
         "gateway_private_key": KEYS["a"][0], "gateway_public_keys": {2: KEYS["b"][1]},
-    })
-    cfg_b = _write_site(path_b, {
-        "site": "b", "dsid": 2, "kafka": _kafka(bootstrap, f"{prefix}b."),
+    }, b={
         "regions": [{"name": "orders", "buckets": 2}],
         "receiver": {"inbound_partitions": 2, "accepted_dsids": [1]},
         "gateway_private_key": KEYS["b"][0], "gateway_public_keys": {1: KEYS["a"][1]},
         **({"region_service": region_b} if region_b else {}),
     })
-    return path_a, path_b, cfg_a, cfg_b
+    return two.path_a, two.path_b, two.cfg_a, two.cfg_b
 
 
 def _enqueue(bootstrap: str, cfg_a: Any, partition: int, events: list[dict[str, Any]]) -> None:

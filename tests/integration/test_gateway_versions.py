@@ -39,6 +39,8 @@ from sluice.core.eventwire import (
 from sluice.core.kafka import partition_for_key
 from sluice.core.processes import ReceiverProcess, RegionProcess, SenderProcess
 
+from waiting import wait_for
+
 from test_gateway_security import KEYS, _enqueue, _event, _produce, _read, _signer, _two_sites, _verifier, _wait
 
 pytestmark = pytest.mark.timeout(240)
@@ -133,9 +135,9 @@ def test_a_sender_writes_version_2_until_its_receiver_says_it_reads_version_3(si
         batch versions (acks of today's version saying so)."""
         acked: set[str] = set()
         headers_seen: list[bytes] = []
-        end = time.monotonic() + 60
-        while not set(keys) <= acked:
-            assert time.monotonic() < end, f"the old receiver acknowledged {sorted(acked)} of {keys}"
+
+        def take_batches() -> bool:
+            """Apply and acknowledge every batch not handled yet; True once ``keys`` are all acknowledged."""
             for partition, value, headers in _read(site_a.bootstrap, inbound, INBOUND_PARTITIONS):
                 if (partition, value) in handled:
                     continue
@@ -157,7 +159,10 @@ def test_a_sender_writes_version_2_until_its_receiver_says_it_reads_version_3(si
                 key = f"1/to-b/{view.queue_partition}".encode()
                 _produce(site_a.bootstrap, acks, [(partition, key, ack, _signer("b", 2).headers(ack))])
                 acked.update(e.key for e in events)
-            time.sleep(0.2)
+            return set(keys) <= acked
+
+        wait_for(take_batches, timeout_s=60, poll_s=0.2,
+                 what=f"the old receiver acknowledges every one of {len(keys)} keys")
         return headers_seen
 
     procs: list[Any] = []

@@ -9,64 +9,60 @@ a port of its own (``SLUICE_METRICS_PORT=0``, as ServiceProcess sets it).
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import yaml
 
 from sluice.client import RegionClient
-from sluice.core.config import load_config
 from sluice.core.processes import ReceiverProcess, SenderProcess, ServiceProcess, SubscriptionsProcess, probe
-from sluice.core.topics import apply_topics
 
-from regionkit import DispatcherProcess, RegionProcess
+from regionkit import DispatcherProcess, RegionProcess, remote, write_two_sites
+from waiting import read_until, wait_for
 
 pytestmark = pytest.mark.timeout(300)
+
+#: How long a service may take to be ready, B to hold what A wrote, a metric or an alert to show up, and
+#: the queue to be empty once everything is acknowledged.
+READY_S = 60
+DELIVERY_S = 60
+METRIC_S = 30
+ALERT_S = 30
+DRAIN_S = 30
 
 
 def write_sites(tmp_path: Path, bootstrap: str, prefix: str, alert_threshold_ms: int = 60000,
                 group_transaction_events: bool = False) -> tuple[Path, Path]:
-    kafka = {"bootstrap_servers": bootstrap, "session_timeout_ms": 3000, "heartbeat_interval_ms": 500}
-    site_a = {
-        "site": "a", "dsid": 1, "kafka": {**kafka, "topic_prefix": f"{prefix}a."},
+    two = write_two_sites(tmp_path, bootstrap, prefix, a={
         "regions": [{"name": "orders", "buckets": 4, "gateway_senders": ["orders-to-b"],
                      "async_event_queues": ["audit"]}],
         "gateway_senders": [{"id": "orders-to-b", "remote_dsid": 2, "parallel": True, "batch_size": 20,
                              "batch_time_interval_ms": 20, "alert_threshold_ms": alert_threshold_ms,
                              "group_transaction_events": group_transaction_events,
-                             "remote": {"bootstrap_servers": bootstrap, "topic_prefix": f"{prefix}b."}}],
+                             "remote": remote(bootstrap, prefix, "b")}],
         "async_event_queues": [{"id": "audit", "batch_size": 20, "listener": {
             "type": "python", "class_path": "recording_listener:RecordingListener",
             "settings": {"path": str(tmp_path / "offers.jsonl")}}}],
-    }
-    site_b = {
-        "site": "b", "dsid": 2, "kafka": {**kafka, "topic_prefix": f"{prefix}b."},
+    }, b={
         "regions": [{"name": "orders", "buckets": 4}],
         "receiver": {"inbound_partitions": 2, "accepted_dsids": [1]},
         "subscriptions": {"registry_partitions": 2},
-    }
-    paths = []
-    for name, data in (("a", site_a), ("b", site_b)):
-        path = tmp_path / f"site-{name}.yaml"
-        path.write_text(yaml.safe_dump(data))
-        assert apply_topics(load_config(path)).ok
-        paths.append(path)
-    return paths[0], paths[1]
+    })
+    return two.path_a, two.path_b
 
 
-def wait_ready(proc: ServiceProcess, timeout_s: float = 60) -> dict[str, Any]:
-    end = time.monotonic() + timeout_s
-    body: dict[str, Any] = {}
-    while time.monotonic() < end:
+def wait_ready(proc: ServiceProcess, timeout_s: float = READY_S) -> dict[str, Any]:
+    def ready() -> tuple[int, dict[str, Any]]:
         status, body = probe(f"{proc.metrics_url}/readyz")
-        if status == 200:
-            return body
-        assert status == 503 and body["ready"] is False and body["not_ready"], body
-        time.sleep(0.2)
-    raise AssertionError(f"{proc.announcement} not ready: {body}\n{proc.log_tail()}")
+        assert status in (200, 503), (status, body)
+        if status == 503:
+            assert body["ready"] is False and body["not_ready"], body
+        return status, body
+
+    status, body = read_until(ready, lambda answer: answer[0] == 200, timeout_s=timeout_s, poll_s=0.2)
+    assert status == 200, f"{proc.announcement} not ready: {body}\n{proc.log_tail()}"
+    return body
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:
@@ -116,19 +112,13 @@ def test_every_service_serves_health_readiness_and_metrics(site_a, unique_prefix
         for n in range(50):
             client.put("orders", f"k{n}", {"n": n})
         client_b = RegionClient([region_b.url])
-        end = time.monotonic() + 60
-        while len(client_b.keys("orders")) < 50 and time.monotonic() < end:
-            time.sleep(0.2)
+        read_until(lambda: len(client_b.keys("orders")), lambda count: count >= 50, timeout_s=DELIVERY_S, poll_s=0.2)
         assert len(client_b.keys("orders")) == 50
 
         # What each scrape shows, with OpenTelemetry's messaging attributes.
         def settled(proc: ServiceProcess, name: str, at_least: float, **labels: str) -> str:
-            end = time.monotonic() + 30
-            while True:
-                text = scrape(proc)
-                if metric_value(text, name, **labels) >= at_least or time.monotonic() > end:
-                    return text
-                time.sleep(0.3)
+            return read_until(lambda: scrape(proc), lambda text: metric_value(text, name, **labels) >= at_least,
+                              timeout_s=METRIC_S, poll_s=0.3)
 
         text = settled(sender, "sluice_batches_acknowledged_total", 1, sluice_queue_id="orders-to-b")
         assert metric_value(text, "sluice_batches_acknowledged_total", messaging_system="kafka", sluice_site="a",
@@ -142,10 +132,8 @@ def test_every_service_serves_health_readiness_and_metrics(site_a, unique_prefix
         assert metric_value(text, "sluice_batches_sent_total",
                             messaging_destination_name=f"{unique_prefix}a.queue.orders-to-b") >= 1
         # Everything acknowledged and removed: the queue is empty again.
-        end = time.monotonic() + 30
-        while metric_value(scrape(sender), "sluice_queue_size", sluice_queue_id="orders-to-b") > 0:
-            assert time.monotonic() < end, scrape(sender)
-            time.sleep(0.5)
+        wait_for(lambda: metric_value(scrape(sender), "sluice_queue_size", sluice_queue_id="orders-to-b") == 0,
+                 timeout_s=DRAIN_S, what="sluice_queue_size 0 once everything is acknowledged", poll_s=0.5)
         assert metric_value(scrape(sender), "sluice_queue_oldest_event_age_seconds", sluice_queue_id="orders-to-b") == 0
 
         text = settled(dispatcher, "sluice_events_delivered_total", 50, sluice_queue_id="audit")
@@ -193,10 +181,8 @@ def test_json_logs_and_the_alert_threshold_as_a_log_record_and_a_metric(site_a, 
             SenderProcess(path_a, "orders-to-b", log, env={"SLUICE_LOG_FORMAT": "json"}) as sender:
         region.wait_ready()
         RegionClient([region.url]).put("orders", "k1", {"n": 1})
-        end = time.monotonic() + 30
-        while "ALERT" not in log.read_text():
-            assert time.monotonic() < end, log.read_text()
-            time.sleep(0.3)
+        wait_for(lambda: "ALERT" in log.read_text(), timeout_s=ALERT_S, what="an ALERT in the sender's log",
+                 poll_s=0.3)
         records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
         assert all({"time", "level", "logger", "message"} <= r.keys() for r in records)
         alert = next(r for r in records if r["message"].startswith("ALERT"))

@@ -37,6 +37,8 @@ from sluice.core.kafka import (
 )
 from sluice.listeners.kafka_forwarder import KafkaForwarderListener
 
+from waiting import read_until
+
 if TYPE_CHECKING:
     from conftest import Site
 
@@ -240,14 +242,14 @@ def assert_all_landed_repeats_flagged(records: list[Message], events: list[Async
 
 def wait_for_line(log_path: Path, proc: subprocess.Popen[bytes], predicate: Callable[[str], bool],
                   timeout_s: float) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for line in reversed(log_path.read_text(errors="replace").splitlines()):
-            if predicate(line):
-                return line
-        if proc.poll() is not None:
-            break
-        time.sleep(0.2)
+    def last_match() -> str | None:
+        return next((line for line in reversed(log_path.read_text(errors="replace").splitlines()) if predicate(line)),
+                    None)
+
+    line = read_until(last_match, lambda line: line is not None or proc.poll() is not None, timeout_s=timeout_s,
+                      poll_s=0.2)
+    if line is not None:
+        return line
     raise AssertionError(f"no such line within {timeout_s:.0f} s (worker exit code {proc.poll()}); "
                          f"log tail:\n" + "\n".join(log_path.read_text(errors="replace").splitlines()[-40:]))
 

@@ -33,8 +33,12 @@ from sluice.listeners.sql import SqlWriteBehindListener, live_view_name
 
 from pg import PostgresServer
 from regionkit import DispatcherProcess, RegionProcess, read_topic, write_aeq_site
+from waiting import read_until
 
 pytestmark = pytest.mark.timeout(180)
+
+#: How long the queue may take to drain past the dead letter, the table catching up.
+DRAIN_S = 60
 
 Op = Operation
 DLQ = "sluice.queue.q.dlq"
@@ -186,15 +190,11 @@ def test_a_poisoned_event_goes_to_the_queues_dead_letter_topic_and_the_queue_dra
             client.put("orders", f"g{i:02d}", {"qty": i})
         expected = {f"g{i:02d}": {"qty": i} for i in range(20)}
 
-        deadline = time.monotonic() + 60
-        rows: list[Any] = []
-        while time.monotonic() < deadline:
-            rows = queue_status(cfg, "wb")
-            if (sum(r.size for r in rows) == 0 and sum(r.events for r in rows) == 21
-                    and live(postgres, table) == expected):
-                break
-            time.sleep(0.3)
-        else:
+        rows = read_until(lambda: queue_status(cfg, "wb"),
+                          lambda rows: sum(r.size for r in rows) == 0 and sum(r.events for r in rows) == 21
+                          and live(postgres, table) == expected, timeout_s=DRAIN_S, poll_s=0.3)
+        if not (sum(r.size for r in rows) == 0 and sum(r.events for r in rows) == 21
+                and live(postgres, table) == expected):
             pytest.fail(f"the queue did not drain: sizes {[r.size for r in rows]}, events "
                         f"{[r.events for r in rows]}, redeliveries {[r.redeliveries for r in rows]}, table has "
                         f"{len(live(postgres, table))} rows; dispatcher log:\n{dispatcher.log_tail()}")

@@ -21,9 +21,14 @@ from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
 from sluice.core.eventwire import FLAG_POSSIBLE_DUPLICATE, entry_event_body, queued_event
 
 from recording_listener import read_offers
-from regionkit import DispatcherProcess, write_aeq_site
+from regionkit import DispatcherProcess, queue_size, write_aeq_site
+from waiting import read_until
 
 pytestmark = pytest.mark.timeout(300)
+
+#: How long the dispatcher may take to deliver every record written, and its status to show the queue empty.
+DELIVERY_S = 90
+DRAIN_S = 30
 
 PARTITIONS = 2
 PER_VERSION = 30
@@ -87,20 +92,14 @@ def test_a_queue_of_previous_version_records_then_current_ones_is_delivered_once
     dispatcher = DispatcherProcess(tmp_path / "site.yaml", "q", tmp_path / "dispatcher.log")
     try:
         total = sum(len(v) for v in expected.values())
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            delivered = [e for o in read_offers(str(log)) if o["accepted"] for e in o["events"]]
-            if len(delivered) >= total:
-                break
-            time.sleep(0.2)
+        read_until(lambda: [e for o in read_offers(str(log)) if o["accepted"] for e in o["events"]],
+                   lambda delivered: len(delivered) >= total, timeout_s=DELIVERY_S, poll_s=0.2)
         delivered = [e for o in read_offers(str(log)) if o["accepted"] for e in o["events"]]
         for p in range(PARTITIONS):
             got = [(e[2], e[6], e[7]) for e in delivered if e[0] == p]
             assert [e[1] for e in delivered if e[0] == p] == list(range(len(expected[p]))), f"partition {p} offsets"
             assert got == expected[p], f"partition {p}: events or their possibleDuplicate differ"
-        deadline = time.monotonic() + 30
-        while sum(r.size for r in queue_status(cfg, "q")) > 0 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        read_until(lambda: queue_size(cfg, "q"), lambda size: size == 0, timeout_s=DRAIN_S, poll_s=0.2)
         assert sum(r.size for r in queue_status(cfg, "q")) == 0
         print(f"\n{total} events over {PARTITIONS} partitions ({PER_VERSION} v2 then {PER_VERSION} v3 records each), "
               "each delivered once, in order")
@@ -142,17 +141,12 @@ def test_a_queue_written_in_transactions_is_delivered_once_and_drains_past_its_c
     dispatcher = DispatcherProcess(tmp_path / "site.yaml", "q", tmp_path / "dispatcher.log")
     try:
         total = sum(len(v) for v in committed.values())
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            if sum(len(o["events"]) for o in read_offers(str(log)) if o["accepted"]) >= total:
-                break
-            time.sleep(0.2)
+        read_until(lambda: sum(len(o["events"]) for o in read_offers(str(log)) if o["accepted"]),
+                   lambda count: count >= total, timeout_s=DELIVERY_S, poll_s=0.2)
         delivered = [e for o in read_offers(str(log)) if o["accepted"] for e in o["events"]]
         for p in range(PARTITIONS):
             assert [e[2] for e in delivered if e[0] == p] == committed[p], f"partition {p}"
-        deadline = time.monotonic() + 30
-        while sum(r.size for r in queue_status(cfg, "q")) > 0 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        read_until(lambda: queue_size(cfg, "q"), lambda size: size == 0, timeout_s=DRAIN_S, poll_s=0.2)
         rows = queue_status(cfg, "q")
         assert sum(r.size for r in rows) == 0, [(r.partition, r.size, r.end) for r in rows]
         print(f"\n{total} committed events delivered once over {PARTITIONS} partitions, the aborted ones never; "

@@ -10,7 +10,6 @@ still ends, at the end.
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -27,6 +26,8 @@ from sluice.core.kafka import (
     read_to_end,
     translate,
 )
+
+from waiting import wait_for
 
 
 @pytest.fixture
@@ -90,10 +91,8 @@ def test_a_transactional_partition_is_read_to_its_end_past_markers_and_aborted_r
                                **{"fetch.wait.max.ms": 10, "isolation.level": "read_uncommitted"})
     try:
         # A transaction's markers are written after its commit returns: wait until they are all there.
-        end = time.monotonic() + 10
-        while partition_end(committed, everything, TopicPartition(name, 0))[1:] != (12, 12):  # 9 records, 3 markers
-            assert time.monotonic() < end, partition_end(committed, everything, TopicPartition(name, 0))
-            time.sleep(0.05)
+        wait_for(lambda: partition_end(committed, everything, TopicPartition(name, 0))[1:] == (12, 12),
+                 timeout_s=10, what="9 records and 3 transaction markers at the partition's end", poll_s=0.05)
         read = [m.value() for m in read_to_end(committed, name, deadline_s=10)]
         assert read == [f"commit-{i}".encode() for i in range(3)] * (2 if last == "commit" else 1)
         assert len(list(read_to_end(everything, name, deadline_s=10))) == 9

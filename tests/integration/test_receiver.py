@@ -23,6 +23,7 @@ from sluice.core.topics import apply_topics
 from sluice.core.receivertotals import site_totals, summed
 
 from regionkit import RegionProcess, read_topic
+from waiting import read_until, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -59,14 +60,19 @@ def _send(cfg: Any, bootstrap: str, batch_id: int, events: list[dict[str, Any]],
     assert producer.flush(10) == 0
 
 
-def _acks(cfg: Any, bootstrap: str, count: int, timeout_s: float = 60) -> list[dict[str, Any]]:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        acks = [get_codec().decode_as("GatewayAck", v) for _, _, v in read_topic(bootstrap, cfg.topics.gateway_acks(), 2)]
-        if len(acks) >= count:
-            return sorted(acks, key=lambda a: a["acked_at"])
-        time.sleep(0.2)
-    pytest.fail(f"fewer than {count} acks in {timeout_s}s")
+#: How long an ack or a dead letter may take after its batch was sent, and a status report to follow.
+ACK_S = 60
+DEAD_LETTER_S = 30
+STATUS_S = 15
+
+
+def _acks(cfg: Any, bootstrap: str, count: int, timeout_s: float = ACK_S) -> list[dict[str, Any]]:
+    def acks() -> list[dict[str, Any]]:
+        return [get_codec().decode_as("GatewayAck", v) for _, _, v in read_topic(bootstrap, cfg.topics.gateway_acks(), 2)]
+
+    seen = read_until(acks, lambda seen: len(seen) >= count, timeout_s=timeout_s, poll_s=0.2)
+    assert len(seen) >= count, f"fewer than {count} acks in {timeout_s}s"
+    return sorted(seen, key=lambda a: a["acked_at"])
 
 
 def test_batches_are_applied_acknowledged_deduplicated_and_screened(site_a, unique_prefix, tmp_path: Path):
@@ -102,22 +108,16 @@ def test_batches_are_applied_acknowledged_deduplicated_and_screened(site_a, uniq
 
         # A batch from dsid 9, which site b does not accept: rejected, dead-lettered, nothing applied, no ack.
         _send(cfg, site_a.bootstrap, 1, [_event("rogue", Operation.CREATE, b"1", 1, dsid=9)], source=9)
-        end = time.monotonic() + 30
-        dead: list[Any] = []
-        while time.monotonic() < end and not dead:
-            dead = read_topic(site_a.bootstrap, cfg.topics.region_dead_letter(), 1)
-            time.sleep(0.2)
+        dead = wait_for(lambda: read_topic(site_a.bootstrap, cfg.topics.region_dead_letter(), 1),
+                        timeout_s=DEAD_LETTER_S, what="the rejected batch dead-lettered", poll_s=0.2)
         letter = get_codec().decode_as("DeadLetter", dead[0][2])
         assert letter["error_class"] == "RejectedBatch" and "dsid 9" in letter["reason"]
         assert client.get_entry("orders", "rogue") is None
         assert len(_acks(cfg, site_a.bootstrap, 3)) == 3
 
         # The receiver reports its counts where `sluice admin status` shows them.
-        end = time.monotonic() + 15
-        report: dict[str, Any] = {}
-        while time.monotonic() < end and report.get("rejected_batches") != 1:
-            report = next(iter(receiver_status(cfg)), {})
-            time.sleep(0.5)
+        report = read_until(lambda: next(iter(receiver_status(cfg)), {}),
+                            lambda report: report.get("rejected_batches") == 1, timeout_s=STATUS_S, poll_s=0.5)
         assert (report["batches"], report["duplicate_batches"], report["rejected_batches"],
                 report["events_applied"], report["exceptions"]) == (2, 1, 1, 8, 1), report
         assert sorted(report["partitions"]) == [0, 1]
@@ -135,11 +135,10 @@ def test_batches_are_applied_acknowledged_deduplicated_and_screened(site_a, uniq
 
         # The inbound partitions' figures went on from where the stopped receiver left them: the site's
         # sum counts everything once, whichever process did it.
-        end = time.monotonic() + 15
-        rows = site_totals(cfg)
-        while time.monotonic() < end and {r.member for r in rows if r.offset >= 0} != {receiver.member_id}:
-            time.sleep(0.3)  # the partition without an ack since: its figures are published every few seconds
-            rows = site_totals(cfg)
+        # The partition without an ack since the restart: its figures are published every few seconds.
+        rows = read_until(lambda: site_totals(cfg),
+                          lambda rows: {r.member for r in rows if r.offset >= 0} == {receiver.member_id},
+                          timeout_s=STATUS_S, poll_s=0.3)
         site = summed(rows)
         assert (site["batches"], site["duplicate_batches"], site["rejected_batches"], site["events_applied"],
                 site["exceptions"], site["dead_lettered"]) == (2, 2, 1, 8, 1, 1), rows

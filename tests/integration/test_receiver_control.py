@@ -25,6 +25,7 @@ from sluice.core.topics import apply_topics
 from regionkit import RegionProcess, read_topic
 from test_health_endpoints import metric_value
 from test_receiver import _acks, _event, _send
+from waiting import wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -49,13 +50,7 @@ def _admin(path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _wait(condition: Callable[[], Any], what: str, timeout_s: float = 30) -> Any:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        found = condition()
-        if found:
-            return found
-        time.sleep(0.2)
-    pytest.fail(f"never {what} in {timeout_s:g} s")
+    return wait_for(condition, timeout_s=timeout_s, what=what, poll_s=0.2)
 
 
 def _report(cfg: Any, member: str) -> dict[str, Any]:

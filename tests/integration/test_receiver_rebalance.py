@@ -27,8 +27,12 @@ from sluice.core.processes import ReceiverProcess
 from sluice.core.topics import apply_topics
 
 from regionkit import RegionProcess, read_topic
+from waiting import read_until
 
 pytestmark = pytest.mark.timeout(240)
+
+#: How long every batch may take to be acknowledged across the rebalance.
+ACKS_S = 90
 
 BATCHES = 14
 
@@ -59,13 +63,10 @@ def _batch(batch_id: int) -> bytes:
 
 
 def _wait_for_line(log: Path, pattern: str, count: int = 1, timeout_s: float = 60) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        text = log.read_text() if log.exists() else ""
-        if len(re.findall(pattern, text)) >= count:
-            return
-        time.sleep(0.2)
-    pytest.fail(f"{log.name}: {pattern!r} seen fewer than {count} times in {timeout_s}s:\n{text[-3000:]}")
+    text = read_until(lambda: log.read_text() if log.exists() else "",
+                      lambda text: len(re.findall(pattern, text)) >= count, timeout_s=timeout_s, poll_s=0.2)
+    if len(re.findall(pattern, text)) < count:
+        pytest.fail(f"{log.name}: {pattern!r} seen fewer than {count} times in {timeout_s}s:\n{text[-3000:]}")
 
 
 def test_a_partition_paused_before_a_rebalance_is_read_again_after_it(site_a, unique_prefix, tmp_path: Path):
@@ -91,12 +92,9 @@ def test_a_partition_paused_before_a_rebalance_is_read_again_after_it(site_a, un
 
         region = RegionProcess(tmp_path / "site-b.yaml", tmp_path / "region.log")
         region.wait_ready()
-        end = time.monotonic() + 90
-        acked: set[int] = set()
-        while time.monotonic() < end and len(acked) < BATCHES:
-            acked = {get_codec().decode_as("GatewayAck", value)["batch_id"]
-                     for _, _, value in read_topic(site_a.bootstrap, cfg.topics.gateway_acks(), 1)}
-            time.sleep(0.5)
+        acked = read_until(lambda: {get_codec().decode_as("GatewayAck", value)["batch_id"]
+                                    for _, _, value in read_topic(site_a.bootstrap, cfg.topics.gateway_acks(), 1)},
+                           lambda acked: len(acked) >= BATCHES, timeout_s=ACKS_S, poll_s=0.5)
         assert acked == set(range(1, BATCHES + 1)), (
             f"acknowledged {sorted(acked)} of 1..{BATCHES}\n{first_log.read_text()[-3000:]}")
     finally:

@@ -32,8 +32,14 @@ from sluice.core.codec import get_codec
 from sluice.core.events import EventID
 
 from regionkit import RegionProcess, read_queue, read_topic, wait_standbys, write_site
+from waiting import wait_for
 
 pytestmark = pytest.mark.timeout(400)
+
+#: How long the writers may take to a point of the test (a kill, a restart), and a survivor to take a
+#: paused owner's bucket over (its session timeout and a rebalance).
+WRITES_S = 300
+TAKEOVER_S = 60
 
 WRITERS = 4
 OPS_PER_WRITER = 2500
@@ -82,8 +88,18 @@ class Writer(threading.Thread):
             self.error = exc
 
 
-@pytest.mark.parametrize(("copies", "stores"), [(0, False), (1, False), (1, True)],
-                         ids=["no-copies", "redundant-copies-1", "copies-and-local-stores"])
+#: The variant with copies and local stores runs in `make test`: it kills an owner that has a standby, the
+#: survivor promotes its copies, and the killed instance comes back on its dirty store, all under writes.
+#: The two others are the long tier (`make test-long`, CI): each is 10,000 operations through two processes,
+#: minutes of CPU on two cores, and what they add is covered in `make test` too: reading a killed owner's
+#: buckets from the changelog (test_region_kept_buckets, the soak's kill-region) and promoting standby copies
+#: (the variant kept).
+LONG = pytest.mark.slow
+
+
+@pytest.mark.parametrize(("copies", "stores"), [pytest.param(0, False, marks=LONG, id="no-copies"),
+                                                pytest.param(1, False, marks=LONG, id="redundant-copies-1"),
+                                                pytest.param(1, True, id="copies-and-local-stores")])
 def test_kill_9_one_of_two_instances_mid_stream_loses_and_duplicates_nothing(site_a, unique_prefix, tmp_path: Path,
                                                                             copies: int, stores: bool):
     """A SIGKILLed owner's buckets move to the survivor; the region and both queues stay exact."""
@@ -105,16 +121,19 @@ def test_kill_9_one_of_two_instances_mid_stream_loses_and_duplicates_nothing(sit
             w.start()
         # Kill one instance once about a third of the work is acknowledged.
         total = WRITERS * OPS_PER_WRITER
-        while sum(w.done for w in writers) < total // 3:
+
+        def acknowledged(count: int) -> bool:
             assert all(w.error is None for w in writers), [w.error for w in writers]
-            time.sleep(0.05)
+            return sum(w.done for w in writers) >= count
+
+        wait_for(lambda: acknowledged(total // 3), timeout_s=WRITES_S, what=f"{total // 3} operations acknowledged",
+                 poll_s=0.05)
         killed_at = sum(w.done for w in writers)
         instances[0].kill()
         if stores:
             # The killed instance starts again on its store while the writers go on.
-            while sum(w.done for w in writers) < 2 * total // 3:
-                assert all(w.error is None for w in writers), [w.error for w in writers]
-                time.sleep(0.05)
+            wait_for(lambda: acknowledged(2 * total // 3), timeout_s=WRITES_S,
+                     what=f"{2 * total // 3} operations acknowledged", poll_s=0.05)
             instances.append(RegionProcess(tmp_path / "site.yaml", tmp_path / "region-0-again.log",
                                            store_dir=store_dirs[0]))
             instances[-1].wait_ready()
@@ -218,14 +237,10 @@ def test_a_paused_owner_that_wakes_up_never_acknowledges_a_lost_write(site_a, un
         sender = threading.Thread(target=send_stale, daemon=True)
         sender.start()
         # b takes the bucket over once a's session times out.
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            rows = httpx.get(f"{b.url}/buckets").json()["buckets"]
-            if any(r["bucket"] == bucket and r["owner"] == b.url and r["status"] == "ready" for r in rows):
-                break
-            time.sleep(0.2)
-        else:
-            pytest.fail("b never took the bucket over")
+        paused_at = time.monotonic()
+        wait_for(lambda: any(r["bucket"] == bucket and r["owner"] == b.url and r["status"] == "ready"
+                             for r in httpx.get(f"{b.url}/buckets").json()["buckets"]),
+                 timeout_s=TAKEOVER_S, what=f"b takes bucket {bucket} over from the paused a", poll_s=0.2)
         taken_over = time.monotonic()
         fresh = RegionClient([b.url]).put("orders", key, "fresh")
         assert fresh["status"] == "ok"
@@ -235,7 +250,7 @@ def test_a_paused_owner_that_wakes_up_never_acknowledges_a_lost_write(site_a, un
         assert "status" in stale, "the stale request never completed"
         value = RegionClient([b.url]).get("orders", key)
         print(f"\nstale write answered {stale['status']} {stale['body']}; value now {value!r}; "
-              f"takeover {taken_over - deadline + 60:.1f}s after the pause")
+              f"takeover {taken_over - paused_at:.1f}s after the pause")
         if stale["status"] == 200:
             # Acknowledged: it must have been applied after the fresh write, by the real owner.
             assert value == "stale"

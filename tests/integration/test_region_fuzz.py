@@ -27,8 +27,10 @@ from sluice.core.kafka import partition_end
 from sluice.region.guard import CLIENT, MEMBER, credential_of
 
 from regionkit import RegionProcess, write_site
+from waiting import read_until
 
-pytestmark = pytest.mark.timeout(180)
+#: One worker of `pytest -n` runs the whole module: its services are started once, in a module-scoped fixture.
+pytestmark = [pytest.mark.timeout(180), pytest.mark.xdist_group("region_fuzz")]
 
 TOKEN = "client-" + uuid.uuid4().hex
 MEMBER_TOKEN = "member-" + uuid.uuid4().hex
@@ -87,12 +89,10 @@ class Observer:
 
     def state(self) -> tuple[list[str], list[int]]:
         keys = self.http.get(f"{self.url}/regions/orders/keys").json()["keys"]
-        deadline = time.monotonic() + 10
-        while True:
-            bounds = [partition_end(self.committed, self.uncommitted, tp) for tp in self.partitions]
-            if all(stable >= high for _, stable, high in bounds) or time.monotonic() > deadline:
-                return sorted(keys), [high for _, _, high in bounds]
-            time.sleep(0.01)
+        bounds = read_until(lambda: [partition_end(self.committed, self.uncommitted, tp) for tp in self.partitions],
+                            lambda bounds: all(stable >= high for _, stable, high in bounds), timeout_s=10,
+                            poll_s=0.01)
+        return sorted(keys), [high for _, _, high in bounds]
 
     def stop_copies(self) -> None:
         """Cancel a wan-copy a generated request started (answered once it has stopped)."""

@@ -9,7 +9,6 @@ load only those.  Counted, not timed: /stats ``buckets_revoked`` and ``loads``.
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -21,6 +20,13 @@ from sluice.core.codec import get_codec
 from sluice.core.events import EventID
 
 from regionkit import RegionProcess, read_topic, write_site
+from waiting import wait_for
+
+#: How many writes go on once the buckets are split (the original owner and the new one both take some),
+#: how long they may take, and how long the survivor may take to own every bucket of a killed instance.
+WRITES_AFTER_SPLIT = 20
+WRITES_S = 60
+TAKEOVER_S = 60
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,13 +40,11 @@ def owned(instance: RegionProcess) -> set[int]:
 
 def wait_split(a: RegionProcess, b: RegionProcess, timeout_s: float = 60.0) -> tuple[set[int], set[int]]:
     """Until a and b together serve the 8 buckets, each some."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def split() -> tuple[set[int], set[int]] | None:
         mine, theirs = owned(a), owned(b)
-        if mine and theirs and mine | theirs == set(range(8)) and not mine & theirs:
-            return mine, theirs
-        time.sleep(0.2)
-    pytest.fail(f"the buckets were never split: a {owned(a)}, b {owned(b)}")
+        return (mine, theirs) if mine and theirs and mine | theirs == set(range(8)) and not mine & theirs else None
+
+    return wait_for(split, timeout_s=timeout_s, what="a and b together serve the 8 buckets, each some", poll_s=0.2)
 
 
 def test_a_member_joining_and_one_killed_reload_only_the_buckets_that_moved(site_a, unique_prefix, tmp_path: Path):
@@ -76,7 +80,10 @@ def test_a_member_joining_and_one_killed_reload_only_the_buckets_that_moved(site
         b = RegionProcess(tmp_path / "site.yaml", tmp_path / "region-b.log")
         b.wait_ready()
         kept, moved = wait_split(a, b)
-        time.sleep(0.5)
+        # Writes go on after the split for a while, to both owners.
+        written_at_split = len(written)
+        wait_for(lambda: len(written) >= written_at_split + WRITES_AFTER_SPLIT, timeout_s=WRITES_S,
+                 what=f"{WRITES_AFTER_SPLIT} writes after the split")
         stop.set()
         writing.join(90)
         assert not writing.is_alive() and len(written) > 10, len(written)
@@ -93,10 +100,7 @@ def test_a_member_joining_and_one_killed_reload_only_the_buckets_that_moved(site
             expected[key] = {"n": i, "round": 2}
             both.put("orders", key, expected[key])
         b.kill()
-        deadline = time.monotonic() + 60
-        while owned(a) != set(range(8)):
-            assert time.monotonic() < deadline, f"a never took every bucket: {owned(a)}"
-            time.sleep(0.2)
+        wait_for(lambda: owned(a) == set(range(8)), timeout_s=TAKEOVER_S, what="a takes every bucket", poll_s=0.2)
         stats = a.stats()
         assert stats["loads"] == 8 + len(moved), f"a read more than b's buckets: {stats}"
         assert stats["buckets_revoked"] == len(moved), f"a gave up buckets when b died: {stats}"

@@ -37,8 +37,10 @@ from sluice.core.remotewire import encode_remote
 from sluice.core.directory import MemberTrust, live_urls, read_instances
 
 from regionkit import RegionProcess, write_site
+from waiting import wait_for as _wait_for
 
-pytestmark = pytest.mark.timeout(240)
+#: One worker of `pytest -n` runs the whole module: its services are started once, in a module-scoped fixture.
+pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("region_security")]
 
 TOKEN = "client-" + uuid.uuid4().hex
 MEMBER_TOKEN = "member-" + uuid.uuid4().hex
@@ -56,13 +58,7 @@ class Site:
 
 
 def wait_for(condition: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    end = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < end, f"not within {timeout_s} s: {what}"
-        time.sleep(0.2)
+    return _wait_for(condition, timeout_s=timeout_s, what=what, poll_s=0.2)
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,13 @@ from sluice.client import RegionClient
 from sluice.core.kafka import partition_for_key
 
 from regionkit import RegionProcess, wait_standbys, write_site
+from waiting import read_until, wait_for
+
+#: How long admin status may take to show a standby copy, the copy to show the lag of the writes it has not
+#: read, and a survivor to be assigned a killed primary's bucket.
+STATUS_S = 30
+LAG_S = 10
+TAKEOVER_S = 60
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -49,13 +56,11 @@ def test_a_standby_behind_when_promoted_catches_up_before_answering(site_a, uniq
         bucket = min(wait_standbys(b, a))
         # `sluice admin status` shows the bucket's primary and its standby, from the directory records.
         ids = {a.stats()["instance"]: "a", b.stats()["instance"]: "b"}
-        deadline = time.monotonic() + 30
-        while True:
-            row = next(r for r in bucket_status(cfg) if r.bucket == bucket)
-            if ids.get(row.primary) == "a" and [ids.get(c[0]) for c in row.standbys] == ["b"]:
-                break
-            assert time.monotonic() < deadline, f"admin status never showed b's copy of bucket {bucket}: {row}"
-            time.sleep(0.5)
+        row = read_until(lambda: next(r for r in bucket_status(cfg) if r.bucket == bucket),
+                         lambda row: ids.get(row.primary) == "a" and [ids.get(c[0]) for c in row.standbys] == ["b"],
+                         timeout_s=STATUS_S, poll_s=0.5)
+        assert ids.get(row.primary) == "a" and [ids.get(c[0]) for c in row.standbys] == ["b"], \
+            f"admin status never showed b's copy of bucket {bucket}: {row}"
         keys = [k for k in (f"k{i:05d}" for i in range(KEYS * 20)) if partition_for_key(k.encode(), 8) == bucket][:KEYS]
         client = RegionClient([a.url], retry_for_s=60)
         client.put_all("orders", {k: {"round": 1} for k in keys})
@@ -68,21 +73,16 @@ def test_a_standby_behind_when_promoted_catches_up_before_answering(site_a, uniq
         stray.flush(30)
         for k in keys:
             client.put("orders", k, {"round": 2, "key": k})
-        lag = next(s["lag"] for s in bucket_row(b, bucket)["standbys"] if s["url"] == b.url)
-        deadline = time.monotonic() + 10
-        while lag < KEYS and time.monotonic() < deadline:
-            time.sleep(0.3)
-            lag = next(s["lag"] for s in bucket_row(b, bucket)["standbys"] if s["url"] == b.url)
+        lag = read_until(lambda: next(s["lag"] for s in bucket_row(b, bucket)["standbys"] if s["url"] == b.url),
+                         lambda lag: lag >= KEYS, timeout_s=LAG_S, poll_s=0.3)
         assert lag >= KEYS, f"b's copy of bucket {bucket} should be at least {KEYS} behind, is {lag}"
         replayed_before = b.stats()["records_replayed"]
 
         # The primary dies; b is assigned the bucket with its copy behind, and must not answer until the
         # transaction ends and the copy has read what it lacked.
         a.kill()
-        deadline = time.monotonic() + 60
-        while bucket_row(b, bucket)["owner"] != b.url:
-            assert time.monotonic() < deadline, "b was never assigned the bucket"
-            time.sleep(0.1)
+        wait_for(lambda: bucket_row(b, bucket)["owner"] == b.url, timeout_s=TAKEOVER_S,
+                 what=f"b assigned bucket {bucket}")
         asked = time.monotonic()
         probe = httpx.get(f"{b.url}/regions/orders/entries/{keys[0]}", timeout=10)
         answered_s = time.monotonic() - asked

@@ -7,7 +7,6 @@ and ``loads_from_store`` the buckets that started from the store.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -15,8 +14,14 @@ import pytest
 from sluice.client import RegionClient
 
 from regionkit import RegionProcess, write_site
+from waiting import settles, wait_for
 
 pytestmark = pytest.mark.timeout(300)
+
+#: How long the checkpoints may take, and how long their count must stay put (over three intervals of the
+#: quiet-bucket test's 0.3 s) to say no bucket has one pending.
+CHECKPOINTS_S = 20
+CHECKPOINTS_QUIET_S = 1.0
 
 BUCKETS = 4
 KEYS = 400
@@ -74,11 +79,12 @@ def test_after_a_kill_a_quiet_bucket_resumes_from_its_last_checkpoint(site_a, un
     a = RegionProcess(path, tmp_path / "a-1.log", store_dir=tmp_path / "store-a")
     a.wait_ready()
     RegionClient([a.url], retry_for_s=30).put_all("orders", {k: {"round": 1} for k in keys})
-    deadline = time.monotonic() + 20
-    while a.stats()["store_checkpoints"] < 2 * BUCKETS:  # one after each load, one after the writes
-        assert time.monotonic() < deadline, a.stats()
-        time.sleep(0.2)
-    time.sleep(1.0)
+    wait_for(lambda: a.stats()["store_checkpoints"] >= 2 * BUCKETS, timeout_s=CHECKPOINTS_S, poll_s=0.2,
+             what="a checkpoint of every bucket after its load and after the writes")
+    # A quiet bucket checkpoints no more: once the count stays put for several intervals, every bucket's
+    # store holds its last write.
+    settles(lambda: a.stats()["store_checkpoints"], quiet_s=CHECKPOINTS_QUIET_S, timeout_s=CHECKPOINTS_S,
+            what="the store checkpoints", poll_s=0.2)
     a.kill()
 
     a = RegionProcess(path, tmp_path / "a-2.log", store_dir=tmp_path / "store-a")

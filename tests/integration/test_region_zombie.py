@@ -49,6 +49,7 @@ from sluice.region.engine import RegionEngine, transactional_id_of
 from sluice.region.fanout import QueueTarget, RecordBuilder, Window, WindowWriter
 
 from regionkit import RegionProcess, read_queue, read_topic, write_site
+from waiting import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -92,12 +93,7 @@ def _owned_by(url: str) -> dict[int, str]:
 
 
 def _wait(condition: Any, timeout_s: float, what: str) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if condition():
-            return
-        time.sleep(0.05)
-    pytest.fail(f"{what} within {timeout_s} s")
+    wait_for(condition, timeout_s=timeout_s, what=what, poll_s=0.05)
 
 
 def _acks(writers: list[Writer]) -> int:

@@ -28,6 +28,7 @@ from sluice.core.signing import Verifier
 from sluice.core.topics import apply_topics
 
 from regionkit import write_site
+from waiting import read_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -106,12 +107,9 @@ def test_the_region_token_guards_the_api_and_no_secret_is_logged(site_a, unique_
         sender = SenderProcess(path, "to-b", tmp_path / "sender.log")
         member.put_all("orders", {f"s{i}": i for i in range(20)})
         member.close()
-        end = time.monotonic() + 60
-        records: list[tuple[bytes, list[tuple[str, bytes]]]] = []
-        while time.monotonic() < end and sum(
-                len(get_codec().decode_as("GatewayBatch", v)["events"]) for v, _ in records) < 21:
-            records = _records_with_headers(site_a.bootstrap, cfg_b.topics.gateway_inbound())
-            time.sleep(0.5)
+        records = read_until(lambda: _records_with_headers(site_a.bootstrap, cfg_b.topics.gateway_inbound()),
+                             lambda records: sum(len(get_codec().decode_as("GatewayBatch", v)["events"])
+                                                 for v, _ in records) >= 21, timeout_s=60, poll_s=0.5)
         batches = [get_codec().decode_as("GatewayBatch", value) for value, _ in records]
         assert sum(len(b["events"]) for b in batches) >= 21, batches
         verifier = Verifier({1: sitekeys.load_public_keys(PUBLIC_KEY)})

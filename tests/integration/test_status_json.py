@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +27,13 @@ from sluice.core.processes import REPO, ReceiverProcess, ServiceProcess, Subscri
 from sluice.core.topics import apply_topics
 
 from regionkit import RegionProcess
+from waiting import read_until
 
 pytestmark = pytest.mark.timeout(240)
+
+#: How long every service of the site may take to show in `status --json`, and the page to sample again.
+SITE_S = 90
+PAGE_S = 30
 
 WRITTEN = 40
 #: Fields whose value is the moment they were read at (docs/status-json.md, "Moment and page fields").
@@ -113,19 +117,12 @@ def test_status_json_is_the_pages_document_with_queues_receivers_clients_and_buc
                     and len(doc["receiver_partitions"]) == 2
                     and all(p["member"] for p in doc["receiver_partitions"]))
 
-        deadline = time.monotonic() + 90
-        doc = status_json(path)
-        while not complete(doc) and time.monotonic() < deadline:
-            time.sleep(0.5)
-            doc = status_json(path)
+        doc = read_until(lambda: status_json(path), complete, timeout_s=SITE_S, poll_s=0.5)
         assert complete(doc), f"status --json never showed the whole site: {json.dumps(doc)[:3000]}"
         # The page's document sampled after the command's.
-        deadline = time.monotonic() + 30
-        while True:
-            page_doc = httpx.get(f"{page.url}/api/status", timeout=10).json()
-            if (page_doc["sampled_at_ms"] or 0) > doc["sampled_at_ms"] or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        page_doc = read_until(lambda: httpx.get(f"{page.url}/api/status", timeout=10).json(),
+                              lambda page_doc: (page_doc["sampled_at_ms"] or 0) > doc["sampled_at_ms"],
+                              timeout_s=PAGE_S, poll_s=0.2)
 
         assert doc["version"] == page_doc["version"] == 1
         assert doc["site"] == {"name": "a", "dsid": 1, "bootstrap": site_a.bootstrap}

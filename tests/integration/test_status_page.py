@@ -33,6 +33,7 @@ from sluice.core.kafka import make_consumer, read_to_end
 from sluice.core.processes import REPO, ServiceProcess
 
 from regionkit import DispatcherProcess, RegionProcess, read_topic, write_site
+from waiting import read_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -177,13 +178,11 @@ def control_records(cfg: Any, queue_id: str) -> list[dict[str, Any]]:
 
 
 def wait_status(url: str, condition: Any, what: str, timeout_s: float = 30) -> dict[str, Any]:
-    end = time.monotonic() + timeout_s
-    status: dict[str, Any] = {}
-    while time.monotonic() < end:
-        status = httpx.get(f"{url}/api/status", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10).json()
-        if status.get("queues") and condition(status):
-            return status
-        time.sleep(0.3)
+    status = read_until(lambda: httpx.get(f"{url}/api/status", headers={"Authorization": f"Bearer {TOKEN}"},
+                                          timeout=10).json(),
+                        lambda status: status.get("queues") and condition(status), timeout_s=timeout_s, poll_s=0.3)
+    if status.get("queues") and condition(status):
+        return status
     pytest.fail(f"status page never showed {what}; last: error={status.get('error')}, "
                 f"queues={[(q['id'], q['size'], q['states']) for q in status.get('queues', [])]}")
 

@@ -22,8 +22,20 @@ from sluice.core.processes import SubscriptionsProcess
 from sluice.core.topics import apply_topics
 
 from regionkit import RegionProcess, read_topic
+from waiting import holds_for
+from waiting import wait_for as _wait_for
 
 pytestmark = pytest.mark.timeout(240)
+
+#: The window in which an event that should not come (a repeat, a replay, an event sent back to its writer)
+#: would arrive if it were going to: many poll intervals of the client.
+QUIET_S = 1.0
+#: The HA test: how many write rounds must be acknowledged before the primary is killed, and the pace of
+#: the writes (part of the workload: the rounds must span the kill and the failover).
+ROUNDS_BEFORE_KILL = 20
+WRITE_INTERVAL_S = 0.05
+#: How long the slow client's listener takes per event (part of the workload, not a wait).
+SLOW_LISTENER_S = 0.05
 
 
 def _site(path: Path, bootstrap: str, prefix: str, **subscriptions: Any) -> SiteConfig:
@@ -65,11 +77,7 @@ class Recorder:
 
 
 def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.05)
+    _wait_for(predicate, timeout_s=timeout_s, what=what, poll_s=0.05)
 
 
 @pytest.fixture
@@ -176,7 +184,8 @@ def test_two_clients_overlapping_interest_receive_exactly_their_events(site: Any
                     return out
 
                 wait_for(lambda: sum(map(len, received().values())) >= want_total, 30, f"{cache.client_id}'s events")
-                time.sleep(1.0)  # anything extra would arrive now
+                holds_for(lambda: sum(map(len, received().values())) == want_total, window_s=QUIET_S,
+                          what=f"{cache.client_id} receives no event beyond the {want_total} of the history")
                 got = received()
                 assert got == want, f"{cache.client_id}: events received differ from the region's history"
                 assert all(not e.replayed for e in rec.events)
@@ -301,7 +310,7 @@ def test_durable_client_back_after_its_timeout_is_a_new_client_and_an_alert_is_l
             assert orders.register_interest(ALL_KEYS, durable=True) == 50  # loaded, not replayed
             again.ready_for_events()
             wait_for(lambda: again.live, 20, "the marker")
-            time.sleep(0.5)
+            holds_for(lambda: rec.events == [], window_s=QUIET_S, what="a new client gets no replay")
             assert rec.events == [] and again.processed()["replayed"] == 0, "a new client gets no replay"
         finally:
             again.close()
@@ -384,16 +393,18 @@ def test_kill_9_of_the_primary_subscription_instance_loses_nothing(site: Any, si
             primary = next(proc for proc in (one, two) if wanted in owners.get(proc.member_id, set()))
 
             done = threading.Event()
+            rounds = [0]
 
             def write() -> None:
                 for round_ in range(60):
                     writer.put_all("orders", {k: round_ for k in keys})
-                    time.sleep(0.05)
+                    rounds[0] += 1
+                    time.sleep(WRITE_INTERVAL_S)
                 done.set()
 
             writing = threading.Thread(target=write)
             writing.start()
-            time.sleep(1.5)
+            wait_for(lambda: rounds[0] >= ROUNDS_BEFORE_KILL, 60, f"{ROUNDS_BEFORE_KILL} write rounds acknowledged")
             primary.kill()
             killed_at = time.monotonic()
             writing.join(120)
@@ -413,7 +424,8 @@ def test_kill_9_of_the_primary_subscription_instance_loses_nothing(site: Any, si
             wait_for(lambda: received() >= len(events), 60,
                      f"every event after the failover ({received()} of {len(events)}; {cache.processed()})")
             gap_s = time.monotonic() - killed_at
-            time.sleep(1.0)
+            holds_for(lambda: received() == len(events), window_s=QUIET_S,
+                      what=f"no event beyond the {len(events)} written arrives after the failover")
             received()
             want_ids = {k: [eid for eid, _ in v] for k, v in want.items()}
             wrong = {k: (len(want_ids.get(k, [])), len(got.get(k, [])),
@@ -480,7 +492,8 @@ def test_a_new_client_hears_of_nothing_written_before_its_registration_from_a_pr
                 wait_for(lambda: cache.live, 20, "the marker")
                 writer.put("orders", keys[0], 1)
                 wait_for(lambda: orders.get_local(keys[0]) == 1, 20, f"{keys[0]} = 1")
-                time.sleep(0.5)
+                holds_for(lambda: len(rec.events) == 1, window_s=QUIET_S,
+                          what="only the write after the registration reaches the listener")
                 with rec.lock:
                     heard = [(e.key, e.new_value, e.replayed) for e in rec.events]
                 assert heard == [(keys[0], 1, False)], (
@@ -571,7 +584,7 @@ def test_a_slow_client_does_not_slow_the_others(site: Any, tmp_path: Path) -> No
 
     class Slow(Recorder):
         def _keep(self, event: Any) -> None:
-            time.sleep(0.05)
+            time.sleep(SLOW_LISTENER_S)  # the slow client: its listener takes this long per event
             super()._keep(event)
 
         after_create = after_update = _keep
@@ -631,7 +644,8 @@ def test_a_region_clear_from_one_client_reaches_the_others_once(site: Any, tmp_p
             wait_for(lambda: len(b.region("orders")) == 0, 20, "the clear at the other client")
             writer.put("orders", "z-15", "after")
             wait_for(lambda: b.region("orders").get_local("z-15") == "after", 20, "a write after the clear")
-            time.sleep(0.5)
+            holds_for(lambda: len(recs["clear-b"].clears) == 1, window_s=QUIET_S,
+                      what="the clear announced once, though it spans every bucket")
             assert len(recs["clear-b"].clears) == 1, "announced once, though it spans every bucket"
             assert recs["clear-b"].clears[0].key is None and not recs["clear-b"].clears[0].replayed
             assert len(recs["clear-a"].clears) == 1, "a client's own clear is not sent back to it"

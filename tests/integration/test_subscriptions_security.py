@@ -33,7 +33,10 @@ from sluice.core.topics import apply_topics
 from sluice.core.clientregistry import bearer, create_queue, read_latest, registry_partition
 from sluice.subscriptions.service import SubscriptionService
 
-pytestmark = pytest.mark.timeout(240)
+from waiting import wait_for as _wait_for
+
+#: One worker of `pytest -n` runs the whole module: its services are started once, in a module-scoped fixture.
+pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("subscriptions_security")]
 
 TOKEN = "security-token"
 PARTITIONS = 2
@@ -45,14 +48,7 @@ PROBE_INTEREST = r"a+!\d+"
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.05)
+    return _wait_for(predicate, timeout_s=timeout_s, what=what, poll_s=0.05)
 
 
 class Reader:

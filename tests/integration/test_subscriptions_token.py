@@ -8,7 +8,6 @@ The service's site file gives ``subscriptions.token`` through an environment var
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from sluice.core.topics import apply_topics
 from sluice.subscriptions.service import SubscriptionService
 
 from regionkit import RegionProcess
+from waiting import read_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -54,9 +54,7 @@ def site(tmp_path: Path, site_a: Any, unique_prefix: str, monkeypatch: pytest.Mo
         service.start()
         runner = threading.Thread(target=service.run, name="subscriptions", daemon=True)
         runner.start()
-        deadline = time.monotonic() + 30
-        while service.readiness() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        read_until(service.readiness, lambda not_ready: not not_ready, timeout_s=30)
         assert service.readiness() == {}
         try:
             yield cfg, client_cfg, region, service

@@ -23,8 +23,12 @@ from sluice.core.processes import DispatcherProcess, ReceiverProcess, RegionProc
 
 from recording_listener import read_offers
 from test_health_endpoints import write_sites
+from waiting import wait_for
 
 pytestmark = pytest.mark.timeout(300)
+
+#: How long a put may take to reach the other site and the listener.
+DELIVERY_S = 60
 
 
 def test_one_trace_from_the_put_on_a_to_the_apply_on_b_and_the_listener(site_a, unique_prefix,
@@ -46,10 +50,8 @@ def test_one_trace_from_the_put_on_a_to_the_apply_on_b_and_the_listener(site_a, 
 
         RegionClient([region_a.url]).put("orders", "o-1", {"qty": 3})
         client_b = RegionClient([region_b.url])
-        end = time.monotonic() + 60
-        while client_b.get("orders", "o-1") is None or not read_offers(str(tmp_path / "offers.jsonl")):
-            assert time.monotonic() < end, "the put did not reach b and the listener"
-            time.sleep(0.2)
+        wait_for(lambda: client_b.get("orders", "o-1") is not None and read_offers(str(tmp_path / "offers.jsonl")),
+                 timeout_s=DELIVERY_S, what="the put reaches b and the listener", poll_s=0.2)
 
         # The changelog record at a carries the put's trace context as a header.
         cfg_a = load_config(path_a)
