@@ -40,7 +40,8 @@
     ├── NoServersAvailable              retriable: no server reachable (Geode's NoAvailableServersException)
     ├── RegistrationRefused             the subscription service refused a client's registration
     ├── CacheWriterAbort                a client's cache writer refused an operation
-    └── ClosedError                     we closed it: the service or client is stopped
+    ├── ClosedError                     we closed it: the service or client is stopped
+    └── IllegalTransition               not retriable: a service asked for a lifecycle move it may not make
 
     Stopping (a BaseException, not an Exception)
                                         the service is stopping: raised inside a wait, so that
@@ -356,6 +357,15 @@ class RegistryRefused(SluiceError):
 
 class ClosedError(SluiceError):
     """The object was closed by us; using it is a bug in the caller."""
+
+
+class IllegalTransition(SluiceError):
+    """A service was asked for a lifecycle move its table does not hold (core/lifecycle.py): started
+    twice, started after a stop.  Our own bug, never retried: ``service``, ``current``, ``wanted``."""
+
+    def __init__(self, service: str, current: str, wanted: str) -> None:
+        self.service, self.current, self.wanted = service, current, wanted
+        super().__init__(f"{service}: {current} → {wanted} is not a lifecycle move (core/lifecycle.py)")
 
 
 class RegionError(SluiceError):

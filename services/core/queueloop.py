@@ -68,7 +68,6 @@ import concurrent.futures
 import enum
 import logging
 import queue
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -94,7 +93,7 @@ from .eventwire import (
     read_queued,
     removal_record,
 )
-from .lifecycle import ServiceState
+from .lifecycle import Service, ServiceState
 from .queueclean import (
     APPLIED,
     APPLYING,
@@ -197,7 +196,7 @@ class _OfferDone:
     at_ms: int = 0
 
 
-class QueuePrimary:
+class QueuePrimary(Service):
     """The primary side of one queue (an async event queue or a gateway sender)."""
 
     status_interval_s = 2.0
@@ -212,6 +211,7 @@ class QueuePrimary:
 
     def __init__(self, cfg: SiteConfig, queue_id: str, settings: Any, *, member_id: str | None = None,
                  start_state: DesiredState = DesiredState.RUNNING) -> None:
+        super().__init__()
         self.cfg = cfg
         self.queue = settings
         self.queue_id = queue_id
@@ -227,8 +227,6 @@ class QueuePrimary:
                                   max_in_flight=self.max_in_flight(),
                                   group_transactions=getattr(settings, "group_transaction_events", False))
         self.max_buffered_bytes = max(1, settings.maximum_queue_memory_mb) * 1024 * 1024
-        self.state = ServiceState.NEW
-        self.crash: BaseException | None = None
         self.desired = start_state
 
         self._codec = get_codec()
@@ -237,7 +235,6 @@ class QueuePrimary:
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         #: An offer's failure that no retry can mend (``offered_again``): the loop raises it.
         self._offer_failed: BaseException | None = None
-        self._stopping = threading.Event()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=self.worker_threads(), thread_name_prefix=f"{self.kind}-{queue_id}"
         )
@@ -383,7 +380,7 @@ class QueuePrimary:
     # --- lifecycle -------------------------------------------------------------
 
     def start(self) -> None:
-        assert self.state is ServiceState.NEW
+        self._check_startable()
         base = self.cfg.kafka.client_settings()
         self._producer = make_producer(base, **{"client.id": self.member_id}, **self.cfg.kafka.producer_settings())
         self._consumer = make_consumer(base, self.group_id, **{"client.id": self.member_id},
@@ -392,11 +389,13 @@ class QueuePrimary:
         for record in self._control.read_to_end():
             self._apply_control(record)
         self.prepare()
-        self.state = ServiceState.RUNNING
+        self._set_running()
         log.info("%s %s of queue %s starting (%s)", self.kind, self.member_id, self.queue_id, self.desired.value)
 
     def run(self) -> None:
-        """The consumer loop, in the calling thread, until ``stop()``."""
+        """The consumer loop, in the calling thread, until ``stop()``.  A stop while a record waited
+        for an absent broker (``Stopping``) committed nothing past it; anything else that leaves the
+        loop is the queue's crash (``crash_guard``)."""
         consumer = self._consumer
         assert consumer is not None
         consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost)
@@ -404,41 +403,30 @@ class QueuePrimary:
         next_gap_check = 0.0
         consuming = kafka_errors(f"consuming {self.topic}")
         try:
-            while not self._stopping.is_set():
-                timeout = self._poll_timeout_s()
-                with consuming:
-                    msgs = consume_available(consumer, self.read_max_records, timeout)
-                if msgs:
-                    self._read(msgs, int(time.time() * 1000))
-                elif time.monotonic() >= next_gap_check:
-                    self._cover_skipped_offsets(int(time.time() * 1000))
-                    next_gap_check = time.monotonic() + self.gap_check_interval_s
-                self._poll_control()
-                self._drain_inbox()
-                self._raise_failed_offer()
-                self._apply_due_cleans()
-                self._dispatch_ready()
-                if self._removals_unacked:
-                    self._producer.poll(0)  # the removals' deliveries, into the inbox
-                self._apply_memory_bound()
-                if time.monotonic() >= next_status:
-                    self._publish_status()
-                    next_status = time.monotonic() + self.status_interval_s
-        except Stopping:
-            pass  # stopping while a record waited for an absent broker: nothing was committed past it
-        except BaseException as exc:
-            if not isinstance(exc, KeyboardInterrupt):
-                self.crash = exc
-                self.state = ServiceState.CRASHED
-            raise
+            with self.crash_guard():
+                while not self._stopping.is_set():
+                    timeout = self._poll_timeout_s()
+                    with consuming:
+                        msgs = consume_available(consumer, self.read_max_records, timeout)
+                    if msgs:
+                        self._read(msgs, int(time.time() * 1000))
+                    elif time.monotonic() >= next_gap_check:
+                        self._cover_skipped_offsets(int(time.time() * 1000))
+                        next_gap_check = time.monotonic() + self.gap_check_interval_s
+                    self._poll_control()
+                    self._drain_inbox()
+                    self._raise_failed_offer()
+                    self.raise_crash()
+                    self._apply_due_cleans()
+                    self._dispatch_ready()
+                    if self._removals_unacked:
+                        self._producer.poll(0)  # the removals' deliveries, into the inbox
+                    self._apply_memory_bound()
+                    if time.monotonic() >= next_status:
+                        self._publish_status()
+                        next_status = time.monotonic() + self.status_interval_s
         finally:
             self._shutdown()
-
-    def stop(self) -> None:
-        """Idempotent: the loop leaves the group cleanly and returns."""
-        if self.state in (ServiceState.RUNNING, ServiceState.NEW):
-            self.state = ServiceState.STOPPING
-        self._stopping.set()
 
     def _shutdown(self) -> None:
         consumer = self._consumer
@@ -451,8 +439,7 @@ class QueuePrimary:
         if self._control is not None:
             self._control.close()
         self.release()
-        if self.state is not ServiceState.CRASHED:
-            self.state = ServiceState.STOPPED
+        self._set_stopped()
 
     # --- control ------------------------------------------------------------------
 

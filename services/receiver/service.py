@@ -124,7 +124,7 @@ from ..core.eventwire import (
     gateway_batch,
     read_gateway_batch,
 )
-from ..core.lifecycle import ServiceState
+from ..core.lifecycle import Service
 from ..core.queueloop import DesiredState
 from ..core.receivertotals import PartitionTotals
 from ..core.regionclient import BatchAnswer, BatchClient, RegionError
@@ -159,6 +159,21 @@ UNAUTHORIZED = (401, 403)
 ACKS_WITH_FIGURES_KEPT = 16
 #: How often the receiver's directory thread reads the claims published since its last read.
 DIRECTORY_REFRESH_S = 0.5
+#: Inbound records read per turn of the loop at most, and how long a turn waits for the first.
+RECEIVE_MAX_RECORDS = 100
+RECEIVE_WAIT_S = 0.1
+#: A lane this many batches behind pauses its partition; it resumes at ``LANE_RESUME`` or fewer.
+LANE_DEPTH = 8
+LANE_RESUME = 2
+#: A lane's inbox holds at most this many records: the loop pauses the partition at ``LANE_DEPTH``,
+#: after a turn that may have brought ``RECEIVE_MAX_RECORDS`` more, so a put never waits.
+LANE_QUEUE_MAX = LANE_DEPTH + RECEIVE_MAX_RECORDS
+#: How long a put into a full lane waits before it looks again whether the lane is still alive.
+LANE_PUT_WAIT_S = 0.1
+#: Shutdown deadlines: the producer's flush, a helper thread's join, a lane finishing its batch.
+FLUSH_DEADLINE_S = 10.0
+THREAD_JOIN_DEADLINE_S = 5.0
+LANE_CLOSE_DEADLINE_S = 30.0
 
 
 class _Applied:
@@ -213,7 +228,7 @@ class _Lane:
 
     def __init__(self, partition: int, receiver: "ReceiverService", figures: PartitionTotals) -> None:
         self.partition = partition
-        self.queue: queue.Queue[Message | None] = queue.Queue()
+        self.queue: queue.Queue[Message | None] = queue.Queue(maxsize=LANE_QUEUE_MAX + 1)  # + the closing None
         self.stop = threading.Event()  # set on revoke or shutdown
         self.paused = False
         self.error: BaseException | None = None
@@ -243,13 +258,35 @@ class _Lane:
         except BaseException as exc:  # top of a thread: the service's loop re-raises it
             self.error = exc
 
-    def close(self, timeout_s: float = 30.0) -> None:
+    def put(self, msg: Message) -> None:
+        """Loop thread: hand the lane a record.  Full only when the broker handed over more than
+        ``LANE_QUEUE_MAX`` at once: wait for room, unless the lane stopped or died meanwhile (the
+        record is then dropped uncommitted: whoever handles the partition next reads it)."""
+        while True:
+            try:
+                self.queue.put(msg, timeout=LANE_PUT_WAIT_S)
+                return
+            except queue.Full:
+                if self.stop.is_set() or self.error is not None or not self.thread.is_alive():
+                    return
+
+    def close(self, timeout_s: float = LANE_CLOSE_DEADLINE_S) -> None:
         """Stop after the batch in hand (its retries cut short); what is queued is dropped, not committed."""
         self.stop.set()
+        _drop_queued(self.queue)
         self.queue.put(None)
         self.thread.join(timeout_s)
         if self.thread.is_alive():
             log.warning("receiver lane %d still busy after %.0f s", self.partition, timeout_s)
+
+
+def _drop_queued(inbox: "queue.Queue[Message | None]") -> None:
+    """Empty a stopped lane's inbox, so the closing ``None`` always fits."""
+    while True:
+        try:
+            inbox.get_nowait()
+        except queue.Empty:
+            return
 
 
 @dataclass
@@ -264,7 +301,7 @@ class _Sender:
     connected: bool = True
 
 
-class ReceiverService:
+class ReceiverService(Service):
     """One gateway-receiver instance of a site.
 
     Lifecycle, and the receiver's desired state (Geode's start and stop of a
@@ -290,13 +327,15 @@ class ReceiverService:
     """
 
     status_interval_s = 2.0
-    #: A lane this many batches behind pauses its partition; it resumes below LANE_RESUME.
-    LANE_DEPTH = 8
-    LANE_RESUME = 2
+    LANE_DEPTH = LANE_DEPTH
+    LANE_RESUME = LANE_RESUME
+
+    kind = "receiver"
 
     def __init__(self, cfg: SiteConfig, *, member_id: str | None = None) -> None:
         if cfg.receiver is None:
             raise SluiceError(f"site {cfg.site!r} has no receiver section in its site file")
+        super().__init__()
         self.cfg = cfg
         self.accepted = set(cfg.receiver.accepted_dsids)
         self.member_id = member_id or f"{cfg.site}-receiver-{uuid.uuid4().hex[:8]}"
@@ -307,9 +346,6 @@ class ReceiverService:
         self.group_id = f"{cfg.kafka.topic_prefix}gateway.receiver"
         self.region_group = f"{cfg.kafka.topic_prefix}region"
         self.regions = {r.name: r for r in cfg.regions}
-        self.state = ServiceState.NEW
-        self.crash: BaseException | None = None
-        self._stopping = threading.Event()
         self._codec = get_codec()
         self._last_batch: dict[str, int] = {}
         self._consumer: Consumer | None = None
@@ -405,18 +441,18 @@ class ReceiverService:
     # --- lifecycle -------------------------------------------------------------
 
     def start(self) -> None:
+        self._check_startable()
         base = self.cfg.kafka.client_settings()
         self._producer = make_producer(base, **{"client.id": self.member_id}, **self.cfg.kafka.producer_settings())
         self._consumer = make_consumer(base, self.group_id, **{"client.id": self.member_id},
                                        **self.cfg.kafka.group_settings())
         self._client = BatchClient(token=self._member_token)
         self._directory = OwnerDirectory(self.cfg)
-        self._directory_thread = threading.Thread(target=self._read_directory, name="receiver-directory", daemon=True)
-        self._directory_thread.start()
+        self._directory_thread = self.spawn(self._read_directory, name="receiver-directory")
         self._control = ControlFollower(self.cfg, RECEIVER_KIND, RECEIVER_ID, client_id=f"{self.member_id}-control")
         for record in self._control.read_to_end():
             self._apply_control(record)
-        self.state = ServiceState.RUNNING
+        self._set_running()
         if self.desired is DesiredState.STOPPED:
             log.info("receiver %s starts stopped (%s): it applies nothing until `sluice admin -c FILE start "
                      "--receiver`", self.member_id,
@@ -448,60 +484,64 @@ class ReceiverService:
         except (SluiceError, RuntimeError) as exc:  # RuntimeError: closed while stopping
             log.debug("reading the region directory: %s", exc)
 
-    def stop(self) -> None:
-        if self.state in (ServiceState.NEW, ServiceState.RUNNING):
-            self.state = ServiceState.STOPPING
-        self._stopping.set()
+    def on_stop(self) -> None:
+        """Each lane gives up the batch in hand (its retries cut short): neither acked nor committed."""
         for lane in list(self._lanes.values()):
             lane.stop.set()
 
     def run(self) -> None:
+        """The consumer loop, in the calling thread, until ``stop()``; a lane's crash is the receiver's."""
         consumer = self._consumer
         assert consumer is not None
+        try:
+            with self.crash_guard():
+                self._loop(consumer)
+        finally:
+            self._shutdown(consumer)
+
+    def _loop(self, consumer: Consumer) -> None:
+        """Control, membership, the inbound records into their lanes, commits, lanes, senders, status."""
         next_status = time.monotonic()
         consuming = kafka_errors(f"consuming {self.inbound}")
-        try:
-            while not self._stopping.is_set():
-                if self._control is not None:
-                    for record in self._control.poll_nowait():
-                        self._apply_control(record)
-                self._follow_desired(consumer)
-                with consuming:
-                    msgs = consume_available(consumer, 100, 0.1)
-                for msg in msgs:
-                    if msg.error() is None:
-                        lane = self._lanes.get(msg.partition())
-                        if lane is not None:
-                            lane.queue.put(msg)
-                self._commit_done(consumer)
-                self._tend_lanes(consumer)
-                self._check_senders()
-                if time.monotonic() >= next_status:
-                    self._publish_status()
-                    next_status = time.monotonic() + self.status_interval_s
-        except BaseException as exc:
-            if not isinstance(exc, KeyboardInterrupt):
-                self.crash = exc
-                self.state = ServiceState.CRASHED
-            raise
-        finally:
-            for lane in list(self._lanes.values()):
-                lane.close()
-            self._lanes.clear()
-            self._commit_done(consumer, asynchronous=False)
-            close_consumer(consumer, "closing the consumer", log)
-            if self._producer is not None:
-                self._producer.flush(10)
-            if self._client is not None:
-                self._client.close()
-            if self._directory_thread is not None:
-                self._directory_thread.join(5)
-            if self._directory is not None:
-                self._directory.close()
+        while not self._stopping.is_set():
             if self._control is not None:
-                self._control.close()
-            if self.state is not ServiceState.CRASHED:
-                self.state = ServiceState.STOPPED
+                for record in self._control.poll_nowait():
+                    self._apply_control(record)
+            self._follow_desired(consumer)
+            with consuming:
+                msgs = consume_available(consumer, RECEIVE_MAX_RECORDS, RECEIVE_WAIT_S)
+            for msg in msgs:
+                if msg.error() is None:
+                    lane = self._lanes.get(msg.partition())
+                    if lane is not None:
+                        lane.put(msg)
+            self._commit_done(consumer)
+            self._tend_lanes(consumer)
+            self.raise_crash()
+            self._check_senders()
+            if time.monotonic() >= next_status:
+                self._publish_status()
+                next_status = time.monotonic() + self.status_interval_s
+
+    def _shutdown(self, consumer: Consumer) -> None:
+        """Lanes, then commits, the consumer, the producer, the region client and the followers, each
+        whatever happened before."""
+        for lane in list(self._lanes.values()):
+            lane.close()
+        self._lanes.clear()
+        self._commit_done(consumer, asynchronous=False)
+        close_consumer(consumer, "closing the consumer", log)
+        if self._producer is not None:
+            self._producer.flush(FLUSH_DEADLINE_S)
+        if self._client is not None:
+            self._client.close()
+        if self._directory_thread is not None:
+            self._directory_thread.join(THREAD_JOIN_DEADLINE_S)
+        if self._directory is not None:
+            self._directory.close()
+        if self._control is not None:
+            self._control.close()
+        self._set_stopped()
 
     def _follow_desired(self, consumer: Consumer) -> None:
         """Join the inbound topic's consumer group when the receiver is to run, leave it when it is to

@@ -116,11 +116,9 @@ def _serve(service: RegionService, sock: socket.socket, cfg: SiteConfig) -> int:
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
 
     def watch_crash() -> None:
-        while not server.should_exit:
-            if service.state is ServiceState.CRASHED:
-                server.should_exit = True
-                return
-            threading.Event().wait(0.2)
+        # A crash sets the service's stop flag (core/lifecycle.py), as a stop does: either ends the server.
+        service.stopping.wait()
+        server.should_exit = True
 
     try:
         service.start()

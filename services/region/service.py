@@ -75,7 +75,7 @@ from ..core.errors import (
     UnknownRegion,
 )
 from ..core.events import EntryEvent, EventID
-from ..core.lifecycle import ServiceState
+from ..core.lifecycle import Service, ServiceState
 from ..core.webguard import is_loopback
 from ..core.kafka import kafka_errors, make_admin, topic_ids
 from .directory import DirectoryPublisher
@@ -101,6 +101,10 @@ UNOWNED_GRACE_S = 30.0
 #: transaction.timeout.ms of the instances' write transactions: the backstop that ends a transaction a
 #: dead owner left open when the directory cannot name the owner to fence (engine.py says the choice).
 TRANSACTION_TIMEOUT_MS = 10_000
+#: How often the directory thread reads the owners' claims, places standbys and heartbeats.
+DIRECTORY_REFRESH_S = 0.5
+#: How long a stop waits for the directory thread to end.
+THREAD_JOIN_DEADLINE_S = 5.0
 _JSON = {"content-type": "application/json"}
 
 
@@ -181,17 +185,16 @@ def _retry_routing(outcome: Outcome) -> bool:
     )
 
 
-class RegionService:
+class RegionService(Service):
     """One region-service instance: engine, router and HTTP face."""
 
     def __init__(self, cfg: SiteConfig, *, host: str | None = None, port: int | None = None,
                  store_dir: str | None = None) -> None:
+        super().__init__()
         self.cfg = cfg
         #: The local store's directory (``region_service.store_dir`` unless given; None: no store).
         self.store_dir = store_dir or cfg.region_service.store_dir
         self.store: LocalStore | None = None
-        self.state = ServiceState.NEW
-        self.crash: BaseException | None = None
         self.host = host or cfg.region_service.host
         self._port = cfg.region_service.port if port is None else port
         self.instance_id = f"{cfg.site}-{uuid.uuid4().hex[:12]}"
@@ -210,9 +213,7 @@ class RegionService:
         self.directory: OwnerDirectory | None = None
         self._publisher: DirectoryPublisher | None = None
         self._http: httpx.AsyncClient | None = None
-        self._stop_lock = threading.Lock()
         self._directory_thread: threading.Thread | None = None
-        self._stopped = threading.Event()
         #: Kept by the directory thread for readiness(): changelog topics missing or resized, and since
         #: when (monotonic) each bucket owned by nobody has been so.
         self._topic_problems: dict[str, str] = {}
@@ -261,7 +262,7 @@ class RegionService:
                             "region_service.allow_unauthenticated: true to accept that")])
 
     def start(self) -> None:
-        assert self.state is ServiceState.NEW, self.state
+        self._check_startable()
         self.bind()
         targets: dict[str, list[QueueTarget]] = {}
         self._grouping_regions = {
@@ -325,9 +326,8 @@ class RegionService:
         self._publisher = DirectoryPublisher(self.cfg, self.instance_id, self.url, trust)
         self.directory = OwnerDirectory(self.cfg, trust)
         self.engine.start()
-        self._directory_thread = threading.Thread(target=self._directory_loop, name="region-directory", daemon=True)
-        self._directory_thread.start()
-        self.state = ServiceState.RUNNING
+        self._directory_thread = self.spawn(self._directory_loop, name="region-directory")
+        self._set_running()
         self._instrument()
         log.info("region service %s listening on %s", self.instance_id, self.url)
 
@@ -379,7 +379,7 @@ class RegionService:
 
     def _directory_loop(self) -> None:
         assert self.directory is not None and self._publisher is not None
-        while not self._stopped.is_set():
+        while not self._stopping.is_set():
             try:
                 self.directory.refresh()
                 self._place_standbys()
@@ -387,7 +387,7 @@ class RegionService:
                 self._watch_readiness(time.monotonic())
             except SluiceError as exc:
                 log.debug("owner directory refresh failed: %s", exc)
-            self._stopped.wait(0.5)
+            self._stopping.wait(DIRECTORY_REFRESH_S)
 
     def _place_standbys(self) -> None:
         """Directory thread: the standby copies this instance keeps (standby.py's placement over the
@@ -422,32 +422,26 @@ class RegionService:
             {(region, bucket) for region, bucket, _ in engine.claims()}, directory.table())
 
     def _crashed(self, exc: BaseException) -> None:
-        self.crash = exc
-        self.state = ServiceState.CRASHED
+        """An engine thread died of ``exc``: the instance is crashed (the CLI stops it and exits 1)."""
+        self.record_crash(exc)
 
-    def stop(self) -> None:
-        """Idempotent: leave the group cleanly, flush, close."""
-        with self._stop_lock:
-            if self.state in (ServiceState.STOPPING, ServiceState.STOPPED):
-                return
-            crashed = self.state is ServiceState.CRASHED
-            self.state = ServiceState.STOPPING
-            self._stopped.set()
-            try:
-                if self.engine is not None:
-                    self.engine.stop()
-            finally:
-                if self.store is not None:
-                    self.store.close()
-                if self._directory_thread is not None:
-                    self._directory_thread.join(5)
-                if self._publisher is not None:
-                    self._publisher.close()
-                if self.directory is not None:
-                    self.directory.close()
-                if self._sock is not None:
-                    self._sock.close()
-                self.state = ServiceState.CRASHED if crashed else ServiceState.STOPPED
+    def on_stop(self) -> None:
+        """The first ``stop()``: leave the group cleanly, flush, close (a crashed instance too)."""
+        try:
+            if self.engine is not None:
+                self.engine.stop()
+        finally:
+            if self.store is not None:
+                self.store.close()
+            if self._directory_thread is not None:
+                self._directory_thread.join(THREAD_JOIN_DEADLINE_S)
+            if self._publisher is not None:
+                self._publisher.close()
+            if self.directory is not None:
+                self.directory.close()
+            if self._sock is not None:
+                self._sock.close()
+            self._set_stopped()
 
     @property
     def ready(self) -> bool:

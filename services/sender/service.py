@@ -258,8 +258,8 @@ class GatewaySenderService(QueuePrimary):
                                               **self.cfg.kafka.producer_settings())
         self._ack_reader = make_consumer(base, None, **{"client.id": f"{self.member_id}-acks",
                                                         "fetch.wait.max.ms": 20})
-        self._ack_thread = threading.Thread(target=self._read_acks, name=f"acks-{self.queue_id}", daemon=True)
-        self._ack_thread.start()
+        # A bug that kills the ack thread is the sender's crash (``Service.spawn``), not a silent wait for acks.
+        self._ack_thread = self.spawn(self._read_acks, name=f"acks-{self.queue_id}")
 
     def _inbound_partition(self, partition: int) -> int:
         """Where the batches of a queue partition go in the remote inbound topic:

@@ -80,7 +80,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -141,7 +140,7 @@ from ..core.kafka import (
     make_consumer,
     make_producer,
 )
-from ..core.lifecycle import ServiceState
+from ..core.lifecycle import Service, ServiceState
 from .index import InterestIndex
 
 log = logging.getLogger("sluice.subscriptions")
@@ -170,6 +169,8 @@ REFUSALS_REMEMBERED = 4096
 #: How long a refusal waits to be answered: for the client's queue topic to be seen (the client
 #: creates it just before it registers), or for this instance to become its partition's primary.
 REFUSAL_ANSWER_WAIT_S = 60.0
+#: How long the producer may take to deliver what it holds at shutdown.
+FLUSH_DEADLINE_S = 10.0
 
 
 #: The hot path's boundary: a write to a client's queue that fails goes on through ``_produce_to``.
@@ -210,10 +211,13 @@ class _Client:
         return self.record["client_id"]
 
 
-class SubscriptionService:
-    """One subscription-service instance of a site."""
+class SubscriptionService(Service):
+    """One subscription-service instance of a site (its lifecycle: core/lifecycle.py)."""
+
+    kind = "subscriptions"
 
     def __init__(self, cfg: SiteConfig, *, member_id: str | None = None, token: str | None = None) -> None:
+        super().__init__()
         self.cfg = cfg
         #: When set, a registration is taken only with ``authorization: Bearer <token>`` (a record header).
         self.token = token if token is not None else configured_token(cfg)
@@ -227,9 +231,6 @@ class SubscriptionService:
         self.changelogs = {names.region_changelog(r.name): r for r in cfg.regions}
         self.partitions = self.sub.registry_partitions
         self.group_id = f"{cfg.kafka.topic_prefix}subscriptions"
-        self.state = ServiceState.NEW
-        self.crash: BaseException | None = None
-        self._stopping = threading.Event()
         self._codec = get_codec()
         self._entry_header = self._codec.header("EntryEvent")
         self._message_header = self._codec.header("ClientMessage")
@@ -300,6 +301,7 @@ class SubscriptionService:
     # --- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
+        self._check_startable()
         base = self.cfg.kafka.client_settings()
         client_id = {"client.id": self.member_id}
         # A queue deleted under the service (its client timed out, or an operator removed it) fails its
@@ -319,7 +321,7 @@ class SubscriptionService:
                                                                    self.fill_topic)
                                  for p in range(self.partitions)])
         self._read_tables(to_end=True)
-        self.state = ServiceState.RUNNING
+        self._set_running()
 
     def _check_topics(self) -> None:
         """Refuse to start without the subscription topics (a site made before the dead-letter topic
@@ -332,11 +334,6 @@ class SubscriptionService:
             if found is None or found.error is not None:
                 raise TopicMissing(topic)
 
-    def stop(self) -> None:
-        if self.state in (ServiceState.NEW, ServiceState.RUNNING):
-            self.state = ServiceState.STOPPING
-        self._stopping.set()
-
     def run(self) -> None:
         group = self._group
         assert group is not None
@@ -344,27 +341,23 @@ class SubscriptionService:
                         on_lost=self._on_lost)
         next_sync = next_rules = time.monotonic()
         try:
-            while not self._stopping.is_set():
-                group.poll(0)  # membership: rebalance callbacks run here
-                self._read_tables()
-                if self._reposition:
-                    self._position_changelogs()
-                now = time.monotonic()
-                if now >= next_rules or self._dirty:
-                    if self._dirty and self._answers_due():
-                        self._catch_up()
-                    self._dirty = False
-                    self._tend_clients()
-                    next_rules = now + RULES_INTERVAL_S
-                self._fill()
-                if time.monotonic() >= next_sync:
-                    self._sync()
-                    next_sync = time.monotonic() + self.sub.message_sync_interval_s
-        except BaseException as exc:
-            if not isinstance(exc, KeyboardInterrupt):
-                self.crash = exc
-                self.state = ServiceState.CRASHED
-            raise
+            with self.crash_guard():
+                while not self._stopping.is_set():
+                    group.poll(0)  # membership: rebalance callbacks run here
+                    self._read_tables()
+                    if self._reposition:
+                        self._position_changelogs()
+                    now = time.monotonic()
+                    if now >= next_rules or self._dirty:
+                        if self._dirty and self._answers_due():
+                            self._catch_up()
+                        self._dirty = False
+                        self._tend_clients()
+                        next_rules = now + RULES_INTERVAL_S
+                    self._fill()
+                    if time.monotonic() >= next_sync:
+                        self._sync()
+                        next_sync = time.monotonic() + self.sub.message_sync_interval_s
         finally:
             self._close()
 
@@ -379,9 +372,8 @@ class SubscriptionService:
             if consumer is not None:
                 close_consumer(consumer, "closing a consumer", log)
         if self._producer is not None:
-            self._producer.flush(10)
-        if self.state is not ServiceState.CRASHED:
-            self.state = ServiceState.STOPPED
+            self._producer.flush(FLUSH_DEADLINE_S)
+        self._set_stopped()
 
     # --- primaries: the consumer group over the registry -------------------------------------
 
