@@ -51,6 +51,11 @@ from confluent_kafka.schema_registry import (
 from confluent_kafka.schema_registry.avro import AvroSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext, SerializationError
 
+try:  # the HTTP client confluent-kafka's registry client uses: httpx2 where installed, else httpx
+    from httpx2 import HTTPError as _HTTPError
+except ImportError:  # pragma: no cover - depends on the installed extras
+    from httpx import HTTPError as _HTTPError
+
 from .codec import Codec, _collect_named, _self_contained, get_codec
 from .config.models.registry import SchemaRegistryConnection
 from .errors import ConfigError, MalformedRecord, RegistryRefused, RegistryUnavailable
@@ -150,10 +155,10 @@ class ConfluentAvroWriter:
             if isinstance(cause, SchemaRegistryError):
                 raise self._registry_error(cause, self.subject_for(topic), "registering the schema") from exc
             raise MalformedRecord(f"cannot encode {self.record_name} for {topic}: {exc}") from exc
+        except (_HTTPError, OSError) as exc:  # no answer: connection refused, timeout, TLS
+            raise RegistryUnavailable(self.connection.url, f"{type(exc).__name__}: {exc}") from exc
         except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
             raise MalformedRecord(f"cannot encode {self.record_name} for {topic}: {exc}") from exc
-        except Exception as exc:  # the HTTP client's own errors: connection refused, timeout
-            raise RegistryUnavailable(self.connection.url, f"{type(exc).__name__}: {exc}") from exc
         assert data is not None and data[0] == MAGIC_BYTE, "confluent-kafka's serializer wrote no Confluent frame"
         return data
 
@@ -167,10 +172,11 @@ class ConfluentAvroWriter:
             return self.client.register_schema(subject, self.schema)  # type: ignore[no-any-return]
         except SchemaRegistryError as exc:
             raise self._registry_error(exc, subject, "checking the subject") from exc
-        except (ConfigError, RegistryUnavailable, RegistryRefused):
-            raise
-        except Exception as exc:  # the HTTP client's own errors: connection refused, timeout
+        except (_HTTPError, OSError) as exc:  # no answer: connection refused, timeout, TLS
             raise RegistryUnavailable(self.connection.url, f"{type(exc).__name__}: {exc}") from exc
+        except ValueError as exc:  # an answer that is not the registry's JSON: another service at the URL
+            raise RegistryUnavailable(self.connection.url, f"no registry answer while checking {subject!r}: "
+                                      f"{exc}") from exc
 
     def _lookup(self, subject: str) -> int:
         try:

@@ -44,7 +44,8 @@ from sluice.listeners.kafka_forwarder import KafkaForwarderListener
 if TYPE_CHECKING:
     from conftest import Site
 
-pytestmark = pytest.mark.timeout(600)
+# The first test of a session may build the registry (~2-5 minutes with a cold Maven repository).
+pytestmark = pytest.mark.timeout(1200)
 
 KEYS = 20
 
@@ -119,9 +120,12 @@ def test_forwarded_records_are_read_by_a_plain_avro_deserializer(site_a: Site, s
         procs += [ReceiverProcess(path_b, tmp_path / "receiver-b.log"),
                   SenderProcess(path_a, "orders-to-b", tmp_path / "sender-a.log"),
                   DispatcherProcess(path_b, "downstream", tmp_path / "dispatcher-b.log")]
+        # The dispatcher checked and registered the region's subject when it started, before any record.
+        procs[-1].wait_started(120)
+        subject = f"{downstream}-value"
+        assert subject in SchemaRegistryClient({"url": registry.url}).get_subjects()
         RegionClient([region_a.url]).put_all("orders", {f"k{i}": {"n": i} for i in range(KEYS)})
 
-        subject = f"{downstream}-value"
         records = read_confluent(site_b.bootstrap, downstream, registry.url, KEYS, procs)
     finally:
         for proc in reversed(procs):

@@ -18,6 +18,7 @@ from confluent_kafka.schema_registry.avro import AvroDeserializer
 from confluent_kafka.schema_registry._sync.mock_schema_registry_client import MockSchemaRegistryClient
 from confluent_kafka.serialization import MessageField, SerializationContext
 
+from sluice.core.asyncevent import AsyncEvent
 from sluice.core.config.models.registry import SchemaRegistryConnection
 from sluice.core.errors import ConfigError, RegistryRefused, RegistryUnavailable
 from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
@@ -298,3 +299,25 @@ def test_forwarder_checks_a_subject_per_region_on_start(monkeypatch: pytest.Monk
                    "kafka": {"bootstrap.servers": "127.0.0.1:1"}, "topic_prefix": "p.",
                    "regions": ["orders", "items"]})
     assert sorted(client.get_subjects()) == ["down.items-value", "down.orders-value"]
+
+
+def test_an_unreachable_registry_fails_the_offer_before_anything_is_written(monkeypatch: pytest.MonkeyPatch,
+                                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A subject first met at a record (no regions named on start) whose registry cannot be reached: the offer
+    returns False, so the dispatcher offers the same batch again, and no record reached the producer."""
+    real = kafka_forwarder.ConfluentAvroWriter
+    client = SchemaRegistryClient({"url": "http://127.0.0.1:9", "max.retries": 0, "timeout": 2})
+    monkeypatch.setattr(kafka_forwarder, "ConfluentAvroWriter",
+                        lambda connection, name, field: real(connection, name, field=field, client=client))
+
+    class NoWrites:
+        def produce(self, *args: Any, **kwargs: Any) -> None:
+            raise AssertionError("nothing may be produced when a record cannot be encoded")
+
+    monkeypatch.setattr(kafka_forwarder, "make_producer", lambda conf: NoWrites())
+    listener = KafkaForwarderListener()
+    listener.init({"settings": confluent(url="http://127.0.0.1:9"), "queue_id": "q", "site": "a", "dsid": 1,
+                   "kafka": {"bootstrap.servers": "127.0.0.1:1"}, "topic_prefix": ""})
+    batch = [AsyncEvent(entry(i), "q", 3, i, False) for i in range(3)]
+    assert listener.process_events(batch) is False
+    assert listener.offers_failed == 1 and "schema registry http://127.0.0.1:9" in caplog.text
