@@ -60,9 +60,9 @@ helm-package:
 	@$(HELM) lint helm/sluice
 	@$(HELM) package helm/sluice --destination $(CHART_DIST)
 
-# promtool for the alert rules' tests (tests/helm/test_alerts.py call the same
-# script): deploy/get-promtool.sh builds it once with `go install` from the Go
-# module proxy into ~/.cache/sluice/bin (many minutes on 2 cores).
+# promtool for the alert rules' tests (tests/helm/test_alerts.py, which skip
+# until it is there): deploy/get-promtool.sh builds it once with `go install`
+# from the Go module proxy into ~/.cache/sluice/bin (many minutes on 2 cores).
 promtool:
 	@deploy/get-promtool.sh
 

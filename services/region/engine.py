@@ -964,9 +964,10 @@ class RegionEngine:
                     ob = self._current(*slot)
                     if ob is not None:
                         ob.end = offset + 2
-                telemetry.count_topics(self.records_written, window.records, skip)
             self._windows_done += 1
             self._window_changed.notify_all()
+        if outcome.committed is not None:  # outside the lock: the callers' writes need it
+            telemetry.count_topics(self.records_written, window.records, skip)
         error = outcome.error
         if error is not None:
             self.stats["windows_failed"] += 1
