@@ -71,12 +71,21 @@ demo: jars
 
 # The suite runs on WORKERS pytest-xdist workers: its tests mostly wait on brokers and service processes, so
 # four overlap well on two cores.  Tests that share a costly session resource (PostgreSQL, Spark, helm, a
-# module's services) carry an xdist_group and run on one worker (tests/conftest.py).  WORKERS=0 runs serially.
+# module's services) carry an xdist_group and run on one worker (tests/conftest.py).  The few tests with a
+# timing bound (marked `serial`) run afterwards, alone.  WORKERS=0 runs everything serially.
 WORKERS ?= 4
 XDIST   := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadgroup)
 
 test: jars
-	$(PY) -m pytest tests -q -ra --durations=15 $(XDIST) $(PYTEST_ARGS)
+ifeq ($(WORKERS),0)
+	$(PY) -m pytest tests -q -ra --durations=15 $(PYTEST_ARGS)
+else
+	@parallel=0; serial=0; \
+	$(PY) -m pytest tests -q -ra --durations=15 $(XDIST) -m "not slow and not serial" $(PYTEST_ARGS) || parallel=$$?; \
+	$(PY) -m pytest tests -q -ra --durations=10 -m "serial and not slow" $(PYTEST_ARGS) || serial=$$?; \
+	echo "make test: parallel part exit $$parallel, serial part exit $$serial"; \
+	[ $$parallel -eq 0 ] && [ $$serial -eq 0 ]
+endif
 
 # The long tier: the tests marked `slow` (tests/README.md says which and why), out of `make test`; CI runs
 # them after it.

@@ -302,18 +302,35 @@ def xdist_group_of(item: pytest.Item) -> str | None:
 FOLDER_ORDER = ["faults", "integration", "pipelines", "helm", "tools", "unit"]
 
 
+def _timeout_s(item: pytest.Item, default: float) -> float:
+    """The test's pytest-timeout limit: what its author allowed it, the best guess of its length there is."""
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        try:
+            return float(marker.args[0])
+        except (TypeError, ValueError):
+            return default
+    return default
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Group the tests that share a costly session resource (pytest-xdist runs a group on one worker) and hand
-    out the long folders first."""
-    def folder_rank(item: pytest.Item) -> int:
+    out the long ones first: by folder, then within a folder the tests allowed the longest first."""
+    try:
+        default_timeout = float(config.getini("timeout") or 0)
+    except (TypeError, ValueError):
+        default_timeout = 0.0
+
+    def rank(item: pytest.Item) -> tuple[int, float]:
         try:
             folder = item.path.relative_to(TESTS_ROOT).parts[0]
         except (ValueError, IndexError):
-            return len(FOLDER_ORDER)
-        return FOLDER_ORDER.index(folder) if folder in FOLDER_ORDER else len(FOLDER_ORDER)
+            return len(FOLDER_ORDER), 0.0
+        folder_rank = FOLDER_ORDER.index(folder) if folder in FOLDER_ORDER else len(FOLDER_ORDER)
+        return folder_rank, -_timeout_s(item, default_timeout)
 
-    items.sort(key=folder_rank)  # stable: the order within a folder is kept
+    items.sort(key=rank)  # stable: tests of equal rank keep their order
     for item in items:
         group = xdist_group_of(item)
         if group is not None and item.get_closest_marker("xdist_group") is None:

@@ -76,6 +76,7 @@ def test_round_trip(any_site: Site, unique_prefix: str) -> None:
 
 
 @pytest.mark.tansu
+@pytest.mark.serial  # a bound in seconds: runs alone (make test)
 def test_first_group_assignment_is_fast(any_site: Site, unique_prefix: str) -> None:
     """A new consumer group (session 3 s, heartbeat 0.5 s) gets its partitions quickly."""
     topic = any_site.topic_prefix(unique_prefix) + "group"
@@ -130,6 +131,7 @@ def test_embedded_kafka_restart_keeps_records(
     assert sorted(read_values(second.bootstrap, topic, 2, len(values))) == sorted(values)
 
 
+@pytest.mark.serial  # a bound in seconds: runs alone (make test)
 def test_sigterm_stops_embedded_kafka_within_seconds(broker_factory: BrokerFactory, unique_prefix: str) -> None:
     """stop() shuts Apache Kafka down by SIGTERM in a few seconds, without needing SIGKILL."""
     broker = broker_factory("s", "kafka", stop_timeout_s=20.0)

@@ -153,6 +153,7 @@ def test_batch_lands_keyed_avro_with_headers(any_site: Site, unique_prefix: str)
         assert ids == sorted(ids, key=lambda i: by_id[i].sequence_id)
 
 
+@pytest.mark.serial  # a bound in seconds: runs alone (make test)
 def test_missing_topic_fails_then_succeeds(site_a: Site, unique_prefix: str) -> None:
     """A topic that does not exist (no auto-create) fails the offer within flush_timeout_s; once created, the re-offer is accepted and every event lands once."""
     topic = site_a.topic_prefix(unique_prefix) + "down"

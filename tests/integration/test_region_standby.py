@@ -42,6 +42,7 @@ def bucket_row(instance: RegionProcess, bucket: int) -> dict:
     return next(r for r in rows if r["bucket"] == bucket)
 
 
+@pytest.mark.serial  # a bound in seconds on the answer: runs alone (make test)
 def test_a_standby_behind_when_promoted_catches_up_before_answering(site_a, unique_prefix, tmp_path: Path):
     prefix = site_a.topic_prefix(unique_prefix)
     cfg = write_site(tmp_path / "site.yaml", site="a", bootstrap=site_a.bootstrap, prefix=prefix, redundant_copies=1)

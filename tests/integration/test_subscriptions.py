@@ -579,6 +579,7 @@ def test_a_client_whose_queue_is_gone_refetches_its_interest_without_events(
             cache.close()
 
 
+@pytest.mark.serial  # a bound in seconds on the fast client: runs alone (make test)
 def test_a_slow_client_does_not_slow_the_others(site: Any, tmp_path: Path) -> None:
     cfg, path, region = site
 

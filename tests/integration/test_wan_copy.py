@@ -259,6 +259,7 @@ def _rate_site(tmp_path: Path, bootstrap: str, prefix: str, per_bucket: int) -> 
     return paths["a"], load_config(paths["a"]), region_a
 
 
+@pytest.mark.serial  # a rate within 10 %: runs alone (make test)
 def test_max_rate_holds_within_ten_percent_and_cancel_stops_a_copy_cleanly(site_a, unique_prefix, tmp_path: Path):
     """A copy of 3,000 entries at --max-rate 1000 (batches of 125, 375 entries a bucket) runs at 1,000/s ± 10 %,
     by the queue records' timestamps and by the service's own report.  Then a copy at 400/s is cancelled from
