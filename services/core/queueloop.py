@@ -4,6 +4,14 @@ Every instance serving a queue joins the queue's consumer group; the members
 assigned partitions are the primaries of those partitions, the others wait
 as secondaries and take over when a primary crashes or leaves.
 
+Three parts, each in its module: the partition loop (core/loop.py: the
+consumer, its group callbacks, the bounded inbox from the workers, the status
+timer, crash propagation), the protocol (core/queueprotocol.py: assignments
+and outcomes in, offers, removals and commits out, no I/O, replayed in
+tests/unit/test_queue_protocol.py), and this module, which performs the
+protocol's actions: reading records, offering batches on worker threads,
+writing removals and dead letters, committing, clean starts and status.
+
 The story of a partition on its primary, step by step:
 
 1. Records are read from the queue topic into ``AsyncEvent``s of their
@@ -56,7 +64,7 @@ before it dispatches them again (core/queueclean.py tells that story).  The
 primaries report per-partition status to the site's status topic every few
 seconds.
 
-Lifecycle::
+Lifecycle (core/lifecycle.py)::
 
     NEW ──start()──► RUNNING ──stop()──► STOPPING ──► STOPPED
                         └── a thread died ──► CRASHED (exit non-zero)
@@ -67,10 +75,8 @@ from __future__ import annotations
 import concurrent.futures
 import enum
 import logging
-import queue
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from tenacity import RetryCallState, Retrying, retry_if_exception
@@ -78,7 +84,7 @@ from tenacity.stop import stop_base
 
 from . import telemetry
 from .asyncevent import AsyncEvent, event_id_of, possible_duplicates, undecodable
-from .batching import Batch, BatchPolicy, PartitionBatcher
+from .batching import Batch, BatchPolicy
 from .codec import get_codec
 from .config import SiteConfig
 from .control import ControlFollower
@@ -94,6 +100,8 @@ from .eventwire import (
     removal_record,
 )
 from .lifecycle import Service, ServiceState
+from .loop import Inbox, PartitionLoop
+from .queueprotocol import OfferDone, QueuePartition, QueueProtocol, Removal
 from .queueclean import (
     APPLIED,
     APPLYING,
@@ -110,7 +118,6 @@ from .kafka import (
     Message,
     TopicPartition,
     close_consumer,
-    consume_available,
     kafka_errors,
     make_consumer,
     make_producer,
@@ -120,6 +127,21 @@ from .kafka import (
 )
 
 log = logging.getLogger("sluice.queue")
+
+#: How long the producer may take to deliver what it holds (a clean's, a revoke's, the shutdown's flush).
+FLUSH_DEADLINE_S = 10.0
+#: How long one request for a committed offset or a partition's watermarks may take (asked again after).
+OFFSETS_REQUEST_DEADLINE_S = 10.0
+#: The longest an idle turn waits for records, and the wait while a batch or a removal is out (its
+#: outcome comes through the inbox or the producer, neither of which wakes the consumer).
+POLL_WAIT_IDLE_S = 0.05
+POLL_WAIT_BUSY_S = 0.005
+#: The wait after the first failed offer; it doubles up to ``QueuePrimary.backoff_max_s``.
+BACKOFF_FIRST_S = 0.05
+#: How long a revoke waits for the offers in flight on the revoked partitions to end, and each wait
+#: for one of their outcomes.
+REVOKE_DRAIN_DEADLINE_S = 30.0
+REVOKE_INBOX_WAIT_S = 0.05
 
 class DesiredState(str, enum.Enum):
     RUNNING = "RUNNING"
@@ -165,37 +187,6 @@ def event_traceparent(event: AsyncEvent) -> bytes | None:
     return event.traceparent if isinstance(event, TracedEvent) else None
 
 
-@dataclass(slots=True)
-class QueuePartition:
-    """A partition this dispatcher is primary for."""
-
-    tp: TopicPartition
-    batcher: PartitionBatcher[AsyncEvent]
-    duplicate_below: int  # offsets below this may have been offered before
-    revoked: bool = False
-    in_flight: bool = False
-    events_dispatched: int = 0
-    dead_lettered: int = 0
-    last_removed_offset: int = -1
-    last_accepted_at: int = 0  # epoch ms of the last delivered batch (a sender: its last ack)
-    alerting_since: float = 0.0  # monotonic time of the last ALERT logged; 0 when none is due
-    dispatched_yet: bool = False  # a batch of events has gone out since this member took the partition
-    head: int = -1  # the first offset not yet removed, once known (a removal, or the first record read)
-    #: A clean start names this partition and is not applied yet: nothing of it is dispatched.
-    clean_due: bool = False
-    #: Records below this offset are not read: a clean start dropped them (-1: none).
-    skip_below: int = -1
-
-
-@dataclass(frozen=True, slots=True)
-class _OfferDone:
-    partition: int
-    batches: list[Batch[AsyncEvent]]
-    accepted: int  # how many of ``batches``, from the oldest, were delivered
-    attempts: int
-    at_ms: int = 0
-
-
 class QueuePrimary(Service):
     """The primary side of one queue (an async event queue or a gateway sender)."""
 
@@ -231,8 +222,14 @@ class QueuePrimary(Service):
 
         self._codec = get_codec()
         self._removal_header = self._codec.header("RemovalRecord")
-        self._partitions: dict[int, QueuePartition] = {}
-        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        #: The decisions over this member's partitions (core/queueprotocol.py); the loop performs them.
+        self.protocol = QueueProtocol(self.topic, self.policy)
+        self._partitions: dict[int, QueuePartition] = self.protocol.partitions
+        #: The workers' results to the loop: at most what every worker's offers can bring at once
+        #: (an outcome, a failure and a dead letter per event of each batch out).
+        self._inbox: Inbox[tuple[str, Any]] = Inbox(
+            self.worker_threads() * (settings.batch_size * self.max_in_flight() + 2), self._stopping,
+            f"{self.kind} {queue_id}")
         #: An offer's failure that no retry can mend (``offered_again``): the loop raises it.
         self._offer_failed: BaseException | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -242,16 +239,15 @@ class QueuePrimary(Service):
         self._producer: Any = None
         self._control: ControlFollower | None = None
         self._paused_for_memory = False
+        #: When an idle turn next asks where the consumer stands (``_cover_skipped_offsets``).
+        self._next_gap_check = 0.0
         #: Removal records produced whose delivery the loop has not taken yet.
         self._removals_unacked = 0
-        #: partition -> offset to commit, once its removal is durable; committed once per turn.
-        self._commits_due: dict[int, int] = {}
         #: The latest clean start the control topic carries for this queue, and the partitions this member
         #: knows it is applied to (core/queueclean.py).
         self._clean: CleanRequest | None = None
         self._clean_applied: set[int] = set()
-        self.stats = {"batches": 0, "events": 0, "redeliveries": 0, "dead_lettered": 0, "conflated": 0,
-                      "filtered": 0, "takeovers": 0, "alerts": 0}
+        self.stats = self.protocol.stats
         #: The group has given this member its assignment (possibly none) and it was not lost since.
         self.assigned = False
         # partition -> (queue size, oldest waiting event's age in s), replaced whole by the loop's status pass.
@@ -393,40 +389,37 @@ class QueuePrimary(Service):
         log.info("%s %s of queue %s starting (%s)", self.kind, self.member_id, self.queue_id, self.desired.value)
 
     def run(self) -> None:
-        """The consumer loop, in the calling thread, until ``stop()``.  A stop while a record waited
-        for an absent broker (``Stopping``) committed nothing past it; anything else that leaves the
-        loop is the queue's crash (``crash_guard``)."""
+        """The partition loop (core/loop.py), in the calling thread, until ``stop()``.  A stop while a
+        record waited for an absent broker (``Stopping``) committed nothing past it; anything else that
+        leaves the loop is the queue's crash."""
         consumer = self._consumer
         assert consumer is not None
-        consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost)
-        next_status = time.monotonic() + self.status_interval_s
-        next_gap_check = 0.0
-        consuming = kafka_errors(f"consuming {self.topic}")
+        loop = PartitionLoop(self, consumer, [self.topic], self, read_max_records=self.read_max_records,
+                             status_interval_s=self.status_interval_s)
         try:
-            with self.crash_guard():
-                while not self._stopping.is_set():
-                    timeout = self._poll_timeout_s()
-                    with consuming:
-                        msgs = consume_available(consumer, self.read_max_records, timeout)
-                    if msgs:
-                        self._read(msgs, int(time.time() * 1000))
-                    elif time.monotonic() >= next_gap_check:
-                        self._cover_skipped_offsets(int(time.time() * 1000))
-                        next_gap_check = time.monotonic() + self.gap_check_interval_s
-                    self._poll_control()
-                    self._drain_inbox()
-                    self._raise_failed_offer()
-                    self.raise_crash()
-                    self._apply_due_cleans()
-                    self._dispatch_ready()
-                    if self._removals_unacked:
-                        self._producer.poll(0)  # the removals' deliveries, into the inbox
-                    self._apply_memory_bound()
-                    if time.monotonic() >= next_status:
-                        self._publish_status()
-                        next_status = time.monotonic() + self.status_interval_s
+            loop.subscribe()
+            loop.run()
         finally:
             self._shutdown()
+
+    def turn(self, msgs: list[Message]) -> None:
+        """One turn of the loop: the records read, control, the workers' results, cleans, offers,
+        the removals' deliveries, the memory bound."""
+        if msgs:
+            self._read(msgs, int(time.time() * 1000))
+        elif time.monotonic() >= self._next_gap_check:
+            self._cover_skipped_offsets(int(time.time() * 1000))
+            self._next_gap_check = time.monotonic() + self.gap_check_interval_s
+        self._poll_control()
+        self._drain_inbox()
+        self._raise_failed_offer()
+        self.raise_crash()
+        self._apply_due_cleans()
+        self._dispatch_ready()
+        if self._removals_unacked:
+            self._producer.poll(0)  # the removals' deliveries (``_removed``, on this thread)
+            self._commit_removed()
+        self._apply_memory_bound()
 
     def _shutdown(self) -> None:
         consumer = self._consumer
@@ -435,7 +428,7 @@ class QueuePrimary(Service):
             close_consumer(consumer, "closing the consumer", log)
         self._pool.shutdown(wait=True, cancel_futures=True)
         if self._producer is not None:
-            self._producer.flush(10)
+            self._producer.flush(FLUSH_DEADLINE_S)
         if self._control is not None:
             self._control.close()
         self.release()
@@ -490,7 +483,7 @@ class QueuePrimary(Service):
             if self._removals_unacked:
                 # A removal written before must be durable, and taken, before the clean's: the head only
                 # moves forward.
-                self._producer.flush(10)
+                self._producer.flush(FLUSH_DEADLINE_S)
                 self._drain_inbox()
                 if self._removals_unacked:
                     return
@@ -549,7 +542,8 @@ class QueuePrimary(Service):
         assert consumer is not None
         tp = part.tp
         heads = [part.head]
-        committed = until_answered(lambda: consumer.committed([TopicPartition(tp.topic, tp.partition)], timeout=10),
+        committed = until_answered(lambda: consumer.committed([TopicPartition(tp.topic, tp.partition)],
+                                                                    timeout=OFFSETS_REQUEST_DEADLINE_S),
                                    f"queue {self.queue_id}: reading the committed offset of {tp.topic}[{tp.partition}]",
                                    stopping=self._stopping)
         heads += [c.offset for c in committed if c.error is None]
@@ -559,7 +553,7 @@ class QueuePrimary(Service):
             heads.append(removal["last_removed_offset"] + 1)
         head = max(heads)
         if head < 0:  # nothing removed, nothing committed, nothing read: the partition's start
-            head = int(until_answered(lambda: consumer.get_watermark_offsets(tp, timeout=10),
+            head = int(until_answered(lambda: consumer.get_watermark_offsets(tp, timeout=OFFSETS_REQUEST_DEADLINE_S),
                                       f"queue {self.queue_id}: reading the start of {tp.topic}[{tp.partition}]",
                                       stopping=self._stopping)[0])
         return head
@@ -626,7 +620,7 @@ class QueuePrimary(Service):
         until_answered(lambda: consumer.commit(offsets=[TopicPartition(self.topic, partition, cut)],
                                                asynchronous=False),
                        f"queue {self.queue_id}: committing {self.topic}[{partition}]@{cut}", stopping=self._stopping)
-        self._commits_due.pop(partition, None)
+        self.protocol.committed_at(partition, cut)
 
     def _skip_to(self, part: QueuePartition, cut: int) -> None:
         """Read on from the cut rather than through what the clean dropped (records below it are passed
@@ -821,7 +815,7 @@ class QueuePrimary(Service):
 
     # --- dispatching ------------------------------------------------------------------
 
-    def _poll_timeout_s(self) -> float:
+    def poll_timeout_s(self) -> float:
         """How long the loop may wait for records: until a batch is due, and
         briefly while a batch is out (its result comes through the inbox,
         which does not wake the consumer)."""
@@ -831,37 +825,24 @@ class QueuePrimary(Service):
         # A partition with batches out takes nothing new before they are done.
         due = [p.batcher.due_in_ms(now_ms) for p in self._partitions.values() if not p.in_flight]
         due_ms = [d for d in due if d is not None]
-        wait = 0.05
+        wait = POLL_WAIT_IDLE_S
         if due_ms and self.desired is DesiredState.RUNNING:
             wait = min(wait, min(due_ms) / 1000)
         if self._removals_unacked or any(p.in_flight for p in self._partitions.values()):
-            wait = min(wait, 0.005)
+            wait = min(wait, POLL_WAIT_BUSY_S)
         return wait
 
     def _dispatch_ready(self) -> None:
-        if self.desired is not DesiredState.RUNNING:
-            return
-        now_ms = int(time.time() * 1000)
-        for part in self._partitions.values():
-            if part.in_flight or part.revoked or part.clean_due:
+        """The protocol's offers go to the workers; the removals of batches that needed none are written."""
+        for action in self.protocol.ready(int(time.time() * 1000), self.desired is DesiredState.RUNNING):
+            if isinstance(action, Removal):
+                self._write_removal(action.part, action.batch, action.commit)
                 continue
-            # What is still out (refused before) goes again first, then new batches.
-            while part.batcher.take(now_ms) is not None:
-                pass
-            group = list(part.batcher.out)
-            if not group:
-                continue
-            part.in_flight = True
-            if not any(b.events for b in group):
-                # Only dead letters, filtered or conflated-away records: nothing to offer.
-                self._inbox.put(("done", _OfferDone(part.tp.partition, group, len(group), 0, now_ms)))
-                continue
-            if not part.dispatched_yet:
+            if action.first:
                 # The end of a failover, as an operator (and `sluice soak`) measures it.
-                part.dispatched_yet = True
                 log.info("queue %s[%d]: first batch dispatched since taking the partition (batch %d)",
-                         self.queue_id, part.tp.partition, group[0].batch_id)
-            self._pool.submit(self._offer, part, group)
+                         self.queue_id, action.part.tp.partition, action.batches[0].batch_id)
+            self._pool.submit(self._offer, action.part, action.batches)
 
     def _offer(self, part: QueuePartition, group: list[Batch[AsyncEvent]]) -> None:
         """Worker thread: the same batches until some are accepted, or until dispatch must stop.
@@ -899,12 +880,12 @@ class QueuePrimary(Service):
         finally:
             if accepted > 0:
                 self._batch_duration.record(time.monotonic() - began, self._queue_attributes())
-            self._inbox.put(("done", _OfferDone(part.tp.partition, group, max(0, accepted), attempts,
+            self._inbox.put(("done", OfferDone(part.tp.partition, group, max(0, accepted), attempts,
                                                 int(time.time() * 1000))))
 
     def _backoff_s(self, attempts: int) -> float:
         """The wait after ``attempts`` failed offers: 50 ms, doubling, at most ``backoff_max_s``."""
-        return min(self.backoff_max_s, 0.05 * 2 ** (attempts - 1))
+        return min(self.backoff_max_s, BACKOFF_FIRST_S * 2 ** (attempts - 1))
 
     def _offer_again(self, part: QueuePartition, group: list[Batch[AsyncEvent]]) -> tuple[int, int]:
         """Worker thread, after a failed first offer: offer the same batches again with backoff
@@ -963,29 +944,26 @@ class QueuePrimary(Service):
             self.redelivering(part, group)
 
     def _must_stop_offering(self, part: QueuePartition) -> bool:
-        return (self._stopping.is_set() or part.revoked or part.clean_due
-                or self.desired is not DesiredState.RUNNING)
+        return self._stopping.is_set() or self.protocol.must_stop_offering(
+            part, self.desired is DesiredState.RUNNING)
 
     # --- results ----------------------------------------------------------------------
 
     def _drain_inbox(self) -> None:
-        """Take the workers' results and the removals' deliveries; then commit, in one request,
-        every partition whose queue head moved (one commit per turn, not per batch)."""
-        while True:
-            try:
-                kind, item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if kind == "done":
-                self._offer_done(item)
-            elif kind == "removed":
-                self._removed(*item)
-            elif kind == "dead_lettered":
-                self._count_dead_letter(item)
-            elif kind == "failed":
-                self._offer_failed = self._offer_failed or item
-        if self._commits_due:
-            self._commit_removed()
+        """Take the workers' results; then commit, in one request, every partition whose queue head
+        moved (one commit per turn, not per batch)."""
+        for kind, item in self._inbox.drain():
+            self._take(kind, item)
+        self._commit_removed()
+
+    def _take(self, kind: str, item: Any) -> None:
+        """One worker result: an offer's outcome, a dead letter written, an offer failed for good."""
+        if kind == "done":
+            self._offer_done(item)
+        elif kind == "dead_lettered":
+            self._count_dead_letter(item)
+        elif kind == "failed":
+            self._offer_failed = self._offer_failed or item
 
     def _raise_failed_offer(self) -> None:
         """Loop thread: a worker's offer failed for good (``offered_again``): the queue stops as crashed
@@ -993,27 +971,9 @@ class QueuePrimary(Service):
         if self._offer_failed is not None:
             raise self._offer_failed
 
-    def _offer_done(self, done: _OfferDone) -> None:
-        part = self._partitions.get(done.partition)
-        redeliveries = max(0, done.attempts - 1)
-        self.stats["redeliveries"] += redeliveries
-        if part is None:
-            return
-        part.in_flight = False
-        for _ in range(redeliveries):
-            part.batcher.rejected()
-        for batch in done.batches[:done.accepted]:
-            assert part.batcher.offered is batch, "batches are accepted in order"
-            commit = part.batcher.accepted()
-            part.events_dispatched += len(batch.events)
-            part.last_accepted_at = done.at_ms
-            self.stats["batches"] += 1 if batch.events else 0
-            self.stats["events"] += len(batch.events)
-            self.stats["conflated"] += batch.conflated
-            self._write_removal(part, batch, commit)
-        # The rest stay out and are offered again, after the accepted ones'
-        # removals (a sender still awaits their acks); none accepted: parked,
-        # offered again when dispatch may go on.
+    def _offer_done(self, done: OfferDone) -> None:
+        for removal in self.protocol.offer_done(done):
+            self._write_removal(removal.part, removal.batch, removal.commit)
 
     def _write_removal(self, part: QueuePartition, batch: Batch[AsyncEvent], commit: int) -> None:
         partition = part.tp.partition
@@ -1023,7 +983,8 @@ class QueuePrimary(Service):
                                _last_event_id(batch.events), len(batch.events), int(time.time() * 1000))
 
         def removed(err: KafkaError | None, _msg: Message) -> None:
-            self._inbox.put(("removed", (partition, commit, err)))
+            # On the loop thread: its producer's poll or flush calls it.
+            self._removed(partition, commit, err)
 
         # Its delivery is served by the loop's one producer poll per turn.
         self._producer.produce(self.removals_topic, value, str(partition).encode(), on_delivery=removed)
@@ -1035,19 +996,13 @@ class QueuePrimary(Service):
             # The batch was accepted; without its removal it is offered again
             # after a restart (possibleDuplicate).  Commit nothing now.
             log.warning("removal record for partition %d not written (%s)", partition, err)
-            return
-        part = self._partitions.get(partition)
-        if part is None or commit <= part.skip_below:
-            return  # revoked; or a clean start moved the head past this removal since it was written
-        part.last_removed_offset = commit - 1
-        part.head = commit
-        self._commits_due[partition] = commit
+        self.protocol.removed(partition, commit, err is None)
 
     def _commit_removed(self) -> None:
         """Commit the group offsets of the partitions whose removals are durable (asynchronously)."""
-        offsets = [TopicPartition(self.topic, p, commit) for p, commit in self._commits_due.items()
-                   if p in self._partitions]
-        self._commits_due = {}
+        if not self.protocol.commits_due:
+            return
+        offsets = self.protocol.commits()
         if not offsets:
             return
         assert self._consumer is not None
@@ -1059,31 +1014,25 @@ class QueuePrimary(Service):
 
     # --- group callbacks -----------------------------------------------------------------
 
-    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+    def on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """The protocol takes the partitions, with what it must know of them: their end offsets now,
+        whether some primary ever reported on them, where their batch ids go on."""
         consumer.assign(partitions)
         self.assignment_starting()
         dispatched_before = self._partitions_dispatched_before()
-        for tp in partitions:
-            high = self._end_offset(consumer, tp.partition)
-            if dispatched_before is None or tp.partition in dispatched_before:
-                self.stats["takeovers"] += 1  # another primary (or this one before a restart) had it
-            # What a previous primary may have offered (everything up to the
-            # end as it is now) comes again flagged possibleDuplicate; a
-            # partition nobody ever dispatched has nothing to flag.
-            part = self._partitions[tp.partition] = QueuePartition(
-                tp=TopicPartition(self.topic, tp.partition),
-                batcher=PartitionBatcher(tp.partition, self.policy, next_batch_id=self.first_batch_id(tp.partition)),
-                duplicate_below=high if dispatched_before is None or tp.partition in dispatched_before else 0,
-            )
+        numbers = [tp.partition for tp in partitions]
+        ends = {p: self._end_offset(consumer, p) for p in numbers}
+        batch_ids = {p: self.first_batch_id(p) for p in numbers}
+        for part in self.protocol.assign(numbers, ends, dispatched_before, batch_ids):
             self._mark_clean_due(part)
-        log.info("queue %s: primary for partitions %s", self.queue_id, sorted(tp.partition for tp in partitions))
+        log.info("queue %s: primary for partitions %s", self.queue_id, sorted(numbers))
         self.assigned = True
-        self._publish_status()
+        self.publish_status()
 
     def _end_offset(self, consumer: Consumer, partition: int) -> int:
         """The partition's end offset (asked again while the broker does not answer)."""
         tp = TopicPartition(self.topic, partition)
-        return int(until_answered(lambda: consumer.get_watermark_offsets(tp, timeout=10),
+        return int(until_answered(lambda: consumer.get_watermark_offsets(tp, timeout=OFFSETS_REQUEST_DEADLINE_S),
                                   f"queue {self.queue_id}: reading the end of {self.topic}[{partition}]",
                                   stopping=self._stopping)[1])
 
@@ -1108,48 +1057,31 @@ class QueuePrimary(Service):
             reader.close()
         return found
 
-    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        revoked = [self._partitions[tp.partition] for tp in partitions if tp.partition in self._partitions]
-        for part in revoked:
-            part.revoked = True
+    def on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        revoked = self.protocol.revoking([tp.partition for tp in partitions])
         # Let in-flight offers end (the retry loop sees `revoked`), then write
         # the removals of what was accepted, so the next primary starts after it.
-        end = time.monotonic() + 30
+        end = time.monotonic() + REVOKE_DRAIN_DEADLINE_S
         while any(p.in_flight for p in revoked) and time.monotonic() < end:
-            try:
-                kind, item = self._inbox.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            if kind == "done":
-                self._offer_done(item)
-            elif kind == "removed":
-                self._removed(*item)
-            elif kind == "dead_lettered":
-                self._count_dead_letter(item)
-            elif kind == "failed":
-                self._offer_failed = self._offer_failed or item
+            item = self._inbox.get(REVOKE_INBOX_WAIT_S)
+            if item is not None:
+                self._take(*item)
         if self._producer is not None:
-            self._producer.flush(10)
+            self._producer.flush(FLUSH_DEADLINE_S)
         self._drain_inbox()
-        offsets = [TopicPartition(self.topic, p.tp.partition, p.last_removed_offset + 1)
-                   for p in revoked if p.last_removed_offset >= 0]
+        offsets = self.protocol.release(revoked)
         if offsets:
             try:
                 with kafka_errors("committing on revoke"):
                     consumer.commit(offsets=offsets, asynchronous=False)
             except SluiceError as exc:
                 log.warning("%s", exc)
-        for part in revoked:
-            self._partitions.pop(part.tp.partition, None)
         self._gauges = {p: g for p, g in self._gauges.items() if p in self._partitions}
         self.partitions_released([p.tp.partition for p in revoked])
         log.info("queue %s: revoked partitions %s", self.queue_id, sorted(p.tp.partition for p in revoked))
 
-    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        for tp in partitions:
-            part = self._partitions.pop(tp.partition, None)
-            if part is not None:
-                part.revoked = True
+    def on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self.protocol.lost([tp.partition for tp in partitions])
         self.partitions_released([tp.partition for tp in partitions])
         self.assigned = False
         self._gauges = {p: g for p, g in self._gauges.items() if p in self._partitions}
@@ -1171,7 +1103,7 @@ class QueuePrimary(Service):
             consumer.resume(tps)
             self._paused_for_memory = False
 
-    def _publish_status(self) -> None:
+    def publish_status(self) -> None:
         if self._producer is None:
             return
         state = self.desired.value.lower()

@@ -125,6 +125,7 @@ from ..core.eventwire import (
     read_gateway_batch,
 )
 from ..core.lifecycle import Service
+from ..core.loop import PartitionLoop
 from ..core.queueloop import DesiredState
 from ..core.receivertotals import PartitionTotals
 from ..core.regionclient import BatchAnswer, BatchClient, RegionError
@@ -134,7 +135,6 @@ from ..core.kafka import (
     Message,
     TopicPartition,
     close_consumer,
-    consume_available,
     kafka_errors,
     make_consumer,
     make_producer,
@@ -289,6 +289,38 @@ def _drop_queued(inbox: "queue.Queue[Message | None]") -> None:
             return
 
 
+class _DoneOffsets:
+    """The newest done offset of each inbound partition, from the lanes to the loop: one entry per
+    partition whatever the lanes did meanwhile (bounded by the partitions, not by the batches).
+
+    Within one ownership of a partition its done offsets only grow (a lane handles its batches in
+    order); ``forget`` ends an ownership (the partition lost: nothing of it is committed)."""
+
+    def __init__(self, topic: str) -> None:
+        self.topic = topic
+        self._lock = threading.Lock()
+        self._due: dict[int, int] = {}
+        self._last: dict[int, int] = {}
+
+    def put(self, partition: int, offset: int) -> None:
+        with self._lock:
+            last = self._last.get(partition, -1)
+            assert offset > last, f"{self.topic}[{partition}]: done offset {offset} after {last}"
+            self._last[partition] = offset
+            self._due[partition] = offset
+
+    def take(self) -> list[TopicPartition]:
+        with self._lock:
+            due, self._due = self._due, {}
+        return [TopicPartition(self.topic, p, offset) for p, offset in due.items()]
+
+    def forget(self, partitions: set[int]) -> None:
+        with self._lock:
+            for p in partitions:
+                self._due.pop(p, None)
+                self._last.pop(p, None)
+
+
 @dataclass
 class _Sender:
     """A remote gateway sender as this process hears it (main thread and lanes, under the stats lock)."""
@@ -355,7 +387,7 @@ class ReceiverService(Service):
         self._directory_thread: threading.Thread | None = None
         self._batch_header = self._codec.header("GatewayBatch")
         self._lanes: dict[int, _Lane] = {}
-        self._done: queue.Queue[TopicPartition] = queue.Queue()  # offsets to commit, from the lanes
+        self._done = _DoneOffsets(self.inbound)  # offsets to commit, from the lanes
         rs = cfg.region_service
         self._member_token = rs.member_token.get_secret_value() if rs.member_token is not None else None
         self._batch_max_age_ms = cfg.receiver.batch_max_age_ms
@@ -366,6 +398,7 @@ class ReceiverService(Service):
         self._control: ControlFollower | None = None
         #: Subscribed to the inbound topic (the desired state is RUNNING and the loop followed it).
         self._subscribed = False
+        self._loop: PartitionLoop | None = None
         #: (source dsid, sender id) -> what this process heard of that sender.
         self._senders: dict[tuple[int, str], _Sender] = {}
         #: Per inbound partition, the figures last written to the status topic (none: publish them).
@@ -490,38 +523,39 @@ class ReceiverService(Service):
             lane.stop.set()
 
     def run(self) -> None:
-        """The consumer loop, in the calling thread, until ``stop()``; a lane's crash is the receiver's."""
+        """The partition loop (core/loop.py), in the calling thread, until ``stop()``; a lane's crash
+        is the receiver's."""
         consumer = self._consumer
         assert consumer is not None
+        self._loop = PartitionLoop(self, consumer, [self.inbound], self, read_max_records=RECEIVE_MAX_RECORDS,
+                                   status_interval_s=self.status_interval_s)
         try:
-            with self.crash_guard():
-                self._loop(consumer)
+            self._loop.run()
         finally:
             self._shutdown(consumer)
 
-    def _loop(self, consumer: Consumer) -> None:
-        """Control, membership, the inbound records into their lanes, commits, lanes, senders, status."""
-        next_status = time.monotonic()
-        consuming = kafka_errors(f"consuming {self.inbound}")
-        while not self._stopping.is_set():
-            if self._control is not None:
-                for record in self._control.poll_nowait():
-                    self._apply_control(record)
-            self._follow_desired(consumer)
-            with consuming:
-                msgs = consume_available(consumer, RECEIVE_MAX_RECORDS, RECEIVE_WAIT_S)
-            for msg in msgs:
-                if msg.error() is None:
-                    lane = self._lanes.get(msg.partition())
-                    if lane is not None:
-                        lane.put(msg)
-            self._commit_done(consumer)
-            self._tend_lanes(consumer)
-            self.raise_crash()
-            self._check_senders()
-            if time.monotonic() >= next_status:
-                self._publish_status()
-                next_status = time.monotonic() + self.status_interval_s
+    def poll_timeout_s(self) -> float:
+        return RECEIVE_WAIT_S
+
+    def turn(self, msgs: list[Message]) -> None:
+        """The inbound records into their lanes; commits, lanes, senders; then control and membership
+        for the next poll (the first turn, before any membership, reads nothing)."""
+        consumer = self._consumer
+        assert consumer is not None
+        lanes = self._lanes
+        for msg in msgs:
+            if msg.error() is None:
+                lane = lanes.get(msg.partition())
+                if lane is not None:
+                    lane.put(msg)
+        self._commit_done(consumer)
+        self._tend_lanes(consumer)
+        self.raise_crash()
+        self._check_senders()
+        if self._control is not None:
+            for record in self._control.poll_nowait():
+                self._apply_control(record)
+        self._follow_desired(consumer)
 
     def _shutdown(self, consumer: Consumer) -> None:
         """Lanes, then commits, the consumer, the producer, the region client and the followers, each
@@ -549,8 +583,8 @@ class ReceiverService(Service):
         goes to whoever takes the partition), done offsets are committed, and the running receivers
         of the site get the partitions."""
         if self.desired is DesiredState.RUNNING and not self._subscribed:
-            consumer.subscribe([self.inbound], on_assign=self._on_assign, on_revoke=self._on_revoke,
-                               on_lost=self._on_lost)
+            assert self._loop is not None
+            self._loop.subscribe()
             self._subscribed = True
             log.info("receiver %s started: joining consumer group %s", self.member_id, self.group_id)
         elif self.desired is DesiredState.STOPPED and self._subscribed:
@@ -613,7 +647,7 @@ class ReceiverService(Service):
                 lane.paused = False
                 log.info("receiver %s: inbound partition %d resumed", self.member_id, lane.partition)
 
-    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+    def on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Lanes of revoked partitions finish the batch in hand (or give it up) before the next owner starts."""
         for tp in partitions:
             lane = self._lanes.pop(tp.partition, None)
@@ -621,7 +655,7 @@ class ReceiverService(Service):
                 lane.close()
         self._commit_done(consumer, asynchronous=False)
 
-    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+    def on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """The session expired (a broker paused or unreachable): stop the lanes, commit nothing.
 
         A member that lost its partitions cannot commit their offsets, and a
@@ -635,19 +669,10 @@ class ReceiverService(Service):
             lane = self._lanes.pop(partition, None)
             if lane is not None:
                 lane.close()
-        kept = []
-        while True:
-            try:
-                tp = self._done.get_nowait()
-            except queue.Empty:
-                break
-            if tp.partition not in lost:
-                kept.append(tp)
-        for tp in kept:
-            self._done.put(tp)
+        self._done.forget(lost)
         log.warning("receiver %s: lost inbound partitions %s (session expired)", self.member_id, sorted(lost))
 
-    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+    def on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         consumer.assign(partitions)
         # librdkafka keeps a partition's pause across a rebalance: one paused
         # here before (its lane was behind) would never be fetched again.
@@ -668,6 +693,8 @@ class ReceiverService(Service):
                 if self._stopping.wait(READ_RETRY_BACKOFF_S):
                     return
         now_ms = int(time.time() * 1000)
+        # A new ownership: its lanes start at the group's committed offsets, whatever was done before.
+        self._done.forget({tp.partition for tp in partitions})
         for tp in partitions:
             old = self._lanes.pop(tp.partition, None)
             if old is not None:
@@ -739,7 +766,7 @@ class ReceiverService(Service):
 
     # --- one batch -----------------------------------------------------------------------
 
-    def _publish_status(self) -> None:
+    def publish_status(self) -> None:
         """What ``sluice admin status`` shows of this receiver, to the site's compacted status topic: the
         process's own figures and the senders it heard from, and the figures of each inbound partition
         it owns that changed since they were last published (receivertotals.py, step 5)."""
@@ -1162,22 +1189,16 @@ class ReceiverService(Service):
         """Lane side: the batch is done.  The consumer is the main loop's: a
         commit from a lane while the loop sits in consume() blocks, so the
         loop commits (``_commit_done``)."""
-        self._done.put(TopicPartition(msg.topic(), msg.partition(), msg.offset() + 1))
+        self._done.put(msg.partition(), msg.offset() + 1)
 
     def _commit_done(self, consumer: Consumer, asynchronous: bool = True) -> None:
         """Commit the newest done offset of each partition."""
-        newest: dict[int, TopicPartition] = {}
-        while True:
-            try:
-                tp = self._done.get_nowait()
-            except queue.Empty:
-                break
-            newest[tp.partition] = tp
+        newest = self._done.take()
         if not newest:
             return
         try:
-            with kafka_errors(f"committing {sorted(newest)}"):
-                consumer.commit(offsets=list(newest.values()), asynchronous=asynchronous)
+            with kafka_errors(f"committing {sorted(tp.partition for tp in newest)}"):
+                consumer.commit(offsets=newest, asynchronous=asynchronous)
         except SluiceError as exc:
             log.warning("%s", exc)
 

@@ -132,6 +132,7 @@ from ..core.kafka import (
     Consumer,
     TOPIC_MISSING,
     KafkaError,
+    Message,
     TopicPartition,
     close_consumer,
     consume_available,
@@ -141,6 +142,7 @@ from ..core.kafka import (
     make_producer,
 )
 from ..core.lifecycle import Service, ServiceState
+from ..core.loop import PartitionLoop
 from .index import InterestIndex
 
 log = logging.getLogger("sluice.subscriptions")
@@ -335,31 +337,43 @@ class SubscriptionService(Service):
                 raise TopicMissing(topic)
 
     def run(self) -> None:
+        """The partition loop (core/loop.py) over the registry's consumer group, in the calling thread,
+        until ``stop()``.  The group consumer only holds membership (its partitions stay paused: the
+        tables consumer reads the registry), so each poll hands over no record and runs the group
+        callbacks; a turn reads the tables and fills the queues, and the status timer writes the
+        checkpoints (``message_sync_interval_s``)."""
         group = self._group
         assert group is not None
-        group.subscribe([self.registry_topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
-                        on_lost=self._on_lost)
-        next_sync = next_rules = time.monotonic()
+        loop = PartitionLoop(self, group, [self.registry_topic], self, read_max_records=1,
+                             status_interval_s=self.sub.message_sync_interval_s,
+                             clock=lambda: time.monotonic())  # this module's clock: a test drives it
+        self._next_rules = time.monotonic()
         try:
-            with self.crash_guard():
-                while not self._stopping.is_set():
-                    group.poll(0)  # membership: rebalance callbacks run here
-                    self._read_tables()
-                    if self._reposition:
-                        self._position_changelogs()
-                    now = time.monotonic()
-                    if now >= next_rules or self._dirty:
-                        if self._dirty and self._answers_due():
-                            self._catch_up()
-                        self._dirty = False
-                        self._tend_clients()
-                        next_rules = now + RULES_INTERVAL_S
-                    self._fill()
-                    if time.monotonic() >= next_sync:
-                        self._sync()
-                        next_sync = time.monotonic() + self.sub.message_sync_interval_s
+            loop.subscribe()
+            loop.run()
         finally:
             self._close()
+
+    def poll_timeout_s(self) -> float:
+        return 0.0  # membership only: the callbacks run, no record waits to be read
+
+    def turn(self, msgs: list[Message]) -> None:
+        """The tables, the changelog positions, the clients' rules when due, the fill."""
+        self._read_tables()
+        if self._reposition:
+            self._position_changelogs()
+        now = time.monotonic()
+        if now >= self._next_rules or self._dirty:
+            if self._dirty and self._answers_due():
+                self._catch_up()
+            self._dirty = False
+            self._tend_clients()
+            self._next_rules = now + RULES_INTERVAL_S
+        self._fill()
+
+    def publish_status(self) -> None:
+        """The status timer: the checkpoints and the messages' sync."""
+        self._sync()
 
     def _close(self) -> None:
         if self.state is not ServiceState.CRASHED and self.owned:
@@ -377,7 +391,7 @@ class SubscriptionService(Service):
 
     # --- primaries: the consumer group over the registry -------------------------------------
 
-    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+    def on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         consumer.assign(partitions)
         consumer.pause(partitions)  # membership only: the tables consumer reads the registry
         self.assigned = True
@@ -407,11 +421,11 @@ class SubscriptionService(Service):
         log.info("subscriptions %s: primary for registry partitions %s (%d clients)", self.member_id,
                  sorted(self.owned), len(self._clients))
 
-    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+    def on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self.assigned = False
-        self._on_revoke(consumer, partitions)
+        self.on_revoke(consumer, partitions)
 
-    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+    def on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         lost = {tp.partition for tp in partitions} & self.owned
         if not lost:
             return

@@ -39,6 +39,14 @@ def _refuse_persistent(value: Any) -> Any:
     raise _invalid(PERSISTENT_REFUSED)
 
 
+#: The largest batch a queue assembles: a primary holds up to ``max_in_flight`` of them per partition, and
+#: its workers' inbox is sized from it (core/queueloop.py).
+BATCH_SIZE_MAX = 10_000
+#: The longest a batch waits for more events after its first one (ten minutes).
+BATCH_TIME_INTERVAL_MS_MAX = 600_000
+#: The most memory a queue's primary may hold before it stops reading (64 GiB).
+QUEUE_MEMORY_MB_MAX = 65_536
+
 #: Why ``forward_expiration_destroy: true`` of an async event queue is refused.
 EXPIRATION_REFUSED = ("not supported, because regions have no entry expiration (no entry-time-to-live or "
                       "entry-idle-time), so no expiration destroy ever happens to forward; leave it false")
@@ -59,10 +67,11 @@ class GatewaySenderConfig(_Model):
     parallel: bool = Field(
         False, description="true: one queue partition per region bucket, every member primary for some; "
         "false (serial): one primary for the whole queue", json_schema_extra={"geode": "parallel"})
-    batch_size: int = Field(100, ge=1, description="a batch is sent when it holds this many events",
+    batch_size: int = Field(100, ge=1, le=BATCH_SIZE_MAX, description="a batch is sent when it holds this many events",
                             json_schema_extra={"geode": "batch-size"})
     batch_time_interval_ms: int = Field(
-        1000, ge=0, description="… or when this long has passed since its first event, whichever comes first",
+        1000, ge=0, le=BATCH_TIME_INTERVAL_MS_MAX,
+        description="… or when this long has passed since its first event, whichever comes first",
         json_schema_extra={"geode": "batch-time-interval"})
     batch_conflation: bool = Field(
         False, description="an update of a key replaces the earlier update of that key still waiting in the batch",
@@ -79,7 +88,8 @@ class GatewaySenderConfig(_Model):
         "enable-persistence true); a queue kept in memory only (Geode's default false) cannot be had",
         json_schema_extra={"geode": "enable-persistence"})
     maximum_queue_memory_mb: int = Field(
-        100, ge=1, description="what a sender holds in memory; beyond it, it stops reading until batches are "
+        100, ge=1, le=QUEUE_MEMORY_MB_MAX,
+        description="what a sender holds in memory; beyond it, it stops reading until batches are "
         "removed (the rest waits in Kafka)", json_schema_extra={"geode": "maximum-queue-memory"})
     alert_threshold_ms: int = Field(
         0, ge=0, description="log an alert while the queue's oldest event is older than this; 0 = no alert",
@@ -166,10 +176,12 @@ class AsyncEventQueueConfig(_Model):
     parallel: bool = Field(
         False, description="true: one queue partition per region bucket, every dispatcher primary for some; "
         "false (serial): dispatcher_threads partitions", json_schema_extra={"geode": "parallel"})
-    batch_size: int = Field(100, ge=1, description="a batch is offered to the listener when it holds this many "
+    batch_size: int = Field(100, ge=1, le=BATCH_SIZE_MAX,
+                            description="a batch is offered to the listener when it holds this many "
                             "events", json_schema_extra={"geode": "batch-size"})
     batch_time_interval_ms: int = Field(
-        5, ge=0, description="… or when this long has passed since its first event, whichever comes first",
+        5, ge=0, le=BATCH_TIME_INTERVAL_MS_MAX,
+        description="… or when this long has passed since its first event, whichever comes first",
         json_schema_extra={"geode": "batch-time-interval"})
     batch_conflation: bool = Field(
         False, description="an update of a key replaces the earlier update of that key still waiting in the batch",
@@ -186,7 +198,8 @@ class AsyncEventQueueConfig(_Model):
         "persistent true); a queue kept in memory only (Geode's default false) cannot be had",
         json_schema_extra={"geode": "persistent"})
     maximum_queue_memory_mb: int = Field(
-        100, ge=1, description="what a dispatcher holds in memory; beyond it, it stops reading until batches are "
+        100, ge=1, le=QUEUE_MEMORY_MB_MAX,
+        description="what a dispatcher holds in memory; beyond it, it stops reading until batches are "
         "removed (the rest waits in Kafka)", json_schema_extra={"geode": "maximum-queue-memory"})
     pause_event_processing: bool = Field(
         False, description="true: the queue starts paused (events queue up) until `sluice admin resume`",
