@@ -22,9 +22,6 @@ PAGES = sorted(
      ROOT / "bench" / "README.md", *(ROOT / "docs").glob("*.md")]
 )
 
-#: Pages the README links to that come with their features (Kafka logins, Schema Registry, monitoring);
-#: a link to one of them is let through only while the page does not exist yet.
-PAGES_TO_COME = {"docs/kafka-logins.md", "docs/schema-registry.md", "docs/monitoring.md"}
 
 FENCE = re.compile(r"^\s*(```|~~~)")
 INLINE_LINK = re.compile(r"(?<!!)\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
@@ -100,8 +97,7 @@ def broken_links(page: Path, root: Path = ROOT) -> list[str]:
             continue
         name = destination.relative_to(root).as_posix()
         if not destination.exists():
-            if name not in PAGES_TO_COME:
-                problems.append(f"line {number}: {target}: no file {name}")
+            problems.append(f"line {number}: {target}: no file {name}")
             continue
         if anchor and destination.suffix == ".md" and anchor not in anchors(destination):
             problems.append(f"line {number}: {target}: no heading with anchor #{anchor} in {name}")
