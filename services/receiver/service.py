@@ -148,6 +148,8 @@ log = logging.getLogger("sluice.receiver")
 
 #: The pause before reading the acks on assignment again.
 READ_RETRY_BACKOFF_S = 1.0
+#: How long reading one inbound partition's acks on assignment may take before it is tried again.
+ACKS_READ_DEADLINE_S = 30.0
 #: Applying to the region service again: the first pause, doubled each time up to the last.
 APPLY_BACKOFF_FIRST_S = 0.1
 APPLY_BACKOFF_MAX_S = 5.0
@@ -725,7 +727,7 @@ class ReceiverService(Service):
                     # The headers of the partition's last few acks: the newest figures among them that verify
                     # count, so not every ack's figures are decoded and verified.
                     latest: collections.deque[Headers] = collections.deque(maxlen=ACKS_WITH_FIGURES_KEPT)
-                    for msg in read_to_end(reader, self.acks, tp.partition, deadline_s=30):
+                    for msg in read_to_end(reader, self.acks, tp.partition, deadline_s=ACKS_READ_DEADLINE_S):
                         if self._own_acks is not None:
                             try:
                                 self._own_acks.signer(msg.value(), msg.headers())

@@ -139,6 +139,13 @@ EPOCH_MAX = (1 << (63 - EPOCH_SHIFT)) - 1
 ALERT_REPEAT_S = 30.0
 #: The GatewayBatch version every receiver reads: events as records.
 BATCH_VERSION_RECORDS = 2
+#: How long one metadata or watermark request to the remote site may take (asked again after).
+REMOTE_REQUEST_DEADLINE_S = 5.0
+#: How long a wait for an ack sleeps before it looks again whether dispatch must stop.
+ACK_WAIT_SLICE_S = 0.2
+#: Shutdown deadlines: the ack thread's end, the remote producer's flush.
+ACK_THREAD_JOIN_DEADLINE_S = 5.0
+REMOTE_FLUSH_DEADLINE_S = 10.0
 
 
 def _decodes(event: AsyncEvent) -> bool:
@@ -274,7 +281,7 @@ class GatewaySenderService(QueuePrimary):
         """The remote inbound topic's partition count (asked again until the remote answers)."""
         if self._inbound_partitions == 0:
             with kafka_errors(f"remote site {self.remote_dsid} unreachable"):
-                md = self._remote_producer.list_topics(self.remote_inbound, timeout=5)
+                md = self._remote_producer.list_topics(self.remote_inbound, timeout=REMOTE_REQUEST_DEADLINE_S)
             topic = md.topics.get(self.remote_inbound)
             if topic is None or topic.error is not None or not topic.partitions:
                 # The remote site's to make (or its broker's to know again): asked again, as Geode's
@@ -293,7 +300,7 @@ class GatewaySenderService(QueuePrimary):
             if not assigned:
                 try:
                     with assigning:
-                        md = reader.list_topics(self.remote_acks, timeout=5)
+                        md = reader.list_topics(self.remote_acks, timeout=REMOTE_REQUEST_DEADLINE_S)
                         topic = md.topics.get(self.remote_acks)
                         if topic is None or topic.error is not None or not topic.partitions:
                             raise BrokerUnavailable(f"{self.remote_acks} missing")
@@ -328,7 +335,8 @@ class GatewaySenderService(QueuePrimary):
         """Where the ack thread starts reading an acks partition: at its last record, whoever's ack it
         is, to learn which batch versions that partition's receiver reads before anything is sent
         (``_learn_versions``); at its end when it is empty."""
-        low, high = reader.get_watermark_offsets(TopicPartition(self.remote_acks, partition), timeout=5)
+        low, high = reader.get_watermark_offsets(TopicPartition(self.remote_acks, partition),
+                                                timeout=REMOTE_REQUEST_DEADLINE_S)
         if high <= low:
             return OFFSET_END
         self._acks_known_below[partition] = high
@@ -756,7 +764,7 @@ class GatewaySenderService(QueuePrimary):
                     log.info("sender %s[%d]: %s while batch %d waits for its ack; it stays queued", self.queue_id,
                              partition, why, entry.wire_id)
                     return False
-                self._acked.wait(0.2)
+                self._acked.wait(ACK_WAIT_SLICE_S)
         return True
 
     def _take_ack(self, partition: int, batch: Batch[AsyncEvent], entry: _InFlight) -> None:
@@ -800,6 +808,6 @@ class GatewaySenderService(QueuePrimary):
 
     def release(self) -> None:
         if self._ack_thread is not None:
-            self._ack_thread.join(5)
+            self._ack_thread.join(ACK_THREAD_JOIN_DEADLINE_S)
         if self._remote_producer is not None:
-            self._remote_producer.flush(10)
+            self._remote_producer.flush(REMOTE_FLUSH_DEADLINE_S)

@@ -190,3 +190,18 @@ def test_every_service_runs_the_one_lifecycle(tmp_path: Path) -> None:
         assert service.state is ServiceState.STOPPED
         with pytest.raises(IllegalTransition):
             service.start()
+
+
+def test_every_move_goes_through_the_table() -> None:
+    """Not only ``start()``: a move the table does not hold raises wherever it is asked for."""
+    service = Loop()
+    service._set_running()
+    with pytest.raises(IllegalTransition) as raised:
+        service._set_running()
+    assert (raised.value.current, raised.value.wanted) == ("running", "running")
+    service.stop()
+    service._set_stopped()
+    with pytest.raises(IllegalTransition) as raised:
+        service._set_running()
+    assert (raised.value.current, raised.value.wanted) == ("stopped", "running")
+    assert service.state is ServiceState.STOPPED
