@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable
 
 import httpx
 import pytest
@@ -29,11 +28,15 @@ from sluice.core.kafka import TopicPartition, make_consumer, make_producer
 from sluice.core.processes import ReceiverProcess, SenderProcess, ServiceProcess
 
 from regionkit import DispatcherProcess, RegionProcess
+from waiting import wait_for
 from test_health_endpoints import write_sites
 
 pytestmark = pytest.mark.timeout(300)
 
 EVENTS = 50
+#: How long a put takes to reach site b, and a scrape to show what a service counted.
+DELIVERY_S = 60
+METRIC_S = 60
 
 
 def samples(proc: ServiceProcess, name: str, **labels: str) -> list[tuple[dict[str, str], float]]:
@@ -50,13 +53,6 @@ def value(proc: ServiceProcess, name: str, **labels: str) -> float:
     return sum(v for _, v in found)
 
 
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 60) -> None:
-    end = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < end, f"timed out waiting until {what}"
-        time.sleep(0.3)
-
-
 def replay_a_batch(bootstrap: str, inbound: str, partitions: int) -> int:
     """Write a batch of more than one event found in ``inbound`` again, bytes and headers (its signature)
     unchanged; how many events it holds."""
@@ -64,7 +60,7 @@ def replay_a_batch(bootstrap: str, inbound: str, partitions: int) -> int:
     consumer = make_consumer({"bootstrap.servers": bootstrap})
     try:
         consumer.assign([TopicPartition(inbound, p, 0) for p in range(partitions)])
-        end = time.monotonic() + 30
+        end = time.monotonic() + DELIVERY_S
         while True:
             assert time.monotonic() < end, f"no batch of several events in {inbound}"
             msg = consumer.poll(0.5)
@@ -103,7 +99,7 @@ def test_events_queued_state_primaries_and_duplicate_batches(site_a, unique_pref
         # One request: its events are queued together, so the sender's batches hold several.
         client.put_all("orders", {f"k{n}": {"n": n} for n in range(EVENTS)})
         client_b = RegionClient([region_b.url])
-        wait_for("b has every put", lambda: len(client_b.keys("orders")) == EVENTS)
+        wait_for(lambda: len(client_b.keys("orders")) == EVENTS, timeout_s=DELIVERY_S, what="b has every put")
 
         # Each put is one event queued for the sender and one for the async event queue.
         assert value(region_a, "sluice_queue_events_queued_total", sluice_queue_id="orders-to-b",
@@ -113,8 +109,8 @@ def test_events_queued_state_primaries_and_duplicate_batches(site_a, unique_pref
                      sluice_queue_kind="async-event-queue") == EVENTS
 
         # The sender's one instance is the primary of each of its 4 partitions; its threshold is 45 s.
-        wait_for("the sender holds every partition", lambda: value(
-            sender, "sluice_queue_partition_primary", sluice_queue_id="orders-to-b") == 4)
+        wait_for(lambda: value(sender, "sluice_queue_partition_primary", sluice_queue_id="orders-to-b") == 4,
+                 timeout_s=METRIC_S, what="the sender holds every partition")
         primaries = samples(sender, "sluice_queue_partition_primary", sluice_queue_id="orders-to-b")
         assert sorted(labels["messaging_destination_partition_id"] for labels, _ in primaries) == ["0", "1", "2", "3"]
         assert value(sender, "sluice_queue_alert_threshold_seconds", sluice_queue_id="orders-to-b") == 45.0
@@ -127,20 +123,23 @@ def test_events_queued_state_primaries_and_duplicate_batches(site_a, unique_pref
         assert state_of(sender, "orders-to-b") == {"running": 1, "paused": 0, "stopped": 0}
         assert state_of(dispatcher, "audit") == {"running": 1, "paused": 0, "stopped": 0}
         set_state(cfg_a, "orders-to-b", "PAUSED", issued_by="test")
-        wait_for("the sender reports paused", lambda: state_of(sender, "orders-to-b")["paused"] == 1)
+        wait_for(lambda: state_of(sender, "orders-to-b")["paused"] == 1, timeout_s=METRIC_S,
+                 what="the sender reports paused")
         assert state_of(sender, "orders-to-b") == {"running": 0, "paused": 1, "stopped": 0}
         set_state(cfg_a, "orders-to-b", "STOPPED", issued_by="test")
-        wait_for("the sender reports stopped", lambda: state_of(sender, "orders-to-b")["stopped"] == 1)
+        wait_for(lambda: state_of(sender, "orders-to-b")["stopped"] == 1, timeout_s=METRIC_S,
+                 what="the sender reports stopped")
         set_state(cfg_a, "orders-to-b", "RUNNING", issued_by="test")
-        wait_for("the sender reports running", lambda: state_of(sender, "orders-to-b")["running"] == 1)
+        wait_for(lambda: state_of(sender, "orders-to-b")["running"] == 1, timeout_s=METRIC_S,
+                 what="the sender reports running")
 
         # No duplicate yet; then a batch b applied is written into its inbound topic again.
         assert value(receiver, "sluice_batches_duplicates_received_total") == 0
         assert value(receiver, "sluice_events_duplicates_discarded_total", sluice_duplicate_of="batch") == 0
         applied = value(receiver, "sluice_batches_acknowledged_total")
         events = replay_a_batch(site_a.bootstrap, cfg_b.topics.gateway_inbound(), cfg_b.receiver.inbound_partitions)
-        wait_for("the receiver counts the duplicate batch",
-                 lambda: value(receiver, "sluice_batches_duplicates_received_total") == 1)
+        wait_for(lambda: value(receiver, "sluice_batches_duplicates_received_total") == 1, timeout_s=METRIC_S,
+                 what="the receiver counts the duplicate batch")
         # One batch, and its events (not the count of batches) as discarded events.
         assert value(receiver, "sluice_events_duplicates_discarded_total", sluice_duplicate_of="batch") == events
         assert value(receiver, "sluice_batches_duplicates_received_total", sluice_component="receiver",

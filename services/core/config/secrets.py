@@ -83,6 +83,21 @@ def _read_env(variable: str, field: str) -> str:
     return value
 
 
+def secret_of(model: Any, name: str, section: str) -> str | None:
+    """The secret ``name`` of a model read now from whichever of its three sources it gives
+    (``name``, ``name_file``, ``name_env``), or None when it gives none."""
+    value: SecretStr | None = getattr(model, name)
+    if value is not None:
+        return value.get_secret_value()
+    path: str | None = getattr(model, f"{name}_file")
+    if path is not None:
+        return _read_secret(path, f"{section}.{name}_file")
+    variable: str | None = getattr(model, f"{name}_env")
+    if variable is not None:
+        return _read_env(variable, f"{section}.{name}_env")
+    return None
+
+
 def _secret_source_problems(section: Mapping[str, Any], name: str) -> list[Problem]:
     """At most one source for the secret ``name``, and its environment variable set.
 

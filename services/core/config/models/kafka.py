@@ -37,7 +37,7 @@ from ..base import (
     _raise_rules,
 )
 from ..librdkafka import passthrough_problems, passthrough_value, revealed
-from ..secrets import _read_env, _read_secret, _secret_source_problems, _shown
+from ..secrets import _secret_source_problems, _shown, secret_of
 
 SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI"]
@@ -272,16 +272,7 @@ class KafkaConnection(_Model):
 
     def _secret(self, name: str) -> str | None:
         """The secret ``name`` read now from whichever of its three sources the file gives, or None."""
-        value: SecretStr | None = getattr(self, name)
-        if value is not None:
-            return value.get_secret_value()
-        path: str | None = getattr(self, f"{name}_file")
-        if path is not None:
-            return _read_secret(path, f"{self._SECTION}.{name}_file")
-        variable: str | None = getattr(self, f"{name}_env")
-        if variable is not None:
-            return _read_env(variable, f"{self._SECTION}.{name}_env")
-        return None
+        return secret_of(self, name, self._SECTION)
 
     @property
     def topics(self) -> TopicNames:

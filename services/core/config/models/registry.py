@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 
 from ..base import ENV_NAME_PATTERN, Problem, _existing_file, _invalid, _Model, _raise_rules
-from ..secrets import _read_env, _read_secret, _secret_source_problems
+from ..secrets import _secret_source_problems, secret_of
 
 #: Confluent's subject name strategies, by the names its serializers' settings use.
 SubjectNameStrategy = Literal["TopicNameStrategy", "RecordNameStrategy", "TopicRecordNameStrategy"]
@@ -123,16 +123,7 @@ class SchemaRegistryConnection(_Model):
 
     def _secret(self, name: str) -> str | None:
         """The secret ``name`` read now from whichever of its three sources the block gives, or None."""
-        value: SecretStr | None = getattr(self, name)
-        if value is not None:
-            return value.get_secret_value()
-        path: str | None = getattr(self, f"{name}_file")
-        if path is not None:
-            return _read_secret(path, f"{self._SECTION}.{name}_file")
-        variable: str | None = getattr(self, f"{name}_env")
-        if variable is not None:
-            return _read_env(variable, f"{self._SECTION}.{name}_env")
-        return None
+        return secret_of(self, name, self._SECTION)
 
 
 def _registry_rules(section: Mapping[str, Any]) -> list[Problem]:
