@@ -28,7 +28,7 @@ from sluice.core.topics import apply_topics
 
 from waiting import wait_for
 
-__all__ = ["DSIDS", "SITE_KAFKA", "DispatcherProcess", "RegionProcess", "TwoSites", "apply_site_file", "end_offsets",
+__all__ = ["DSIDS", "SITE_KAFKA", "DispatcherProcess", "RegionProcess", "TwoSites", "apply_site_file", "start_two_regions", "end_offsets",
            "queue_in_state", "queue_size", "read_queue", "read_topic", "remote", "site_data", "wait_standbys",
            "write_aeq_site", "write_site", "write_two_sites", "write_two_way_sites"]
 
@@ -130,6 +130,19 @@ def write_two_sites(tmp_path: Path, bootstrap: str, prefix: str, *, a: dict[str,
     cfg_a = apply_site_file(path_a, site_data("a", bootstrap, prefix, kafka=kafka, **a))
     cfg_b = apply_site_file(path_b, site_data("b", bootstrap_b or bootstrap, prefix, kafka=kafka, **b))
     return TwoSites(path_a, path_b, cfg_a, cfg_b)
+
+
+def start_two_regions(path_a: Path, path_b: Path, tmp_path: Path, procs: list[Any], *,
+                      ready_s: float = 60.0) -> tuple[RegionProcess, RegionProcess]:
+    """Site a's and site b's region instance (logs ``region-a.log``, ``region-b.log`` in ``tmp_path``),
+    each answering /readyz; both are in ``procs`` before either is waited on, so the caller's
+    ``finally`` stops them whatever happens."""
+    region_a = RegionProcess(path_a, tmp_path / "region-a.log")
+    region_b = RegionProcess(path_b, tmp_path / "region-b.log")
+    procs += [region_a, region_b]
+    region_a.wait_ready(ready_s)
+    region_b.wait_ready(ready_s)
+    return region_a, region_b
 
 
 def write_two_way_sites(tmp_path: Path, bootstrap: str, prefix: str, *, buckets: int, sender: dict[str, Any],

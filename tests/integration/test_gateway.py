@@ -21,7 +21,7 @@ from sluice.core.eventwire import read_gateway_batch
 from sluice.core.processes import ReceiverProcess, SenderProcess
 from sluice.core.topics import apply_topics
 
-from regionkit import RegionProcess, read_topic, remote, write_two_sites, write_two_way_sites
+from regionkit import RegionProcess, read_topic, remote, start_two_regions, write_two_sites, write_two_way_sites
 from waiting import holds_for, read_until, wait_for
 
 pytestmark = pytest.mark.timeout(400)
@@ -76,11 +76,7 @@ def test_a_to_b_parallel_and_serial_with_a_sender_killed_mid_run(site_a, unique_
     path_a, path_b, cfg_a, cfg_b = _sites(tmp_path, site_a.bootstrap, unique_prefix)
     procs: list[Any] = []
     try:
-        region_a = RegionProcess(path_a, tmp_path / "region-a.log")
-        region_b = RegionProcess(path_b, tmp_path / "region-b.log")
-        procs += [region_a, region_b]
-        region_a.wait_ready()
-        region_b.wait_ready()
+        region_a, region_b = start_two_regions(path_a, path_b, tmp_path, procs)
         procs.append(ReceiverProcess(path_b, tmp_path / "receiver-b.log"))
         senders = [SenderProcess(path_a, "orders-to-b", tmp_path / f"orders-sender-{i}.log") for i in range(2)]
         procs += senders

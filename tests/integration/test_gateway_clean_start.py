@@ -26,7 +26,7 @@ from sluice.client import RegionClient
 from sluice.core.config import load_config
 from sluice.core.processes import ReceiverProcess, SenderProcess
 
-from regionkit import RegionProcess, read_queue, remote, write_two_sites
+from regionkit import read_queue, remote, start_two_regions, write_two_sites
 from waiting import wait_for
 
 pytestmark = pytest.mark.timeout(400)
@@ -78,11 +78,7 @@ def test_a_clean_start_drops_exactly_what_was_queued_and_nothing_written_after(s
     writing = threading.Event()
     during: list[str] = []
     try:
-        region_a = RegionProcess(path_a, tmp_path / "region-a.log")
-        region_b = RegionProcess(path_b, tmp_path / "region-b.log")
-        procs += [region_a, region_b]
-        region_a.wait_ready()
-        region_b.wait_ready()
+        region_a, region_b = start_two_regions(path_a, path_b, tmp_path, procs)
         procs.append(ReceiverProcess(path_b, tmp_path / "receiver-b.log"))
         sender = SenderProcess(path_a, "to-b", tmp_path / "sender-a.log")
         procs.append(sender)
@@ -209,11 +205,7 @@ def test_a_clean_asked_while_no_sender_runs_is_applied_by_the_first_primary_befo
     cfg_a = load_config(path_a)
     procs: list[Any] = []
     try:
-        region_a = RegionProcess(path_a, tmp_path / "region-a.log")
-        region_b = RegionProcess(path_b, tmp_path / "region-b.log")
-        procs += [region_a, region_b]
-        region_a.wait_ready()
-        region_b.wait_ready()
+        region_a, region_b = start_two_regions(path_a, path_b, tmp_path, procs)
         procs.append(ReceiverProcess(path_b, tmp_path / "receiver-b.log"))
         a, b = RegionClient([region_a.url]), RegionClient([region_b.url])
         queued = [f"queued-{i}" for i in range(40)]

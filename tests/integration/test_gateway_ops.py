@@ -18,7 +18,7 @@ from sluice.core.config import load_config
 from sluice.core.eventwire import read_gateway_batch
 from sluice.core.processes import ReceiverProcess, RegionProcess, SenderProcess
 
-from regionkit import remote, write_two_sites
+from regionkit import remote, start_two_regions, write_two_sites
 from waiting import holds_for, wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -168,16 +168,12 @@ def test_group_transaction_events_keeps_a_put_all_of_one_bucket_in_one_batch(sit
     for key in ("event_filters", "event_substitution_filter"):
         sender.pop(key)
     path_a.write_text(yaml.safe_dump(data))
-    cfg_a = load_config(path_a)
+    load_config(path_a)  # the edited file still loads
     cfg_b = load_config(path_b)
     same_bucket = [k for k in (f"tx-{i}" for i in range(2000)) if partition_for_key(k.encode(), 8) == 3][:40]
     procs: list[Any] = []
     try:
-        region_a = RegionProcess(path_a, tmp_path / "region-a.log")
-        region_b = RegionProcess(path_b, tmp_path / "region-b.log")
-        procs += [region_a, region_b]
-        region_a.wait_ready()
-        region_b.wait_ready()
+        region_a, region_b = start_two_regions(path_a, path_b, tmp_path, procs)
         procs.append(ReceiverProcess(path_b, tmp_path / "receiver-b.log"))
         procs.append(SenderProcess(path_a, "to-b", tmp_path / "sender-a.log"))
         a, b = RegionClient([region_a.url]), RegionClient([region_b.url])

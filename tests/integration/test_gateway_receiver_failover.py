@@ -25,7 +25,7 @@ from sluice.core.events import EventID, Operation
 from sluice.core.processes import REPO, ReceiverProcess, RegionProcess, SenderProcess
 from sluice.core.topics import apply_topics
 
-from regionkit import read_topic, remote, write_two_sites
+from regionkit import read_topic, remote, start_two_regions, write_two_sites
 from waiting import read_until, wait_for
 
 pytestmark = pytest.mark.timeout(400)
@@ -68,11 +68,7 @@ def test_a_receiver_killed_mid_stream_loses_nothing_and_applies_nothing_twice(si
     path_a, path_b, cfg_a, cfg_b = _sites(tmp_path, site_a.bootstrap, unique_prefix)
     procs: list[Any] = []
     try:
-        region_a = RegionProcess(path_a, tmp_path / "region-a.log")
-        region_b = RegionProcess(path_b, tmp_path / "region-b.log")
-        procs += [region_a, region_b]
-        region_a.wait_ready()
-        region_b.wait_ready()
+        region_a, region_b = start_two_regions(path_a, path_b, tmp_path, procs)
         receivers = [ReceiverProcess(path_b, tmp_path / f"receiver-b{i}.log") for i in range(2)]
         procs += receivers
         procs.append(SenderProcess(path_a, "to-b", tmp_path / "sender-a.log"))
@@ -141,11 +137,7 @@ def test_receiver_figures_survive_a_kill_and_add_up_to_what_the_site_applied(sit
     path_a, path_b, cfg_a, cfg_b = _sites(tmp_path, site_a.bootstrap, unique_prefix)
     procs: list[Any] = []
     try:
-        region_a = RegionProcess(path_a, tmp_path / "region-a.log")
-        region_b = RegionProcess(path_b, tmp_path / "region-b.log")
-        procs += [region_a, region_b]
-        region_a.wait_ready()
-        region_b.wait_ready()
+        region_a, region_b = start_two_regions(path_a, path_b, tmp_path, procs)
         receivers = [ReceiverProcess(path_b, tmp_path / f"receiver-b{i}.log") for i in range(2)]
         procs += receivers
         procs.append(SenderProcess(path_a, "to-b", tmp_path / "sender-a.log"))

@@ -39,7 +39,7 @@ from sluice.core.processes import ReceiverProcess, SenderProcess
 
 from recording_listener import read_offers
 from regionkit import (DSIDS, DispatcherProcess, RegionProcess, apply_site_file, end_offsets, read_topic, remote,
-                       site_data, write_two_sites)
+                       site_data, start_two_regions, write_two_sites)
 from waiting import read_until, settles, wait_for
 
 # --- reading topics -------------------------------------------------------------------------
@@ -221,12 +221,7 @@ def test_a_to_b_100k_mixed_operations_parallel_and_serial(site_a, unique_prefix,
     bootstrap = site_a.bootstrap
     procs: list[Any] = []
     try:
-        region_a = RegionProcess(path_a, tmp_path / "region-a.log")
-        procs.append(region_a)
-        region_b = RegionProcess(path_b, tmp_path / "region-b.log")
-        procs.append(region_b)
-        region_a.wait_ready()
-        region_b.wait_ready()
+        region_a, region_b = start_two_regions(path_a, path_b, tmp_path, procs)
         receiver = ReceiverProcess(path_b, tmp_path / "receiver-b.log")
         procs.append(receiver)
         sender_orders = SenderProcess(path_a, "orders-to-b", tmp_path / "sender-orders.log")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import io
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import fastavro
@@ -29,7 +28,7 @@ from fastavro.schema import fingerprint, to_parsing_canonical_form
 
 from sluice.client import RegionClient
 from sluice.core.codec import MARKER, get_codec, schema_dir
-from sluice.core.events import EntryEvent, EventID
+from sluice.core.events import EventID
 from sluice.core.eventwire import (
     BATCH_VERSIONS_READ,
     GATEWAY_BATCH_V2_HEADER,
@@ -41,7 +40,7 @@ from sluice.core.processes import ReceiverProcess, RegionProcess, SenderProcess
 
 from waiting import wait_for
 
-from test_gateway_security import KEYS, _enqueue, _event, _produce, _read, _signer, _two_sites, _verifier, _wait
+from test_gateway_security import _enqueue, _event, _produce, _read, _signer, _two_sites, _verifier, _wait
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -18,7 +18,7 @@ import pytest
 from sluice.client import RegionClient
 from sluice.core.processes import ReceiverProcess, SenderProcess, ServiceProcess, SubscriptionsProcess, probe
 
-from regionkit import DispatcherProcess, RegionProcess, remote, write_two_sites
+from regionkit import DispatcherProcess, RegionProcess, remote, start_two_regions, write_two_sites
 from waiting import read_until, wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -91,11 +91,7 @@ def test_every_service_serves_health_readiness_and_metrics(site_a, unique_prefix
     path_a, path_b = write_sites(tmp_path, site_a.bootstrap, unique_prefix)
     procs: list[ServiceProcess] = []
     try:
-        region_a = RegionProcess(path_a, tmp_path / "region-a.log")
-        region_b = RegionProcess(path_b, tmp_path / "region-b.log")
-        procs += [region_a, region_b]
-        region_a.wait_ready()
-        region_b.wait_ready()
+        region_a, region_b = start_two_regions(path_a, path_b, tmp_path, procs)
         sender = SenderProcess(path_a, "orders-to-b", tmp_path / "sender.log")
         dispatcher = DispatcherProcess(path_a, "audit", tmp_path / "dispatcher.log")
         receiver = ReceiverProcess(path_b, tmp_path / "receiver.log")

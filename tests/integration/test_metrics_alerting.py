@@ -27,7 +27,7 @@ from sluice.core.eventwire import read_gateway_batch
 from sluice.core.kafka import TopicPartition, make_consumer, make_producer
 from sluice.core.processes import ReceiverProcess, SenderProcess, ServiceProcess
 
-from regionkit import DispatcherProcess, RegionProcess
+from regionkit import DispatcherProcess, start_two_regions
 from waiting import wait_for
 from test_health_endpoints import write_sites
 
@@ -81,11 +81,7 @@ def test_events_queued_state_primaries_and_duplicate_batches(site_a, unique_pref
     cfg_a, cfg_b = load_config(path_a), load_config(path_b)
     procs: list[ServiceProcess] = []
     try:
-        region_a = RegionProcess(path_a, tmp_path / "region-a.log")
-        region_b = RegionProcess(path_b, tmp_path / "region-b.log")
-        procs += [region_a, region_b]
-        region_a.wait_ready()
-        region_b.wait_ready()
+        region_a, region_b = start_two_regions(path_a, path_b, tmp_path, procs)
         sender = SenderProcess(path_a, "orders-to-b", tmp_path / "sender.log")
         dispatcher = DispatcherProcess(path_a, "audit", tmp_path / "dispatcher.log")
         receiver = ReceiverProcess(path_b, tmp_path / "receiver.log")

@@ -36,10 +36,12 @@ from sluice.core.config import load_config
 from sluice.core.config.models.registry import SchemaRegistryConnection
 from sluice.core.errors import BrokerStartError, ConfigError
 from sluice.core.kafka import NewTopic, make_admin, wait_futures
-from sluice.core.processes import DispatcherProcess, ReceiverProcess, RegionProcess, SenderProcess, ServiceProcess
+from sluice.core.processes import DispatcherProcess, ReceiverProcess, SenderProcess, ServiceProcess
 from sluice.core.registry import ConfluentAvroWriter, registry_schema_text
 from sluice.core.topics import apply_topics
 from sluice.listeners.kafka_forwarder import KafkaForwarderListener
+
+from regionkit import start_two_regions
 
 if TYPE_CHECKING:
     from conftest import Site
@@ -112,11 +114,7 @@ def test_forwarded_records_are_read_by_a_plain_avro_deserializer(site_a: Site, s
                  "creating the downstream topic")
     procs: list[ServiceProcess] = []
     try:
-        region_a = RegionProcess(path_a, tmp_path / "region-a.log")
-        region_b = RegionProcess(path_b, tmp_path / "region-b.log")
-        procs += [region_a, region_b]
-        region_a.wait_ready(120)
-        region_b.wait_ready(120)
+        region_a, region_b = start_two_regions(path_a, path_b, tmp_path, procs, ready_s=120)
         procs += [ReceiverProcess(path_b, tmp_path / "receiver-b.log"),
                   SenderProcess(path_a, "orders-to-b", tmp_path / "sender-a.log"),
                   DispatcherProcess(path_b, "downstream", tmp_path / "dispatcher-b.log")]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
