@@ -173,6 +173,10 @@ REFUSALS_REMEMBERED = 4096
 REFUSAL_ANSWER_WAIT_S = 60.0
 #: How long the producer may take to deliver what it holds at shutdown.
 FLUSH_DEADLINE_S = 10.0
+#: How long reading the registry, acks and fill tables may take (at start: their partitions' leaders
+#: may still be moving, a retriable failure tried again within it), and the pause between tries.
+READ_TABLES_S = 30.0
+READ_TABLES_RETRY_S = 0.2
 
 
 #: The hot path's boundary: a write to a client's queue that fails goes on through ``_produce_to``.
@@ -501,15 +505,29 @@ class SubscriptionService(Service):
 
     # --- tables ------------------------------------------------------------------------------
 
+    def _table_end(self, tp: TopicPartition, deadline: float) -> int:
+        """The end offset of a table partition; a retriable failure (a leader moving) is tried again
+        until ``deadline``, any other raised at once."""
+        assert self._tables is not None
+        while True:
+            try:
+                with kafka_errors(f"reading the end of {tp.topic}"):
+                    return self._tables.get_watermark_offsets(tp, timeout=10)[1]
+            except SluiceError as exc:
+                if not exc.retriable or time.monotonic() >= deadline:
+                    raise
+                log.info("subscriptions %s: %s; trying again", self.member_id, exc)
+                if self.stopping.wait(READ_TABLES_RETRY_S):
+                    raise
+
     def _read_tables(self, to_end: bool = False) -> None:
         assert self._tables is not None
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + READ_TABLES_S
         ends: dict[tuple[str, int], int] = {}
         if to_end:
             for topic in (self.registry_topic, self.acks_topic, self.fill_topic):
                 for p in range(self.partitions):
-                    with kafka_errors(f"reading the end of {topic}"):
-                        _low, high = self._tables.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+                    high = self._table_end(TopicPartition(topic, p), deadline)
                     if high > 0:
                         ends[(topic, p)] = high
         while True:

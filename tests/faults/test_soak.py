@@ -26,6 +26,7 @@ PLAN = [
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.serial  # bounds in seconds on every failover: runs alone (make test)
 def test_every_fault_under_load_loses_nothing_and_applies_nothing_twice(tmp_path: Path) -> None:
     console = Console(width=160, record=True, force_terminal=False)
     report = run_soak(seed=11, minutes=1.5, faults=[f for _, f in PLAN], interval_s=6, plan=PLAN,

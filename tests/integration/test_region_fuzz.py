@@ -30,7 +30,7 @@ from regionkit import RegionProcess, write_site
 from waiting import read_until
 
 #: One worker of `pytest -n` runs the whole module: its services are started once, in a module-scoped fixture.
-pytestmark = [pytest.mark.timeout(180), pytest.mark.xdist_group("region_fuzz")]
+pytestmark = [pytest.mark.timeout(480), pytest.mark.xdist_group("region_fuzz")]
 
 TOKEN = "client-" + uuid.uuid4().hex
 MEMBER_TOKEN = "member-" + uuid.uuid4().hex
