@@ -92,7 +92,9 @@ def offer_until_accepted(listener: KafkaForwarderListener, batch: list[AsyncEven
 
 def read_records(bootstrap: str, topic: str, partitions: int = PARTITIONS, idle_s: float = 1.0,
                  timeout_s: float = 15.0) -> list[Message]:
-    """Every record of the topic: read from the start until nothing more comes for ``idle_s``.
+    """Every record of the topic: read from the start until nothing more comes for ``idle_s`` after
+    the first record (every caller's topic holds some; a broker just restarted may take longer than
+    ``idle_s`` to answer the first fetch), or until ``timeout_s``.
 
     Not up to the high watermark: Tansu 0.6.0 reports it as the last batch's
     base offset + 1, short of the records of a multi-record batch.
@@ -103,7 +105,7 @@ def read_records(bootstrap: str, topic: str, partitions: int = PARTITIONS, idle_
         out: list[Message] = []
         deadline = time.monotonic() + timeout_s
         quiet_since = time.monotonic()
-        while time.monotonic() - quiet_since < idle_s and time.monotonic() < deadline:
+        while (not out or time.monotonic() - quiet_since < idle_s) and time.monotonic() < deadline:
             msg = consumer.poll(0.1)
             if msg is None:
                 continue
