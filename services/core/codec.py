@@ -189,6 +189,10 @@ class Codec:
         except KeyError:
             raise UnknownSchema(f"no schema named {name!r}") from None
 
+    def schema_named(self, fp: bytes) -> str | None:
+        """The name of the schema (any version this release reads) whose fingerprint is ``fp``, else None."""
+        return self._by_fingerprint.get(bytes(fp))
+
     def header(self, name: str) -> bytes:
         """The single-object header of a record of schema ``name``: the marker and its fingerprint."""
         return MARKER + self.fingerprint(name)

@@ -86,6 +86,7 @@ from . import telemetry
 from .asyncevent import AsyncEvent, event_id_of, possible_duplicates, undecodable
 from .batching import Batch, BatchPolicy
 from .codec import get_codec
+from .framing import Frames, frames_for
 from .config import SiteConfig
 from .control import ControlFollower
 from .errors import CodecError, DeliveryRefused, MalformedRecord, SluiceError, Stopping
@@ -221,6 +222,8 @@ class QueuePrimary(Service):
         self.desired = start_state
 
         self._codec = get_codec()
+        #: Reads queue records of either framing (core/framing.py): the site's serializer may be confluent.
+        self._frames = frames_for(cfg)
         self._removal_header = self._codec.header("RemovalRecord")
         #: The decisions over this member's partitions (core/queueprotocol.py); the loop performs them.
         self.protocol = QueueProtocol(self.topic, self.policy)
@@ -669,7 +672,7 @@ class QueuePrimary(Service):
             try:
                 read = queued_flags_body(header, msg.value())
                 if read is None:
-                    read = _read_older(codec, msg.value())
+                    read = _read_older(self._frames, msg.value())
             except (CodecError, KeyError, ValueError) as exc:
                 # Not a QueuedEvent (or an older one whose event cannot be an EntryEvent).
                 self._skip_unreadable(part, msg, exc, now_ms)
@@ -1182,12 +1185,19 @@ class QueuePrimary(Service):
                                "alert_threshold_ms": threshold})
 
 
-def _read_older(codec: Any, data: bytes | None) -> tuple[int, bytes]:
-    """(flags, event body) of a record ``queued_flags_body`` left (not of the current QueuedEvent
-    version), through ``read_queued``; ``CodecError`` for one that is no QueuedEvent at all.  A
-    QueuedEvent before flags (v2) said possibleDuplicate in its event alone, so that is read here
-    too: its event is decoded, which only a queue written before an upgrade costs."""
-    view = read_queued(codec, data)
+def _read_older(frames: Frames, data: bytes | None) -> tuple[int, bytes]:
+    """(flags, event body) of a record ``queued_flags_body`` left: one in Confluent's wire format
+    (``core/framing.py``; of the current QueuedEvent version it is read as fast), or one of an
+    older QueuedEvent version, through ``read_queued``; ``CodecError`` for one that is no
+    QueuedEvent at all.  A QueuedEvent before flags (v2) said possibleDuplicate in its event
+    alone, so that is read here too: its event is decoded, which only a queue written before an
+    upgrade costs."""
+    header = frames.current_header(data, "QueuedEvent")
+    if header is not None:
+        read = queued_flags_body(header, data)
+        assert read is not None, "a record that starts with the header was refused by it"
+        return read
+    view = read_queued(frames.codec, frames.single_object(data))
     flags = view.flags
     if not flags & FLAG_POSSIBLE_DUPLICATE and decode_entry(view.event_body)[0].possible_duplicate:
         flags |= FLAG_POSSIBLE_DUPLICATE

@@ -58,9 +58,10 @@ except ImportError:  # pragma: no cover - depends on the installed extras
 
 from .codec import Codec, _collect_named, _self_contained, get_codec
 from .config.models.registry import SchemaRegistryConnection
-from .errors import ConfigError, MalformedRecord, RegistryRefused, RegistryUnavailable
+from .errors import ConfigError, MalformedRecord, RegistryRefused, RegistryUnavailable, UnknownSchema
 
-__all__ = ["MAGIC_BYTE", "SERIALIZERS", "ConfluentAvroWriter", "registry_schema", "registry_schema_text"]
+__all__ = ["MAGIC_BYTE", "SERIALIZERS", "ConfluentAvroWriter", "registered_schema", "registry_client", "registry_schema",
+           "registry_schema_text"]
 
 #: The first byte of a record in Confluent's wire format.
 MAGIC_BYTE = 0
@@ -98,6 +99,34 @@ def registry_schema_text(name: str, codec: Codec | None = None) -> str:
     return json.dumps(registry_schema(name, codec), separators=(",", ":"))
 
 
+def registry_client(connection: SchemaRegistryConnection, field: str = "schema_registry") -> SchemaRegistryClient:
+    """confluent-kafka's client of the registry ``connection`` names; ``ConfigError`` when it refuses the settings."""
+    try:
+        return SchemaRegistryClient(connection.client_settings())
+    except (ValueError, TypeError) as exc:
+        raise ConfigError([(field, connection.url, f"the registry client refuses it: {exc}")]) from None
+
+
+def registered_schema(client: SchemaRegistryClient, schema_id: int, url: str) -> str:
+    """The text of the Avro schema the registry holds under ``schema_id`` (what a reader of a Confluent
+    frame needs, ``framing.py``).  ``UnknownSchema`` when the registry does not know the id or it is no
+    Avro schema (the record is unreadable: dead-lettered), ``RegistryUnavailable`` when it cannot answer."""
+    try:
+        schema = client.get_schema(schema_id)
+    except SchemaRegistryError as exc:
+        status = exc.http_status_code
+        if status is not None and 400 <= status < 500 and status not in (401, 403, 408, 429):
+            raise UnknownSchema(f"schema id {schema_id}: the registry at {url} does not know it "
+                                f"({exc.error_message}, HTTP {status})") from None
+        raise RegistryUnavailable(url, f"looking schema id {schema_id} up: {exc.error_message} (HTTP {status})") \
+            from exc
+    except (_HTTPError, OSError, ValueError) as exc:  # no answer, or not the registry's JSON
+        raise RegistryUnavailable(url, f"looking schema id {schema_id} up: {type(exc).__name__}: {exc}") from exc
+    if (schema.schema_type or "AVRO") != "AVRO" or not schema.schema_str:
+        raise UnknownSchema(f"schema id {schema_id} is a {schema.schema_type} schema, not Avro")
+    return str(schema.schema_str)
+
+
 class ConfluentAvroWriter:
     """Frames records of one Sluice schema in Confluent's wire format; see the module docstring.
 
@@ -113,10 +142,7 @@ class ConfluentAvroWriter:
         self.record_name: str = registry_schema(schema_name)["name"]
         self.schema = Schema(registry_schema_text(schema_name), "AVRO")
         self._strategy = _STRATEGIES[connection.subject_name_strategy]
-        try:
-            self.client = client or SchemaRegistryClient(connection.client_settings())
-        except (ValueError, TypeError) as exc:
-            raise ConfigError([(field, connection.url, f"the registry client refuses it: {exc}")]) from None
+        self.client = client or registry_client(connection, field)
         self._serializer = AvroSerializer(self.client, self.schema.schema_str, conf={
             "auto.register.schemas": connection.auto_register,
             # The id of this very schema, never "the subject's latest": the

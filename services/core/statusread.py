@@ -27,7 +27,8 @@ from typing import Any
 
 from .codec import get_codec
 from .config import SiteConfig
-from .errors import CodecError, InvalidRequest
+from .errors import CodecError, InvalidRequest, RegistryUnavailable
+from .framing import frames_for
 from .kafka import TopicPartition, kafka_errors, make_consumer, read_to_end
 
 #: Offsets of a partition's backlog read to count its events exactly; a longer backlog shows as an
@@ -138,9 +139,9 @@ def queue_status(cfg: SiteConfig, queue_id: str) -> list[PartitionStatus]:
                     first, counted = _first_and_count(consumer, topic, p, head, end)
                     if first is not None:
                         try:
-                            enqueued_at = codec.decode_as("QueuedEvent", first)["enqueued_at"]
+                            enqueued_at = frames_for(cfg).decode_as("QueuedEvent", first)["enqueued_at"]
                             oldest = max(0.0, (now_ms - enqueued_at) / 1000)
-                        except CodecError:
+                        except (CodecError, RegistryUnavailable):
                             oldest = None
                 report = reports.get(p)
                 fresh = report is not None and now_ms - report["updated_at"] < 30_000

@@ -127,6 +127,7 @@ from typing import Any, Callable
 
 from ..core import telemetry
 from ..core.codec import Codec
+from ..core.framing import Frames
 from ..core.errors import (
     BrokerUnavailable,
     BucketUnavailable,
@@ -379,6 +380,7 @@ class RegionEngine:
         store: LocalStore | None = None,
         topic_ids: dict[str, str] | None = None,
         checkpoint_interval_s: float = 5.0,
+        frames: Frames | None = None,
     ) -> None:
         self.site = site
         self.dsid = dsid
@@ -393,6 +395,8 @@ class RegionEngine:
         self._group_settings = group_settings
         self._producer_settings = producer_settings
         self._codec = codec
+        #: The site's framing of changelog and queue records (core/framing.py): read either, write its own.
+        self._frames = frames or Frames(codec)
         self._targets = targets
         self._load_timeout_s = load_timeout_s
         self._tracking_timeout_ms = int(event_tracking_timeout_s * 1000)
@@ -437,7 +441,7 @@ class RegionEngine:
         self._committer_stopping = False
         self._threads: list[threading.Thread] = []
         self._writer: WindowWriter | None = None
-        self._builder = RecordBuilder(codec, changelog_topics, targets)
+        self._builder = RecordBuilder(codec, changelog_topics, targets, self._frames)
         self._group: Consumer | None = None
         self._offsets: Consumer | None = None
         self._dead_letter_producer: Producer | None = None
@@ -457,7 +461,7 @@ class RegionEngine:
         #: Standby copies of buckets other instances own (a region with redundant_copies; standby.py).
         self._standby = StandbyKeeper(kafka_settings=kafka_settings, client_id=client_id,
                                       changelog_topics=changelog_topics, dsid=dsid, member_id=member_id,
-                                      codec=codec, new_copy=self._copy_state if store else None
+                                      codec=codec, frames=self._frames, new_copy=self._copy_state if store else None
                                       ) if standbys else None
         #: The local store of bucket state (store.py; None: state on the heap only), with the id of each
         #: region's changelog topic that its checkpoints name.
@@ -1410,7 +1414,6 @@ class RegionEngine:
             else:
                 state = self._new_state(region, bucket)
         refanout: list[tuple[EntryEvent, int]] = []
-        header = self._codec.header("EntryEvent")
         replayed = 0
         with self._lock:
             ob = self._current(region, bucket, epoch)
@@ -1441,7 +1444,7 @@ class RegionEngine:
                     position = max(position, offset + 1)
                     value = msg.value()
                     try:
-                        event = changelog_event(value, header, self._codec)
+                        event = changelog_event(value, self._frames)
                     except CodecError as exc:
                         log.error("changelog %s[%d]@%d unreadable, skipped: %s", topic, bucket, offset, exc)
                         unreadable.append((offset, msg.key(), msg.value(), exc))

@@ -67,6 +67,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from ..core.codec import Codec
+from ..core.framing import Frames
 from ..core.errors import (
     BrokerUnavailable,
     KafkaCallFailed,
@@ -225,11 +226,17 @@ class Pending:
 class RecordBuilder:
     """The records of an applied event: its changelog record and its queue records (step 1)."""
 
-    def __init__(self, codec: Codec, changelog_topics: dict[str, str], targets: dict[str, list[QueueTarget]]) -> None:
+    def __init__(self, codec: Codec, changelog_topics: dict[str, str], targets: dict[str, list[QueueTarget]],
+                 frames: Frames | None = None) -> None:
         self._changelog_topics = changelog_topics
         self._targets = targets
-        self._queued_header = codec.header("QueuedEvent")
-        self._entry_header = codec.header("EntryEvent")
+        frames = frames or Frames(codec)
+        # The site's own header per topic (core/framing.py): another site's event body is written
+        # under it as it came, whichever framing that site uses.  Confluent ids are registered here, on start.
+        queue_topics = sorted({t.topic for ts in targets.values() for t in ts})
+        frames.check_writes({"EntryEvent": changelog_topics.values(), "QueuedEvent": queue_topics})
+        self._entry_headers = {topic: frames.header("EntryEvent", topic) for topic in changelog_topics.values()}
+        self._queued_headers = {topic: frames.header("QueuedEvent", topic) for topic in queue_topics}
 
     def records(self, event: EntryEvent, headers: list[tuple[str, bytes]] | None = None,
                 body: bytes | None = None, generate_callbacks: bool = True) -> tuple[Record, list[Record]]:
@@ -240,7 +247,8 @@ class RecordBuilder:
         key = event.key.encode("utf-8")
         if body is None:
             body = entry_event_body(event)
-        changelog = (self._changelog_topics[event.region], event.bucket, key, self._entry_header + body, headers)
+        topic = self._changelog_topics[event.region]
+        changelog = (topic, event.bucket, key, self._entry_headers[topic] + body, headers)
         if not generate_callbacks:
             return changelog, []
         return changelog, self._queued(event, key, body, -1, headers)
@@ -293,7 +301,7 @@ class RecordBuilder:
             if queued is not event:
                 body = entry_event_body(queued)
         return (target.topic, partition, key,
-                queued_event(self._queued_header, flags, target.id, event.bucket, offset, now_ms, body), headers)
+                queued_event(self._queued_headers[target.topic], flags, target.id, event.bucket, offset, now_ms, body), headers)
 
 
 @dataclass(slots=True)

@@ -57,6 +57,7 @@ from opentelemetry.trace import SpanKind
 
 from ..core import jsonvalue, telemetry
 from ..core.codec import get_codec
+from ..core.framing import frames_for
 from ..core.eventchecks import event_id_problem, is_unicode, key_problem, remote_problem, value_problem
 from ..core.remotewire import decode_remote, encode_remote
 from ..core.config import SiteConfig
@@ -308,6 +309,7 @@ class RegionService(Service):
             changelog_topics=self.changelog_topics,
             targets=targets,
             codec=get_codec(),
+            frames=frames_for(self.cfg),
             load_timeout_s=self.cfg.region_service.load_timeout_s,
             event_tracking_timeout_s=self.cfg.region_service.event_tracking_timeout_s,
             conflict_resolver=load_resolver(self.cfg.gateway_conflict_resolver),

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from ..core.codec import Codec
+from ..core.framing import Frames
 from ..core.errors import CodecError, SluiceError
 from ..core.kafka import (
     OFFSET_BEGINNING,
@@ -130,7 +131,7 @@ class StandbyKeeper:
     """Tails the changelog partitions of the buckets ``want`` names (see the module docstring)."""
 
     def __init__(self, *, kafka_settings: dict[str, Any], client_id: str, changelog_topics: dict[str, str],
-                 dsid: int, member_id: str, codec: Codec,
+                 dsid: int, member_id: str, codec: Codec, frames: Frames | None = None,
                  new_copy: Callable[[str, int, int, int], tuple[BucketState, int]] | None = None) -> None:
         self._kafka_settings = kafka_settings
         self._client_id = client_id
@@ -142,7 +143,7 @@ class StandbyKeeper:
         #: (region, bucket, low, high) → the state a new copy starts from and its position (the local
         #: store's); None: copies start empty, on the heap.
         self._new_copy = new_copy
-        self._header = codec.header("EntryEvent")
+        self._frames = frames or Frames(codec)
         self._lock = threading.Lock()
         self._wanted: set[Bucket] = set()
         self._copies: dict[Bucket, StandbyCopy] = {}
@@ -303,7 +304,7 @@ class StandbyKeeper:
                 copy.position = offset + 1
                 value = msg.value()
                 try:
-                    event = changelog_event(value, self._header, self._codec)
+                    event = changelog_event(value, self._frames)
                 except CodecError as exc:
                     log.error("changelog %s[%d]@%d unreadable, skipped by the standby: %s", msg.topic(),
                               msg.partition(), offset, exc)

@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from operator import itemgetter
 from typing import Iterator, MutableMapping
 
-from ..core.codec import HEADER_BYTES, Codec
+from ..core.framing import Frames
 from ..core.errors import EntryExists, EntryNotFound, InvalidRequest
 from ..core.events import DESTROYS, REGION_OPERATIONS, EntryEvent, EventID, Operation, VersionTag
 from ..core.eventwire import decode_entry, new_entry_event, new_version_tag
@@ -48,14 +48,15 @@ from .conflicts import ConflictResolver, resolve
 STREAM_AHEAD_MAX = 2**32
 
 
-def changelog_event(value: bytes | None, header: bytes, codec: Codec) -> EntryEvent:
-    """The EntryEvent of a changelog record's value (``header``: the current EntryEvent schema's
-    single-object header).  Records of this release are read by the codec module's EntryEvent reader
+def changelog_event(value: bytes | None, frames: Frames) -> EntryEvent:
+    """The EntryEvent of a changelog record's value, in either framing (``core/framing.py``).
+    Records of the current EntryEvent schema are read by the codec module's EntryEvent reader
     (compiled where built), records of earlier schema versions through the codec, which resolves them;
     anything else raises ``CodecError``."""
-    if value is not None and value[:HEADER_BYTES] == header:
-        return decode_entry(value[HEADER_BYTES:])[0]
-    return EntryEvent.from_record(codec.decode_as("EntryEvent", value))
+    header = frames.current_header(value, "EntryEvent")
+    if header is not None:
+        return decode_entry(value[len(header):])[0]  # type: ignore[index]
+    return EntryEvent.from_record(frames.decode_as("EntryEvent", value))
 
 
 class Op(str, enum.Enum):

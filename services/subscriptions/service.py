@@ -109,6 +109,7 @@ from ..core.clientregistry import (
     registry_partition,
 )
 from ..core.codec import HEADER_BYTES, get_codec
+from ..core.framing import frames_for
 from ..core.config import SiteConfig
 from ..core.errors import (
     CodecError,
@@ -239,6 +240,8 @@ class SubscriptionService(Service):
         self.group_id = f"{cfg.kafka.topic_prefix}subscriptions"
         self._codec = get_codec()
         self._entry_header = self._codec.header("EntryEvent")
+        #: Reads changelog records of either framing (core/framing.py): the site's serializer may be confluent.
+        self._frames = frames_for(cfg)
         self._message_header = self._codec.header("ClientMessage")
         # Tables (every instance reads them whole).
         self.registry: dict[str, dict[str, Any]] = {}
@@ -1035,10 +1038,13 @@ class SubscriptionService(Service):
     def _entry_body(self, value: bytes) -> bytes:
         """The current EntryEvent body of a changelog record: its bytes after the header, or, for a
         record of an older EntryEvent version, the event read through schema resolution and written
-        again.  ``CodecError`` when it is no EntryEvent."""
+        again.  Either framing (``core/framing.py``).  ``CodecError`` when it is no EntryEvent."""
         if value[:HEADER_BYTES] == self._entry_header:
             return value[HEADER_BYTES:]
-        return entry_event_body(EntryEvent.from_record(self._codec.decode_as("EntryEvent", value)))
+        header = self._frames.current_header(value, "EntryEvent")
+        if header is not None:
+            return value[len(header):]
+        return entry_event_body(EntryEvent.from_record(self._frames.decode_as("EntryEvent", value)))
 
     def _encode(self, message: dict[str, Any]) -> bytes:
         message.setdefault("session", "")

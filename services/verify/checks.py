@@ -28,13 +28,13 @@ REGIONS = ("orders", "customers")
 
 def changelog(cfg: Any, region: str) -> list[EntryEvent]:
     """Every event a site's region applied, from its changelog, bucket by bucket."""
-    from ..core.codec import get_codec
+    from ..core.framing import frames_for
     from ..core.kafka import make_consumer, read_to_end
 
-    codec = get_codec()
     consumer = make_consumer(cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 10})
     try:
-        return [EntryEvent.from_record(codec.decode_as("EntryEvent", m.value()))
+        frames = frames_for(cfg)  # either framing: the site's serializer may be confluent
+        return [EntryEvent.from_record(frames.decode_as("EntryEvent", m.value()))
                 for p in range(cfg.region(region).buckets)
                 for m in read_to_end(consumer, cfg.topics.region_changelog(region), p, deadline_s=60)
                 if m.value() is not None]

@@ -35,6 +35,7 @@ from .kafka import KafkaConfig, KafkaConnection
 from .queues import AsyncEventQueueConfig, GatewaySenderConfig
 from .receiver import ReceiverConfig
 from .region import RegionConfig, RegionServiceConfig
+from .registry import SchemaRegistryConnection
 from .subscriptions import SubscriptionsConfig
 
 
@@ -98,6 +99,16 @@ class SiteConfig(_Model):
         None, description="import path of a WAN conflict resolver class with on_event(event, helper); "
         "unset: the later timestamp wins, ties go to the higher dsid",
         json_schema_extra={"geode": "gateway-conflict-resolver"})
+    serializer: Literal["single-object", "confluent"] = Field(
+        "single-object", description="how the site frames its changelog and queue records: single-object (Avro's "
+        "single-object encoding, C3 01 and the schema's fingerprint) or confluent (Confluent's wire format, 00 and "
+        "a schema id from schema_registry, which Confluent's deserializers, Kafka Connect, ksqlDB and Flink read); "
+        "Sluice's own protocol records (removals, gateway batches and acks, status, control) stay single-object. "
+        "Readers take either framing, so a site can switch",
+        json_schema_extra={"confluent": "value.serializer"})
+    schema_registry: SchemaRegistryConnection | None = Field(
+        None, description="the Confluent-compatible schema registry of serializer: confluent (required with it); "
+        "with single-object, where to look up the schema ids of Confluent-framed records the topics still hold")
 
     @model_validator(mode="before")
     @classmethod
@@ -140,6 +151,13 @@ class SiteConfig(_Model):
     @classmethod
     def _check_resolver(cls, value: str | None) -> str | None:
         return None if value is None else check_import_path(value)
+
+    @model_validator(mode="after")
+    def _check_serializer(self) -> SiteConfig:
+        if self.serializer == "confluent" and self.schema_registry is None:
+            _raise_rules([("schema_registry", None, "is required with serializer: confluent: the registry's url, "
+                           "at least (the changelog and queue records' schema ids come from it)")])
+        return self
 
     @model_validator(mode="after")
     def _check_site(self) -> SiteConfig:
