@@ -1,12 +1,13 @@
 """Events applied by another site, as they cross the region service's HTTP API:
-each one's Avro single-object encoding (the changelog's format), in base64."""
+each one's Avro single-object encoding, in base64.  Sluice's own protocol: single-object whatever
+the site's ``serializer`` (``framing.py``), which frames only the changelog and queue records."""
 
 from __future__ import annotations
 
 import base64
 
 from .eventwire import entry_event_body
-from .codec import MARKER, get_codec
+from .codec import get_codec
 from .errors import CodecError, InvalidRequest
 from .events import EntryEvent
 
@@ -14,7 +15,7 @@ from .events import EntryEvent
 def encode_remote(event: EntryEvent) -> str:
     codec = get_codec()
     # The hand-written encoder: byte for byte what the codec writes, at a fraction of the cost.
-    data = MARKER + codec.fingerprint("EntryEvent") + entry_event_body(event)
+    data = codec.header("EntryEvent") + entry_event_body(event)
     return base64.b64encode(data).decode("ascii")
 
 

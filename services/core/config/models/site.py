@@ -270,4 +270,7 @@ class SiteConfig(_Model):
         add("region_service.member_token", self.region_service, "member_token")
         add("subscriptions.token", self.subscriptions, "token")
         add("gateway_private_key", self, "gateway_private_key")
+        if self.schema_registry is not None:
+            add("schema_registry.basic_auth_password", self.schema_registry, "basic_auth_password")
+            add("schema_registry.bearer_token", self.schema_registry, "bearer_token")
         return out
