@@ -10,9 +10,9 @@ answers and feeds the outcomes back, in the manner of etcd raft's
 
 1. ``assign(keys, now_ms, membership, standbys)``: the group gave this member
    buckets (cooperative: only those added).  Each gets a new epoch and starts
-   LOADING; the answer is a ``Load`` per bucket, an ``OfferStandby`` per kept
-   bucket this assignment did not give back (the start of a standby copy), and
-   ``PublishClaims`` when the owned buckets changed.
+   LOADING; the answer is an ``OfferStandby`` per kept bucket this assignment
+   did not give back (the start of a standby copy), ``PublishClaims`` when the
+   owned buckets changed, and a ``Load`` per bucket.
 2. The load of ``(region, bucket, epoch)`` reports what it finds:
    ``load_blocked(key, epoch, waited_s, fenced)`` while a transaction is open
    on the changelog (a ``Fence`` of the earlier owners, once per attempt, past
@@ -233,8 +233,9 @@ class RegionOwnership:
                                           standby=None if standbys is None else standbys.get(key))
             loads.append(Load(region, bucket, epoch))
         if loads:
-            loads.append(PublishClaims(self.claims()))
-        return loads + actions
+            # The claims go out before the loads begin (a load may ask the directory for earlier owners).
+            actions.append(PublishClaims(self.claims()))
+        return actions + loads
 
     def revoking(self, keys: list[BucketKey], membership: bytes | None) -> set[BucketKey]:
         """Step 4: the group takes ``keys`` back, in the generation ``membership`` (the buckets that
