@@ -105,24 +105,33 @@ again (a failover, a rebalance) does not dead-letter the same record twice;
 only a loader that loses the bucket between writing a dead letter and the
 broker acknowledging it can leave a second one behind.
 
+Who decides what.  Ownership itself (which buckets, under which epoch and
+generation, what a revocation keeps, when a blocked load fences) is the pure
+protocol of ownership.py: the engine feeds it the group's events and the
+loads' and windows' outcomes under its lock, and performs the actions it
+answers (load, publish the claims, park, offer a standby copy, fence).  Its
+takeovers are replayed without a broker in tests/unit/test_region_ownership.py.
+
 Threads: the callers' (``submit``), the committer (the transactional producer
-and its windows), the group thread (membership, generation metadata), the
-loaders (``load_threads`` of them, each loading one bucket at a time with
-readers of its own, so the buckets owed after a failover load in parallel)
-and the standby keeper (standby.py).  They share the ``self._lock``-guarded
-bucket tables and open window; the loaders share the dead-letter path under
-a lock of its own; everything else is owned by one thread.
+and its windows), the group thread (the partition loop of core/loop.py over
+the group consumer: membership, generation metadata), the loaders
+(``load_threads`` of them, each loading one bucket at a time with readers of
+its own, so the buckets owed after a failover load in parallel) and the
+standby keeper (standby.py).  The engine's threads are the workers of its
+``Service`` (core/lifecycle.py): the first to die is its crash.  They share
+the ``self._lock``-guarded ownership, bucket tables and open window; the
+loaders share the dead-letter path under a lock of its own; everything else
+is owned by one thread.
 """
 
 from __future__ import annotations
 
 import collections
-import enum
 import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from ..core import telemetry
@@ -142,6 +151,7 @@ from ..core.events import Operation as EventOperation
 from ..core.kafka import (
     OFFSET_BEGINNING,
     Consumer,
+    Message,
     Producer,
     TopicPartition,
     close_consumer,
@@ -156,9 +166,23 @@ from ..core.kafka import (
     partition_for_key,
     read_to_end,
 )
+from ..core.lifecycle import Service
+from ..core.loop import PartitionLoop
 from .conflicts import ConflictResolver
 from .fanout import TRANSACTIONAL_CHECKPOINT, Pending, QueueTarget, RecordBuilder, Slot, Window, WindowOutcome, WindowWriter
-from .standby import StandbyCopy, StandbyKeeper, StandbyStatus
+from .ownership import (
+    Action,
+    BucketStatus,
+    Fence,
+    Load,
+    OfferStandby,
+    OwnedBucket,
+    Park,
+    Parked,
+    PublishClaims,
+    RegionOwnership,
+)
+from .standby import StandbyKeeper, StandbyStatus
 from .state import BucketState, ConflictLost, Duplicate, Op, Skipped, changelog_event
 from .store import LocalStore, StoredEntries
 
@@ -177,6 +201,8 @@ ASSIGNMENT_STRATEGY = "cooperative-sticky"
 #: How long the committer waits for the group's next generation before writing again a window the
 #: group refused for a generation that had ended (``_next_generation``).
 GENERATION_WAIT_S = 30.0
+#: How often the committer looks for that next generation while it waits (``_next_generation``).
+GENERATION_POLL_S = 0.02
 #: How long on_revoke waits for the windows holding a revoked bucket's records.
 REVOKE_WAIT_S = 10.0
 #: The pause before the committer builds its producer again after failing to.
@@ -189,6 +215,22 @@ PARK_SETTLE_S = 1.0
 KAFKA_ABORT_CHECK_S = 10.0
 #: Beyond the transaction timeout and that check, how long before an open transaction is called hanging.
 HANGING_GRACE_S = 20.0
+#: How long one poll of the group consumer waits.  It reads no records (its partitions are paused), so this
+#: bounds how soon the group thread notices a stop, a wedged committer (``_check_committer``) or a due
+#: checkpoint of the local store.
+GROUP_POLL_S = 0.05
+#: How often idle EventID streams are forgotten (``_expire_streams``: the group loop's status interval).
+STREAM_EXPIRY_INTERVAL_S = 30.0
+#: How long on_revoke waits before it reads a revoked partition's end again, while its last markers land.
+PARK_POLL_S = 0.005
+#: How long fencing one earlier owner's transactional.id may take (``_fence_gone_owners``).
+FENCE_TIMEOUT_S = 10.0
+#: How long a load blocked by an open transaction waits before it looks again (``_wait_decided``).
+DECIDED_POLL_S = 0.05
+#: How long one read of a changelog partition's committed offset may wait for it to be stable.
+COMMITTED_READ_S = 1.0
+#: How long ``stop`` waits, in all, for the engine's threads and clients unless told otherwise.
+STOP_DEADLINE_S = 10.0
 
 
 class HangingWatch:
@@ -239,70 +281,6 @@ class HangingWatch:
                           if now - since >= self.hanging_after_s)
 
 
-class BucketStatus(enum.Enum):
-    LOADING = "loading"
-    READY = "ready"
-    REVOKING = "revoking"
-
-
-@dataclass(slots=True)
-class OwnedBucket:
-    region: str
-    bucket: int
-    epoch: int
-    status: BucketStatus = BucketStatus.LOADING
-    state: BucketState | None = None
-    #: The offset every window of this ownership commits for the bucket (fanout.py: from where the
-    #: changelog is transactional), set by the load.
-    checkpoint: int = -1
-    inflight: dict[EventID, Pending] = field(default_factory=dict)
-    # A server-assigned EventID stream (member = this instance, thread = bucket).
-    next_sequence: int = 0
-    since_ms: int = 0  # when this instance was assigned the bucket (its claim in the directory)
-    #: A window holding its records failed: the memory may be ahead of the changelog.
-    dirty: bool = False
-    #: Where the bucket's changelog partition ends with everything the memory holds: the end the
-    #: load read to, then after each committed window its last record's offset + 2 (the record,
-    #: then the window's marker).  A partition that ends elsewhere holds what someone else wrote.
-    end: int = -1
-    #: The standby copy this instance kept of the bucket before it was assigned it (standby.py), until
-    #: the load takes it.
-    standby: StandbyCopy | None = None
-    #: The load's progress: it reads offsets load_start..load_end and is at load_position (-1: not reading).
-    load_start: int = -1
-    load_position: int = -1
-    load_end: int = -1
-    load_began: float = 0.0
-    #: Where the bucket's local store was last made clean (-1: not since it was loaded).
-    stored_at: int = -1
-
-
-@dataclass(frozen=True, slots=True)
-class Parked:
-    """A revoked bucket's state, kept for the assignment that follows the revocation.
-
-    A bucket revoked from this member can come back to it (a member that joined
-    leaves again), or become one of its standby copies (standby.py).  A bucket is
-    kept only when its changelog partition
-    ends where this member's own last write left it (``OwnedBucket.end``: nobody
-    else appended to it while it was owned here), and it is not read again when
-    the partition is exactly as it was at the revocation: the same low offset and end
-    (the high watermark counts every record and marker, so a write by anyone,
-    committed or aborted, moves it), no transaction open, and the same committed
-    checkpoint.  Anything else, and the bucket loads from the changelog.
-    """
-
-    state: BucketState
-    checkpoint: int
-    next_sequence: int
-    low: int
-    high: int
-
-    def still_current(self, low: int, high: int, committed: int, transactional: bool) -> bool:
-        """Whether the changelog partition, decided at (low, high) with ``committed``, is as it was."""
-        return transactional and (low, high, committed) == (self.low, self.high, self.checkpoint)
-
-
 @dataclass(slots=True)
 class Operation:
     """One requested operation on one key (value already serialized).
@@ -347,8 +325,25 @@ class OpResult:
     cleared: int = 0
 
 
-class RegionEngine:
-    """The bucket owner of one region-service instance."""
+class RegionEngine(Service):
+    """The bucket owner of one region-service instance.
+
+    Its lifecycle is core/lifecycle.py's (``Service``)::
+
+        NEW ──start()──► RUNNING ──stop()──► STOPPING ──► STOPPED
+                            │
+                            └── a thread died ──► CRASHED (``on_crash`` told)
+
+    Its threads (committer, group, loaders) are the service's workers: the first
+    crash is recorded, every wait ends, and ``on_crash`` hands it to the owner.
+    The group thread is the partition loop of core/loop.py over the group
+    consumer, with this engine as its handler (``on_assign``, ``on_revoke``,
+    ``on_lost``, ``turn``); what ownership means is ownership.py's
+    ``RegionOwnership``, which the engine asks under ``_lock`` and whose
+    actions it performs.
+    """
+
+    kind = "region engine"
 
     def __init__(
         self,
@@ -382,6 +377,7 @@ class RegionEngine:
         checkpoint_interval_s: float = 5.0,
         frames: Frames | None = None,
     ) -> None:
+        super().__init__()
         self.site = site
         self.dsid = dsid
         self.member_id = member_id
@@ -428,16 +424,14 @@ class RegionEngine:
         self._writing_since: float | None = None
         #: Producers left in a call that never returned (kept: closing one would wait on it).
         self._wedged_producers: list[Producer] = []
-        #: The generation metadata of the current assignment (group thread writes, committer reads).
-        self._membership: bytes | None = None
-        self._owned: dict[tuple[str, int], OwnedBucket] = {}
-        self._epoch = 0
+        #: What this instance owns, under which epoch and group generation (ownership.py; under ``_lock``:
+        #: the group thread changes it, the committer and the loaders report to it, callers read it).
+        self._ownership = RegionOwnership(fence_after_s=FENCE_AFTER_S)
         self._loads: queue.Queue[tuple[str, int, int] | None] = queue.Queue(maxsize=100_000)
         #: Loader threads: buckets loaded at once, each thread with readers of its own.
         self._load_threads = load_threads
         #: Held while a loader writes dead letters (``_dead_letter``: the set of those written, the producer).
         self._dead_letter_lock = threading.Lock()
-        self._stopping = threading.Event()
         self._committer_stopping = False
         self._threads: list[threading.Thread] = []
         self._writer: WindowWriter | None = None
@@ -447,8 +441,10 @@ class RegionEngine:
         self._dead_letter_producer: Producer | None = None
         #: The group thread's read_uncommitted reader of high watermarks (``_park``).
         self._high_reader: Consumer | None = None
-        #: Revoked buckets' state, until the assignment after the revocation (``Parked``; under ``_lock``).
-        self._parked: dict[tuple[str, int], Parked] = {}
+        #: How long ``stop`` waits, in all (set by ``stop``).
+        self._stop_deadline_s = STOP_DEADLINE_S
+        #: When the group loop next makes the local store clean for the quiet buckets (``turn``).
+        self._next_checkpoint = 0.0
         self.assigned_once = threading.Event()
         self.stats = {"applied": 0, "duplicates": 0, "conflicts_lost": 0, "loads": 0, "refanned_out": 0,
                       "bucket_failures": 0, "dead_lettered": 0, "windows": 0, "windows_failed": 0,
@@ -472,7 +468,18 @@ class RegionEngine:
 
     # --- lifecycle -----------------------------------------------------------
 
+    @property
+    def _owned(self) -> dict[tuple[str, int], OwnedBucket]:
+        """The buckets this instance owns (``RegionOwnership.owned``; under ``_lock``)."""
+        return self._ownership.owned
+
+    @property
+    def _parked(self) -> dict[tuple[str, int], Parked]:
+        """Revoked buckets' state, until the assignment after the revocation (under ``_lock``)."""
+        return self._ownership.parked
+
     def start(self) -> None:
+        self._check_startable()
         self._writer = WindowWriter(self._new_producer(), self.changelog_topics,
                                     timeout_s=self._transaction_timeout_ms / 1000)
         # Committed checkpoints are read through a consumer of the group that never subscribes (the group
@@ -495,11 +502,10 @@ class RegionEngine:
         workers = [("commit", self._commit_loop), ("group", self._group_loop)]
         workers += [(f"loader-{i}", self._load_loop) for i in range(self._load_threads)]
         for name, target in workers:
-            t = threading.Thread(target=self._guard(target), name=f"region-{name}", daemon=True)
-            t.start()
-            self._threads.append(t)
+            self._threads.append(self.spawn(target, name=f"region-{name}"))
         if self._standby is not None:
             self._standby.start()
+        self._set_running()
 
     def _new_producer(self) -> Producer:
         """A transactional producer under this instance's id, initialized: any open transaction of an
@@ -515,12 +521,23 @@ class RegionEngine:
             raise
         return producer
 
-    def stop(self, deadline_s: float = 10.0) -> None:
+    def stop(self, deadline_s: float = STOP_DEADLINE_S) -> None:
         """Stop loading, leave the group (revoking cleanly: the open windows are committed), then stop
-        the committer and close the producer."""
-        if self._stopping.is_set():
+        the committer and close the producer, within ``deadline_s``.  Idempotent (``Service.stop``)."""
+        self._stop_deadline_s = deadline_s
+        super().stop()
+
+    def on_stop(self) -> None:
+        """The first ``stop()``.  A crashed engine releases nothing: its process exits, and a thread
+        wedged in a Kafka call (``_check_committer``) would hold a close for ever."""
+        if self.crash is not None:
             return
-        self._stopping.set()
+        try:
+            self._release(self._stop_deadline_s)
+        finally:
+            self._set_stopped()
+
+    def _release(self, deadline_s: float) -> None:
         for _ in range(self._load_threads):
             self._loads.put_nowait(None)
         end = time.monotonic() + deadline_s
@@ -549,20 +566,16 @@ class RegionEngine:
             self._dead_letter_producer.flush(max(0.1, end - time.monotonic()))
             close_producer(self._dead_letter_producer, 0.1)
 
-    def _guard(self, fn: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            try:
-                fn()
-            except Exception as exc:  # top of a thread: record the crash, hand it to the owner
-                log.exception("region engine thread %s crashed", threading.current_thread().name)
-                self._stopping.set()
-                with self._lock:
-                    self._committer_stopping = True
-                    self._window_changed.notify_all()
-                if self._on_crash is not None:
-                    self._on_crash(exc)
-
-        return run
+    def record_crash(self, exc: BaseException) -> bool:
+        """A thread of the engine died (``Service.record_crash``): the committer stops waiting, and the
+        owner hears of the first crash."""
+        first = super().record_crash(exc)
+        with self._lock:
+            self._committer_stopping = True
+            self._window_changed.notify_all()
+        if first and self._on_crash is not None:
+            self._on_crash(exc)
+        return first
 
     # --- reads of ownership --------------------------------------------------
 
@@ -579,12 +592,12 @@ class RegionEngine:
     def claims(self) -> list[tuple[str, int, int]]:
         """(region, bucket, since_ms) of every bucket this instance owns, loaded or loading."""
         with self._lock:
-            return [(ob.region, ob.bucket, ob.since_ms) for ob in self._owned.values()]
+            return self._ownership.claims()
 
-    def _ownership_changed(self) -> None:
+    def _ownership_changed(self, claims: list[tuple[str, int, int]]) -> None:
         if self._on_ownership is not None:
             try:
-                self._on_ownership(self.claims())
+                self._on_ownership(claims)
             except Exception:  # noqa: BLE001 - the directory is advisory: never fail a rebalance over it
                 log.exception("publishing the owned buckets failed")
 
@@ -882,10 +895,10 @@ class RegionEngine:
                         self._window_changed.wait(wait_s)
                 window, self._window = self._window, Window()
                 self._windows_taken += 1
-                membership = self._membership
+                membership = self._ownership.membership
                 # Records prepared under an ownership that has ended since (lost,
                 # revoked, reloaded) must not be written: their state is gone.
-                skip = {slot for slot in window.checkpoints if not self._current(*slot)}
+                skip = self._ownership.stale(window.checkpoints)
             outcome = self._write_window(window, skip, membership)
             while outcome.stale_generation and not outcome.producer_broken:
                 # A rebalance ended the generation the window was written under (the group refused its
@@ -903,10 +916,11 @@ class RegionEngine:
         GENERATION_WAIT_S, or the engine stops), and the window's slots whose ownership ended since."""
         deadline = time.monotonic() + GENERATION_WAIT_S
         with self._lock:
-            while self._membership == ended and not self._committer_stopping and time.monotonic() < deadline:
-                self._window_changed.wait(0.02)
-            membership = None if self._membership == ended else self._membership
-            return membership, {slot for slot in window.checkpoints if not self._current(*slot)}
+            while (self._ownership.membership == ended and not self._committer_stopping
+                   and time.monotonic() < deadline):
+                self._window_changed.wait(GENERATION_POLL_S)
+            membership = self._ownership.membership
+            return None if membership == ended else membership, self._ownership.stale(window.checkpoints)
 
     def _write_window(self, window: Window, skip: set[Slot], membership: bytes | None) -> WindowOutcome:
         writer = self._writer
@@ -959,15 +973,9 @@ class RegionEngine:
         with self._lock:
             if outcome.committed is None:
                 failed = [slot for slot in window.checkpoints if slot not in skip]
-                for slot in failed:
-                    ob = self._current(*slot)
-                    if ob is not None:
-                        ob.dirty = True
+                self._ownership.window_failed(failed)
             else:
-                for slot, offset in outcome.last_offsets.items():
-                    ob = self._current(*slot)
-                    if ob is not None:
-                        ob.end = offset + 2
+                self._ownership.window_committed(outcome.committed, outcome.last_offsets)
             self._windows_done += 1
             self._window_changed.notify_all()
         if outcome.committed is not None:  # outside the lock: the callers' writes need it
@@ -995,15 +1003,9 @@ class RegionEngine:
         log.warning("bucket %s[%d] failed (%s); reloading it from the changelog", region, bucket, error)
         self.stats["bucket_failures"] += 1
         with self._lock:
-            ob = self._owned.get((region, bucket))
-            if ob is None or ob.status is not BucketStatus.READY or (epoch is not None and ob.epoch != epoch):
-                return
-            self._epoch += 1
-            ob.epoch = self._epoch
-            ob.status = BucketStatus.LOADING
-            ob.state = None
-            epoch = ob.epoch
-        self._loads.put((region, bucket, epoch))
+            load = self._ownership.bucket_failed(region, bucket, epoch)
+        if load is not None:
+            self._loads.put((load.region, load.bucket, load.epoch))
 
     def _wait_windows(self, timeout_s: float) -> bool:
         """Until every window holding records accepted so far is done (committed or failed)."""
@@ -1020,36 +1022,43 @@ class RegionEngine:
     # --- group thread ---------------------------------------------------------
 
     def _group_loop(self) -> None:
+        """The group thread: the partition loop of core/loop.py over the group consumer, this engine
+        its handler.  Leaving the group (closing the consumer) revokes every bucket through
+        ``on_revoke``, which waits for the windows holding their records."""
         consumer = self._group
         assert consumer is not None
-        consumer.subscribe(
-            list(self.changelog_topics.values()),
-            on_assign=self._on_assign,
-            on_revoke=self._on_revoke,
-            on_lost=self._on_lost,
-        )
-        next_expiry = time.monotonic() + 30.0
-        next_checkpoint = time.monotonic() + self._checkpoint_interval_s
-        polling = kafka_errors(f"polling consumer group {self.group_id}")
+        loop = PartitionLoop(self, consumer, list(self.changelog_topics.values()), self,
+                             read_max_records=1, status_interval_s=STREAM_EXPIRY_INTERVAL_S,
+                             clock=lambda: time.monotonic())
+        self._next_checkpoint = time.monotonic() + self._checkpoint_interval_s
+        loop.subscribe()
         try:
-            while not self._stopping.is_set():
-                with polling:
-                    msg = consumer.poll(0.05)
-                if msg is not None and msg.error() is not None:
-                    log.debug("group consumer: %s", msg.error())
-                if time.monotonic() >= next_expiry:
-                    self._expire_streams()
-                    next_expiry = time.monotonic() + 30.0
-                if self._store is not None and time.monotonic() >= next_checkpoint:
-                    self._checkpoint_quiet()
-                    next_checkpoint = time.monotonic() + self._checkpoint_interval_s
-                self._check_committer()
+            loop.run()
         finally:
-            # Leaving the group revokes every bucket through _on_revoke,
-            # which waits for the windows holding their records.
             close_consumer(consumer, "closing the group consumer", log)
             with self._lock:
-                self._membership = None
+                self._ownership.left()
+
+    # The LoopHandler of the group loop (core/loop.py).
+
+    def poll_timeout_s(self) -> float:
+        return GROUP_POLL_S
+
+    def turn(self, msgs: list[Message]) -> None:
+        """One turn of the group loop.  Its partitions are paused, so a poll brings only the group's
+        callbacks (run inside it) and errors; then the local store's checkpoint when due, and the
+        committer's watchdog."""
+        for msg in msgs:
+            if msg.error() is not None:
+                log.debug("group consumer: %s", msg.error())
+        if self._store is not None and time.monotonic() >= self._next_checkpoint:
+            self._checkpoint_quiet()
+            self._next_checkpoint = time.monotonic() + self._checkpoint_interval_s
+        self._check_committer()
+
+    def publish_status(self) -> None:
+        """The loop's status timer (every STREAM_EXPIRY_INTERVAL_S): idle EventID streams are forgotten."""
+        self._expire_streams()
 
     def _check_committer(self) -> None:
         """Every Kafka call of a window is bounded by the transaction timeout; a committer still in
@@ -1115,7 +1124,7 @@ class RegionEngine:
         if expired:
             log.info("forgot %d idle EventID streams", expired)
 
-    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+    def on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # Cooperative: only the buckets added by this rebalance (the others stay as they are), and
         # called at the end of every rebalance, even when nothing is added.
         consumer.incremental_assign(partitions)
@@ -1125,45 +1134,25 @@ class RegionEngine:
         # Asked here, in the thread that polls the consumer (librdkafka's call blocks while another
         # thread polls).
         membership = consumer.consumer_group_metadata()
-        loads = []
+        keys = [(self._topic_region[tp.topic], tp.partition) for tp in partitions]
         now_ms = int(time.time() * 1000)
         with self._lock:
-            self._membership = membership
-            assigned = {(self._topic_region[tp.topic], tp.partition) for tp in partitions}
-            given_up = {key: self._parked.pop(key) for key in list(self._parked) if key not in assigned}
-            for tp in partitions:
-                region = self._topic_region[tp.topic]
-                self._epoch += 1
-                self._owned[(region, tp.partition)] = OwnedBucket(
-                    region, tp.partition, self._epoch, since_ms=now_ms,
-                    standby=None if self._standby is None else self._standby.take(region, tp.partition))
-                loads.append((region, tp.partition, self._epoch))
-        if self._standby is not None:
-            for (region, bucket), parked in given_up.items():
-                # Given up: the start of a standby copy, if this instance is to keep one.
-                self._standby.offer(region, bucket, parked.state, parked.high)
+            standbys = None if self._standby is None else {key: self._standby.take(*key) for key in keys}
+            actions = self._ownership.assign(keys, now_ms, membership, standbys)
+        loads = [a for a in actions if isinstance(a, Load)]
         if loads:
-            log.info("assigned %s", ", ".join(f"{r}[{b}]" for r, b, _ in loads))
-            self._ownership_changed()
-        for item in loads:
-            self._loads.put(item)
+            log.info("assigned %s", ", ".join(f"{a.region}[{a.bucket}]" for a in loads))
+        self._perform(consumer, actions)
         self.assigned_once.set()
 
-    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+    def on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # Cooperative: only the buckets that move, once the group is in its new generation (the others
         # are this member's in it too): windows from now on carry that generation, and a window the
         # group refused for the one that ended is written again under it (_commit_loop).
         membership = consumer.consumer_group_metadata()
         keys = [(self._topic_region[tp.topic], tp.partition) for tp in partitions]
-        ready: set[tuple[str, int]] = set()
         with self._lock:
-            self._membership = membership
-            for key in keys:
-                ob = self._owned.get(key)
-                if ob is not None:
-                    if ob.status is BucketStatus.READY:
-                        ready.add(key)
-                    ob.status = BucketStatus.REVOKING
+            ready = self._ownership.revoking(keys, membership)
         # The generation is still ours: commit what was accepted for these
         # buckets before the group moves them (the next owner's load would
         # otherwise wait for our transactions, or re-enqueue their records).
@@ -1171,16 +1160,37 @@ class RegionEngine:
         if not committed:
             log.warning("revoking %d buckets before their last window was committed", len(keys))
         with self._lock:
-            revoked = [self._owned.pop(key, None) for key in keys]
-            if not self._owned:
-                self._membership = None
-        self.stats["buckets_revoked"] += sum(1 for ob in revoked if ob is not None)
-        log.info("revoked %s", ", ".join(f"{ob.region}[{ob.bucket}]" for ob in revoked if ob) or "nothing")
-        self._ownership_changed()
-        if committed:
-            self._park(consumer, [ob for ob in revoked
-                                  if ob is not None and (ob.region, ob.bucket) in ready and not ob.dirty])
+            revoked, actions = self._ownership.revoked(keys, ready, committed)
+        self.stats["buckets_revoked"] += len(revoked)
+        log.info("revoked %s", ", ".join(f"{ob.region}[{ob.bucket}]" for ob in revoked) or "nothing")
+        self._perform(consumer, actions)
         consumer.incremental_unassign(partitions)
+
+    def on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        keys = [(self._topic_region[tp.topic], tp.partition) for tp in partitions]
+        with self._lock:
+            actions = self._ownership.lost(keys)
+        log.warning("lost %d buckets (session expired)", len(partitions))
+        self._perform(consumer, actions)
+
+    def _perform(self, consumer: Consumer, actions: list[Action]) -> None:
+        """Group thread: what ownership.py answered to an assignment, a revocation or a loss."""
+        parks = []
+        for action in actions:
+            if isinstance(action, Load):
+                self._loads.put((action.region, action.bucket, action.epoch))
+            elif isinstance(action, OfferStandby):
+                if self._standby is not None:
+                    # Given up: the start of a standby copy, if this instance is to keep one.
+                    self._standby.offer(action.region, action.bucket, action.state, action.high)
+            elif isinstance(action, PublishClaims):
+                self._ownership_changed(action.claims)
+            elif isinstance(action, Park):
+                parks.append(action.ob)
+            else:
+                raise AssertionError(f"the group thread cannot perform {action!r}")
+        if parks:
+            self._park(consumer, parks)
 
     def _park(self, consumer: Consumer, revoked: list[OwnedBucket]) -> None:
         """Keep the state of revoked buckets whose every window is committed, with their changelog
@@ -1189,8 +1199,7 @@ class RegionEngine:
         deadline = time.monotonic() + PARK_SETTLE_S
         parked: dict[tuple[str, int], Parked] = {}
         for ob in revoked:
-            if ob.state is None:
-                continue
+            assert ob.state is not None
             tp = TopicPartition(self.changelog_topics[ob.region], ob.bucket)
             while True:
                 try:
@@ -1211,20 +1220,10 @@ class RegionEngine:
                     break
                 if time.monotonic() >= deadline:
                     break
-                time.sleep(0.005)
+                time.sleep(PARK_POLL_S)
         with self._lock:
-            self._parked.update(parked)
-
-    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        with self._lock:
-            self._parked.clear()
-            for tp in partitions:
-                self._owned.pop((self._topic_region[tp.topic], tp.partition), None)
-            # A lost member may be a zombie: whatever it still writes is
-            # refused by the group coordinator (a stale generation) and aborted.
-            self._membership = None
-        log.warning("lost %d buckets (session expired)", len(partitions))
-        self._ownership_changed()
+            for key, kept in parked.items():
+                self._ownership.park(key, kept)
 
     # --- loader thread -----------------------------------------------------------
 
@@ -1279,8 +1278,8 @@ class RegionEngine:
         return -1, False
 
     def _current(self, region: str, bucket: int, epoch: int) -> OwnedBucket | None:
-        ob = self._owned.get((region, bucket))
-        return ob if ob is not None and ob.epoch == epoch else None
+        """The bucket when still owned under ``epoch`` (under ``_lock``)."""
+        return self._ownership.current(region, bucket, epoch)
 
     def _wait_decided(self, reader: Consumer, high_reader: Consumer, region: str, bucket: int,
                       epoch: int) -> tuple[int, int, int, bool] | None:
@@ -1302,7 +1301,7 @@ class RegionEngine:
         fenced = False
         while True:
             try:
-                committed, transactional = self._committed(topic, bucket, timeout_s=1.0)
+                committed, transactional = self._committed(topic, bucket, timeout_s=COMMITTED_READ_S)
             except SluiceError as exc:
                 if not exc.retriable:
                     raise
@@ -1317,19 +1316,19 @@ class RegionEngine:
                 open_s = self._hanging.seen_open(region, bucket, stable, time.monotonic())
                 if open_s is not None:
                     self._report_hanging(topic, bucket, stable, open_s)
+            waited_s = time.monotonic() - started
             with self._lock:
-                ob = self._current(region, bucket, epoch)
-                since_ms = ob.since_ms if ob is not None else 0
-            if ob is None or self._stopping.is_set():
+                current = self._current(region, bucket, epoch) is not None
+                fence = self._ownership.load_blocked(region, bucket, epoch, waited_s, fenced)
+            if not current or self._stopping.is_set():
                 self._hanging.clear(region, bucket)
                 return None
-            waited_s = time.monotonic() - started
-            if not fenced and waited_s >= FENCE_AFTER_S:
+            if fence is not None:
                 fenced = True
-                self._fence_gone_owners(region, bucket, since_ms)
+                self._fence_gone_owners(fence)
             if waited_s > self._load_timeout_s:
                 raise BrokerUnavailable(f"changelog {topic}[{bucket}]: {blocked} for {self._load_timeout_s:g} s")
-            self._stopping.wait(0.05)
+            self._stopping.wait(DECIDED_POLL_S)
 
     def _report_hanging(self, topic: str, bucket: int, offset: int, open_s: float) -> None:
         self.stats["hanging_transactions"] += 1
@@ -1346,9 +1345,10 @@ class RegionEngine:
         """(region, bucket, offset, seconds open) of each bucket whose load a hanging transaction holds."""
         return self._hanging.hanging(time.monotonic())
 
-    def _fence_gone_owners(self, region: str, bucket: int, since_ms: int) -> None:
+    def _fence_gone_owners(self, fence: Fence) -> None:
         if self._gone_owners is None:
             return
+        region, bucket, since_ms = fence.region, fence.bucket, fence.since_ms
         try:
             gone = [i for i in self._gone_owners(region, bucket, since_ms) if i != self.member_id]
         except SluiceError as exc:
@@ -1359,7 +1359,7 @@ class RegionEngine:
             log.warning("%s[%d]: a transaction stays open; fencing %s, an earlier owner the directory shows "
                         "gone", region, bucket, transactional_id)
             try:
-                fence_transactional_id(self._kafka_settings, transactional_id, timeout_s=10.0)
+                fence_transactional_id(self._kafka_settings, transactional_id, timeout_s=FENCE_TIMEOUT_S)
                 self.stats["owners_fenced"] += 1
             except SluiceError as exc:
                 log.warning("fencing %s failed: %s", transactional_id, exc)
@@ -1376,18 +1376,16 @@ class RegionEngine:
             return
         low, high, committed, transactional = bounds
         with self._lock:
-            parked = self._parked.pop((region, bucket), None)
-            ob = self._current(region, bucket, epoch)
-            if ob is None:
+            resumed = self._ownership.resume_parked(region, bucket, epoch, low, high, committed, transactional)
+            if resumed is None:
                 return
-            standby, ob.standby = ob.standby, None
-            if parked is not None and parked.still_current(low, high, committed, transactional):
-                ob.state, ob.checkpoint, ob.next_sequence = parked.state, parked.checkpoint, parked.next_sequence
-                ob.end = high
-                ob.status = BucketStatus.READY
+            kept, standby = resumed
+            if kept:
+                kept_state = self._owned[(region, bucket)].state
+                assert kept_state is not None
                 self.stats["loads_skipped"] += 1
                 log.info("kept %s[%d]: its changelog did not move while it was revoked (offsets %d..%d), "
-                         "%d entries, %.3fs", region, bucket, low, high, len(parked.state.entries),
+                         "%d entries, %.3fs", region, bucket, low, high, len(kept_state.entries),
                          time.monotonic() - started)
                 return
         # Records past an unmarked checkpoint may lack their queue records (fanout.py): re-enqueued,
@@ -1416,9 +1414,7 @@ class RegionEngine:
         refanout: list[tuple[EntryEvent, int]] = []
         replayed = 0
         with self._lock:
-            ob = self._current(region, bucket, epoch)
-            if ob is not None:
-                ob.load_start, ob.load_position, ob.load_end, ob.load_began = start, start, high, time.monotonic()
+            self._ownership.load_reading(region, bucket, epoch, start, high, time.monotonic())
         if high > start:
             reader.assign([TopicPartition(topic, bucket, OFFSET_BEGINNING if start == 0 else start)])
             position = start
@@ -1454,9 +1450,8 @@ class RegionEngine:
                     if offset >= replay_from:
                         refanout.append((event, offset))
                 position = max(position, moved)
-                ob = self._owned.get((region, bucket))  # a plain read: the progress is only a hint
-                if ob is not None and ob.epoch == epoch:
-                    ob.load_position = position
+                # Without the lock: the progress is only a hint, and only this loader moves it.
+                self._ownership.load_progress(region, bucket, epoch, position)
             reader.unassign()
         if unreadable:
             self._dead_letter(reader, topic, bucket, unreadable)
@@ -1470,15 +1465,12 @@ class RegionEngine:
             done.set()
 
         with self._lock:
-            ob = self._current(region, bucket, epoch)
-            if ob is None:
-                return
-            ob.state = state
-            ob.checkpoint = checkpoint
-            ob.end = high
             # Continue this instance's own EventID stream for the bucket, or a
             # reload would reuse sequences the changelog already holds.
-            ob.next_sequence = state.streams.get((self.member_id, bucket), -1) + 1
+            ob = self._ownership.loaded(region, bucket, epoch, state, checkpoint, high,
+                                        state.streams.get((self.member_id, bucket), -1) + 1)
+            if ob is None:
+                return
             if refanout:
                 # Records written before the checkpoint moved with them (by an owner
                 # that did not write in transactions) may lack their queue records:
@@ -1503,11 +1495,8 @@ class RegionEngine:
         # Not READY yet, so nothing else writes the state: it is the changelog below ``high``.
         _checkpoint(state, high)
         with self._lock:
-            ob = self._current(region, bucket, epoch)
-            if ob is None:
+            if not self._ownership.answering(region, bucket, epoch, high):
                 return
-            ob.stored_at = high
-            ob.status = BucketStatus.READY
             # Counted under the lock: several loader threads count at once.
             self.stats["loads"] += 1
             self.stats["refanned_out"] += len(refanout)
