@@ -88,9 +88,17 @@ else
 endif
 
 # The long tier: the tests marked `slow` (tests/README.md says which and why), out of `make test`; CI runs
-# them after it.
+# them after it.  As in `make test`, those also marked `serial` (the soak) run afterwards, alone.
 test-long: jars
-	$(PY) -m pytest tests -m slow -q -ra --durations=15 $(XDIST) $(PYTEST_ARGS)
+ifeq ($(WORKERS),0)
+	$(PY) -m pytest tests -m slow -q -ra --durations=15 $(PYTEST_ARGS)
+else
+	@parallel=0; serial=0; \
+	$(PY) -m pytest tests -q -ra --durations=15 $(XDIST) -m "slow and not serial" $(PYTEST_ARGS) || parallel=$$?; \
+	$(PY) -m pytest tests -q -ra --durations=10 -m "slow and serial" $(PYTEST_ARGS) || serial=$$?; \
+	echo "make test-long: parallel part exit $$parallel, serial part exit $$serial"; \
+	[ $$parallel -eq 0 ] && [ $$serial -eq 0 ]
+endif
 
 bench: jars
 	$(PY) -m bench $(if $(ONLY),--only $(ONLY))

@@ -25,6 +25,9 @@ PLAN = [
 ]
 
 
+# The long tier (`make test-long`, CI, and `make soak` for longer), alone after its parallel part: each fault
+# it injects is proved in `make test` by a test of its own (tests/README.md, "The long tier").
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.serial  # bounds in seconds on every failover: runs alone (make test)
 def test_every_fault_under_load_loses_nothing_and_applies_nothing_twice(tmp_path: Path) -> None:

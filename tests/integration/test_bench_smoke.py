@@ -47,6 +47,9 @@ AREA_AIMS = {
 CPU_UNIT = "µs/event"
 
 
+# The long tier (`make test-long`, CI): three minutes of CPU proving that `make bench` runs, a tool rather than
+# a guarantee of the product, whose figures each benchmark takes from code `make test` covers.
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_quick_bench_run_writes_results_with_ratios(tmp_path: Path) -> None:
     """`python -m bench --quick` exits 0 and writes every figure with its same-run baseline and ratio, the CPU

@@ -15,6 +15,9 @@ from sluice.core import telemetry
 REPO = Path(__file__).resolve().parents[2]
 
 
+# The long tier (`make test-long`, CI): ~90 s of two whole sites proving that `make demo` runs; what the demo
+# shows is proved in `make test` piece by piece (tests/README.md, "The long tier").
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_short_two_site_demo_run_verifies_everything_and_prints_one_trace(tmp_path: Path) -> None:
     """`sluice demo --events 600 --traces FILE` (two sites, a sender primary killed, a durable client away and

@@ -1,9 +1,11 @@
 """The region service under a crash: nothing acknowledged is lost, nothing is applied twice.
 
 Two region-service instances share a region's buckets through the consumer
-group.  Writer threads send 10,000 entry operations (many updates per key,
-some destroys, some put_alls) through both instances with retrying clients,
-and one instance is killed with SIGKILL mid-stream.  Afterwards:
+group.  Writer threads send thousands of entry operations (many updates per
+key, some destroys, some put_alls) through both instances with retrying
+clients, and one instance is killed with SIGKILL mid-stream: the writers are
+still writing when it dies, and (with local stores) when it is back.
+Afterwards:
 
 * the region holds exactly the last acknowledged value of every key;
 * with ``redundant_copies: 1`` the survivor, which kept a standby copy of
@@ -42,16 +44,24 @@ WRITES_S = 300
 TAKEOVER_S = 60
 
 WRITERS = 4
-OPS_PER_WRITER = 2500
+#: Operations per writer at least: 1,000 in `make test` (each key written ~16 times, a third before the kill);
+#: the long tier's variants keep 2,500.
+OPS_PER_WRITER = 1000
+OPS_PER_WRITER_LONG = 2500
 KEYS_PER_WRITER = 60
+#: Operations acknowledged after the killed instance is back on its store before the writers may stop: it
+#: takes writes under load, whatever the machine's speed.
+OPS_AFTER_RESTART = 200
 
 
 class Writer(threading.Thread):
     """Writes its own keys in order and logs every acknowledged operation."""
 
-    def __init__(self, index: int, urls: list[str], seed: int) -> None:
+    def __init__(self, index: int, urls: list[str], seed: int, ops: int, hold_open: threading.Event) -> None:
         super().__init__(name=f"writer-{index}", daemon=True)
         self.index = index
+        self.ops = ops  # at least; more while ``hold_open`` is set
+        self.hold_open = hold_open
         self.client = RegionClient(urls, retry_for_s=90)
         self.rng = random.Random(seed)
         self.keys = [f"w{index}-k{i:03d}" for i in range(KEYS_PER_WRITER)]
@@ -62,7 +72,7 @@ class Writer(threading.Thread):
 
     def run(self) -> None:
         try:
-            while self.done < OPS_PER_WRITER:
+            while self.done < self.ops or self.hold_open.is_set():
                 roll = self.rng.random()
                 if roll < 0.08:
                     batch = {k: {"w": self.index, "n": self.done, "k": k} for k in self.rng.sample(self.keys, 10)}
@@ -90,18 +100,21 @@ class Writer(threading.Thread):
 
 #: The variant with copies and local stores runs in `make test`: it kills an owner that has a standby, the
 #: survivor promotes its copies, and the killed instance comes back on its dirty store, all under writes.
-#: The two others are the long tier (`make test-long`, CI): each is 10,000 operations through two processes,
-#: minutes of CPU on two cores, and what they add is covered in `make test` too: reading a killed owner's
-#: buckets from the changelog (test_region_kept_buckets, the soak's kill-region) and promoting standby copies
-#: (the variant kept).
+#: It writes 4,000 operations at least (issue 21: the checks are per key and per EventID, and a third of the
+#: work before the kill still puts it mid-stream).  The two others are the long tier (`make test-long`, CI):
+#: each is 10,000 operations through two processes, minutes of CPU on two cores, and what they add is covered
+#: in `make test` too: reading a killed owner's buckets from the changelog (test_region_kept_buckets) and
+#: promoting standby copies (the variant kept).
 LONG = pytest.mark.slow
 
 
-@pytest.mark.parametrize(("copies", "stores"), [pytest.param(0, False, marks=LONG, id="no-copies"),
-                                                pytest.param(1, False, marks=LONG, id="redundant-copies-1"),
-                                                pytest.param(1, True, id="copies-and-local-stores")])
+@pytest.mark.parametrize(("copies", "stores", "ops_per_writer"),
+                         [pytest.param(0, False, OPS_PER_WRITER_LONG, marks=LONG, id="no-copies"),
+                          pytest.param(1, False, OPS_PER_WRITER_LONG, marks=LONG, id="redundant-copies-1"),
+                          pytest.param(1, True, OPS_PER_WRITER, id="copies-and-local-stores")])
 def test_kill_9_one_of_two_instances_mid_stream_loses_and_duplicates_nothing(site_a, unique_prefix, tmp_path: Path,
-                                                                            copies: int, stores: bool):
+                                                                            copies: int, stores: bool,
+                                                                            ops_per_writer: int):
     """A SIGKILLed owner's buckets move to the survivor; the region and both queues stay exact."""
     prefix = site_a.topic_prefix(unique_prefix)
     cfg = write_site(tmp_path / "site.yaml", site="a", bootstrap=site_a.bootstrap, prefix=prefix,
@@ -115,12 +128,16 @@ def test_kill_9_one_of_two_instances_mid_stream_loses_and_duplicates_nothing(sit
         if copies:
             victims = wait_standbys(instances[1], instances[0])
         urls = [inst.url for inst in instances]
-        writers = [Writer(i, urls, seed=1000 + i) for i in range(WRITERS)]
+        # With local stores the writers go on until the restarted instance has taken writes.
+        hold_open = threading.Event()
+        if stores:
+            hold_open.set()
+        writers = [Writer(i, urls, seed=1000 + i, ops=ops_per_writer, hold_open=hold_open) for i in range(WRITERS)]
         started = time.monotonic()
         for w in writers:
             w.start()
         # Kill one instance once about a third of the work is acknowledged.
-        total = WRITERS * OPS_PER_WRITER
+        total = WRITERS * ops_per_writer
 
         def acknowledged(count: int) -> bool:
             assert all(w.error is None for w in writers), [w.error for w in writers]
@@ -137,13 +154,23 @@ def test_kill_9_one_of_two_instances_mid_stream_loses_and_duplicates_nothing(sit
             instances.append(RegionProcess(tmp_path / "site.yaml", tmp_path / "region-0-again.log",
                                            store_dir=store_dirs[0]))
             instances[-1].wait_ready()
+            restarted_at = sum(w.done for w in writers)
+            wait_for(lambda: acknowledged(restarted_at + OPS_AFTER_RESTART), timeout_s=WRITES_S,
+                     what=f"{OPS_AFTER_RESTART} operations acknowledged after the restart", poll_s=0.05)
+            hold_open.clear()
         for w in writers:
             w.join(300)
+        assert not any(w.is_alive() for w in writers), "a writer is still writing"
         elapsed = time.monotonic() - started
         errors = [w.error for w in writers if w.error is not None]
         assert not errors, errors
         retries = sum(w.client.retries for w in writers)
-        print(f"\n{total} ops in {elapsed:.1f}s, instance 0 killed after {killed_at}; client retries {retries}")
+        done = sum(w.done for w in writers)
+        print(f"\n{done} ops in {elapsed:.1f}s, instance 0 killed after {killed_at}; client retries {retries}")
+        # The kill landed mid-stream: the writers were still writing, and went on through the survivor.
+        assert total // 3 <= killed_at < done, (killed_at, done)
+        if stores:
+            assert restarted_at + OPS_AFTER_RESTART <= done, (restarted_at, done)
 
         if stores:
             again = instances[-1].stats()
