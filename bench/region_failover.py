@@ -313,19 +313,24 @@ def copies_ready(instances: list[RegionProcess]) -> bool:
     return True
 
 
+def wait_copies_ready(instances: list[RegionProcess]) -> None:
+    """Wait until every instance answers and holds its caught-up standby copies (``copies_ready``)."""
+    for inst in instances:
+        inst.wait_ready(READY_TIMEOUT_S)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not copies_ready(instances):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the standby copies did not catch up in {READY_TIMEOUT_S:g}s")
+        time.sleep(0.2)
+
+
 def standby_failover(ctx: Context, workdir: Path, prefix: str, keys: list[str]) -> tuple[float, list[float], dict[str, Any]]:
     """Step 5: the failover gap with ``redundant_copies: 1``, both instances' RSS (MiB) with their
     copies, and the survivor's stats."""
     path = site_file(workdir / "site-copies.yaml", ctx.bootstrap, prefix, redundant_copies=1)
     instances = [RegionProcess(path, workdir / f"region-copies-{i}.log") for i in range(2)]
     try:
-        for inst in instances:
-            inst.wait_ready(READY_TIMEOUT_S)
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not copies_ready(instances):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the standby copies did not catch up in {READY_TIMEOUT_S:g}s")
-            time.sleep(0.2)
+        wait_copies_ready(instances)
         rss = [rss_bytes(inst.pid) / 2**20 for inst in instances]
         victim, survivor = instances
         gap = kill_and_time(victim, survivor, keys)
@@ -436,13 +441,7 @@ def store_restart_with_copy(ctx: Context, workdir: Path, prefix: str, keys: list
     stores = [workdir / f"store-copies-{i}" for i in range(2)]
     instances = [RegionProcess(path, workdir / f"region-store-copies-{i}.log", store_dir=stores[i]) for i in range(2)]
     try:
-        for inst in instances:
-            inst.wait_ready(READY_TIMEOUT_S)
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not copies_ready(instances):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the standby copies did not catch up in {READY_TIMEOUT_S:g}s")
-            time.sleep(0.2)
+        wait_copies_ready(instances)
         victim, survivor = instances
         kill_and_time(victim, survivor, keys)
         instances.append(RegionProcess(path, workdir / "region-store-copies-restarted.log", store_dir=stores[0]))

@@ -51,10 +51,15 @@ host names when it listens on a loopback address, so a DNS-rebinding site
 (its own name resolved to 127.0.0.1) gets 403 too; and it refuses to start on
 any other address unless ``--allow-unauthenticated`` says that is meant.
 
-The sampler's lifecycle::
+The sampler is a ``Service`` (core/lifecycle.py), so it moves as every service does::
 
     NEW ──start()──► RUNNING ──stop()──► STOPPING ──► STOPPED
                         └── the thread died of a bug ──► CRASHED (the command exits 1)
+
+Its thread runs under the service's crash guard: a bug that kills it is kept
+as ``crash``, ends the page's server, is shown by ``/healthz`` (503 with the
+state and the crash) and makes the command exit 1.  ``stop()`` is idempotent
+and may come from any thread.
 """
 
 from __future__ import annotations
@@ -82,7 +87,8 @@ from ..core.config import SiteConfig, load_config
 from ..core.errors import ConfigError, InvalidRequest, SluiceError
 from ..core.kafka import make_admin
 from ..core.webguard import bearer_matches, digest, forgery_problem, host_and_port, is_loopback
-from ..core.lifecycle import ServiceState
+from ..core.health import liveness
+from ..core.lifecycle import Service, ServiceState
 from ..core.statusread import kind_of
 from . import statusdoc
 from .clean import NotStopped, issuer, plan_clean
@@ -135,27 +141,29 @@ def add_options(parser: argparse.ArgumentParser) -> None:
 # --- the sampler -------------------------------------------------------------------
 
 
-class StatusSampler:
+class StatusSampler(Service):
     """Samples the site in a thread of its own; ``status_json`` is the latest rendering.
 
     Only the sampler thread reads Kafka and touches ``_offsets`` and
-    ``_history``; other threads read ``status_json`` (bytes, swapped whole) and
-    ``state``, and call ``wake()``.
+    ``_history``; other threads read ``status_json`` (bytes, swapped whole),
+    ``state`` and ``crash``, and call ``wake()`` and ``stop()``.
     """
+
+    kind = "status-sampler"
+    #: How long ``stop()`` waits for a sample in progress (each read has its own deadline).
+    STOP_DEADLINE_S = 10.0
 
     def __init__(self, cfg: SiteConfig, *, interval_s: float, history_s: float, token_required: bool) -> None:
         if interval_s < 0.5:
             raise InvalidRequest("--interval-s", interval_s, "must be at least 0.5 seconds")
         if history_s < interval_s:
             raise InvalidRequest("--history-s", history_s, "must be at least --interval-s")
+        super().__init__()
         self.cfg = cfg
         self.interval_s = interval_s
         self.history_s = history_s
         self.token_required = token_required
-        self.state = ServiceState.NEW
-        self.crash: BaseException | None = None
         self.status_json: bytes = b""
-        self._stopping = threading.Event()
         self._woken = threading.Event()
         self._thread: threading.Thread | None = None
         self._offsets: dict[tuple[str, int], statusdoc.Offsets] = {}
@@ -166,26 +174,20 @@ class StatusSampler:
         self._stale_since_ms: int | None = None
 
     def start(self) -> None:
-        assert self.state is ServiceState.NEW, self.state
+        """NEW → RUNNING, with the empty document in place, and the sampler thread started;
+        ``IllegalTransition`` on a sampler started or stopped before."""
+        self._check_startable()
         self.status_json = orjson.dumps(self._render(self._empty(), error=None))
-        self.state = ServiceState.RUNNING
-        self._thread = threading.Thread(target=self._run, name="status-sampler", daemon=True)
-        self._thread.start()
+        self._set_running()
+        self._thread = self.spawn(self._run, "status-sampler")
 
-    def stop(self, deadline_s: float = 10.0) -> None:
-        """Idempotent; a sample in progress finishes first (each read has its own deadline)."""
-        if self.state in (ServiceState.STOPPING, ServiceState.STOPPED, ServiceState.CRASHED):
-            return
-        if self.state is ServiceState.NEW:
-            self.state = ServiceState.STOPPED
-            return
-        self.state = ServiceState.STOPPING
-        self._stopping.set()
+    def on_stop(self) -> None:
+        """The first ``stop()``: wake the thread from its wait, let a sample in progress finish (up to
+        ``STOP_DEADLINE_S``), and end STOPPED (a crashed sampler stays CRASHED)."""
         self._woken.set()
-        if self._thread is not None:
-            self._thread.join(deadline_s)
-        if self.state is ServiceState.STOPPING:
-            self.state = ServiceState.STOPPED
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(self.STOP_DEADLINE_S)
+        self._set_stopped()
 
     def wake(self) -> None:
         """Take the next sample now (after an action, so the page shows its effect soon)."""
@@ -196,17 +198,14 @@ class StatusSampler:
         return self._last_good is not None
 
     def _run(self) -> None:
-        try:
-            admin = make_admin(self.cfg.kafka.client_settings())
-            while not self._stopping.is_set():
-                started = time.monotonic()
-                self._woken.clear()
-                self._sample_once(admin)
-                self._woken.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
-        except Exception as exc:  # the top of the thread: record the crash; the command exits 1
-            log.exception("status sampler crashed")
-            self.crash = exc
-            self.state = ServiceState.CRASHED
+        """The sampler thread (under ``spawn``'s crash guard): sample, wait out the interval or a
+        ``wake()``, until stopped."""
+        admin = make_admin(self.cfg.kafka.client_settings())
+        while not self.stopping.is_set():
+            started = time.monotonic()
+            self._woken.clear()
+            self._sample_once(admin)
+            self._woken.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
 
     def _sample_once(self, admin: Any) -> None:
         try:
@@ -358,8 +357,9 @@ def create_app(sampler: StatusSampler, token: str | None, *, loopback_only: bool
 
     @app.get("/healthz")
     def healthz() -> JSONResponse:
-        alive = sampler.state is ServiceState.RUNNING
-        return JSONResponse({"state": sampler.state.value}, status_code=200 if alive else 503)
+        """200 while the sampler has not stopped or crashed; 503 otherwise, with its state and crash."""
+        alive, body = liveness(sampler)
+        return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/readyz")
     def readyz() -> JSONResponse:
@@ -514,11 +514,10 @@ def run(args: argparse.Namespace) -> int:
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
 
     def watch_crash() -> None:
-        while not server.should_exit:
-            if sampler.state is ServiceState.CRASHED:
-                server.should_exit = True
-                return
-            threading.Event().wait(0.2)
+        # The sampler's stop flag is set by its crash (and by the stop below, when the server has ended).
+        sampler.stopping.wait()
+        if sampler.state is ServiceState.CRASHED:
+            server.should_exit = True
 
     sampler.start()
     shown = f"[{host}]" if ":" in host else host

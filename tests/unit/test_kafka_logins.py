@@ -22,6 +22,8 @@ from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient
 from pydantic import SecretStr
 
+from recorded_clients import Recorded
+
 from sluice.core import kafka as core_kafka
 from sluice.core.config import load_config, parse_config
 from sluice.core.config.librdkafka import OWNED, SECRET_PROPERTIES
@@ -90,37 +92,6 @@ def reason(problems: list[tuple[str, Any, str]], field: str) -> str:
     matches = [p for p in problems if p[0] == field]
     assert matches, f"no problem for {field!r} in {problems}"
     return matches[0][2]
-
-
-class Recorded:
-    """Stands in for confluent_kafka's clients: keeps the configuration each was made with."""
-
-    made: list[tuple[str, dict[str, Any]]] = []
-
-    def __init__(self, conf: dict[str, Any]) -> None:
-        self.made.append((type(self).__name__, dict(conf)))
-
-
-class RecordedProducer(Recorded):
-    pass
-
-
-class RecordedConsumer(Recorded):
-    pass
-
-
-class RecordedAdmin(Recorded):
-    pass
-
-
-@pytest.fixture
-def recorded(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]]:
-    made: list[tuple[str, dict[str, Any]]] = []
-    monkeypatch.setattr(Recorded, "made", made)
-    monkeypatch.setattr(core_kafka, "Producer", RecordedProducer)
-    monkeypatch.setattr(core_kafka, "Consumer", RecordedConsumer)
-    monkeypatch.setattr(core_kafka, "AdminClient", RecordedAdmin)
-    return made
 
 
 def every_client(base: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -109,41 +109,6 @@ def test_a_remote_key_password_from_the_site_file_or_a_variable_reaches_librdkaf
                                                                  else "rotated")
 
 
-class Recorded:
-    """Stands in for confluent_kafka's Producer and Consumer: keeps the configuration it was made with."""
-
-    made: list[tuple[str, dict[str, Any]]] = []
-
-    def __init__(self, conf: dict[str, Any]) -> None:
-        self.made.append((type(self).__name__, dict(conf)))
-
-    def get_watermark_offsets(self, *_: Any, **__: Any) -> tuple[int, int]:
-        return 0, 0
-
-    def assign(self, *_: Any) -> None:
-        pass
-
-    def close(self, *_: Any) -> None:
-        pass
-
-
-class RecordedProducer(Recorded):
-    pass
-
-
-class RecordedConsumer(Recorded):
-    pass
-
-
-@pytest.fixture
-def recorded(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]]:
-    made: list[tuple[str, dict[str, Any]]] = []
-    monkeypatch.setattr(Recorded, "made", made)
-    monkeypatch.setattr(core_kafka, "Producer", RecordedProducer)
-    monkeypatch.setattr(core_kafka, "Consumer", RecordedConsumer)
-    return made
-
-
 class Loop(QueuePrimary):
     kind = "async-event-queue"
 

@@ -26,7 +26,6 @@ from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_va
 from ...kafka import sasl_mechanism_problem
 from ...topics import TopicNames
 from ..base import (
-    ENV_NAME_PATTERN,
     TOPIC_PREFIX_PATTERN,
     Problem,
     _as_int,
@@ -38,6 +37,7 @@ from ..base import (
 )
 from ..librdkafka import passthrough_problems, passthrough_value, revealed
 from ..secrets import _secret_source_problems, _shown, secret_of
+from .secretfields import READ_PER_CLIENT, secret_env, secret_file
 
 SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI"]
@@ -78,12 +78,8 @@ class KafkaConnection(_Model):
     sasl_password: SecretStr | None = Field(
         None, description="the PLAIN or SCRAM password; with those, exactly one of sasl_password, "
         "sasl_password_file or sasl_password_env is required", json_schema_extra={"kafka": "sasl.password"})
-    sasl_password_file: str | None = Field(
-        None, description="a file holding the SASL password (a mounted Kubernetes secret), read each time a "
-        "client is made, so a rotated secret is picked up")
-    sasl_password_env: str | None = Field(
-        None, pattern=ENV_NAME_PATTERN, description="the name of an environment variable holding the SASL password "
-        "(e.g. set from a Kubernetes secret with secretKeyRef); it must be set and not empty")
+    sasl_password_file: str | None = secret_file("sasl_password", READ_PER_CLIENT)
+    sasl_password_env: str | None = secret_env("sasl_password", READ_PER_CLIENT)
     sasl_oauthbearer_method: OauthbearerMethod | None = Field(
         None, description="with OAUTHBEARER: oidc (the default) fetches tokens from "
         "sasl_oauthbearer_token_endpoint_url with OAuth client credentials; unsecured_jwt makes unsigned tokens "
@@ -96,11 +92,8 @@ class KafkaConnection(_Model):
         None, description="with OAUTHBEARER oidc, exactly one of sasl_oauthbearer_client_secret, "
         "sasl_oauthbearer_client_secret_file or sasl_oauthbearer_client_secret_env is required",
         json_schema_extra={"kafka": "sasl.oauthbearer.client.secret"})
-    sasl_oauthbearer_client_secret_file: str | None = Field(
-        None, description="a file holding the OAuth client secret, read each time a client is made")
-    sasl_oauthbearer_client_secret_env: str | None = Field(
-        None, pattern=ENV_NAME_PATTERN, description="the name of an environment variable holding the OAuth "
-        "client secret")
+    sasl_oauthbearer_client_secret_file: str | None = secret_file("sasl_oauthbearer_client_secret", READ_PER_CLIENT)
+    sasl_oauthbearer_client_secret_env: str | None = secret_env("sasl_oauthbearer_client_secret", READ_PER_CLIENT)
     sasl_oauthbearer_token_endpoint_url: str | None = Field(
         None, description="with OAUTHBEARER oidc, required: the identity provider's token endpoint, "
         "http(s)://…; its CA, if private, in librdkafka's https.ca.location",
@@ -141,10 +134,8 @@ class KafkaConnection(_Model):
     ssl_key_password: SecretStr | None = Field(
         None, description="the password of ssl_key_location's key, if it has one; at most one of ssl_key_password, "
         "ssl_key_password_file or ssl_key_password_env", json_schema_extra={"kafka": "ssl.key.password"})
-    ssl_key_password_file: str | None = Field(
-        None, description="a file holding ssl_key_password, read each time a client is made")
-    ssl_key_password_env: str | None = Field(
-        None, pattern=ENV_NAME_PATTERN, description="the name of an environment variable holding ssl_key_password")
+    ssl_key_password_file: str | None = secret_file("ssl_key_password", READ_PER_CLIENT)
+    ssl_key_password_env: str | None = secret_env("ssl_key_password", READ_PER_CLIENT)
     topic_prefix: str = Field(
         "sluice.", pattern=TOPIC_PREFIX_PATTERN, description="the start of every Sluice topic name on this cluster, "
         "so several sites or installations can share one")

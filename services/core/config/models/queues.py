@@ -57,40 +57,63 @@ PERSISTENT_REFUSED = ("not supported, because a queue is a Kafka topic and alway
                       "that a restart of every member loses, has no equivalent. Remove the setting")
 
 
-class GatewaySenderConfig(_Model):
-    """A gateway sender (Geode defaults): a queue whose events go to a remote site."""
-
-    id: str = Field(pattern=NAME_PATTERN, description="the sender's id, unique among the site's senders and "
-                    "async event queues; names its queue topics", json_schema_extra={"geode": "id"})
-    remote_dsid: int = Field(ge=1, le=255, description="the dsid of the site this sender sends to",
-                             json_schema_extra={"geode": "remote-distributed-system-id"})
-    parallel: bool = Field(
-        False, description="true: one queue partition per region bucket, every member primary for some; "
-        "false (serial): one primary for the whole queue", json_schema_extra={"geode": "parallel"})
-    batch_size: int = Field(100, ge=1, le=BATCH_SIZE_MAX, description="a batch is sent when it holds this many events",
-                            json_schema_extra={"geode": "batch-size"})
-    batch_time_interval_ms: int = Field(
-        1000, ge=0, le=BATCH_TIME_INTERVAL_MS_MAX,
+def _batch_time_interval_ms(default_ms: Any) -> Any:
+    """The ``batch_time_interval_ms`` field, whose Geode default differs: 1000 ms for a gateway sender, 5 ms for
+    an async event queue (``...``: required, in the base that leaves it to them)."""
+    return Field(
+        default_ms, ge=0, le=BATCH_TIME_INTERVAL_MS_MAX,
         description="… or when this long has passed since its first event, whichever comes first",
         json_schema_extra={"geode": "batch-time-interval"})
+
+
+def _persistent(geode_name: str) -> Any:
+    """The refused ``persistent`` field, under Geode's name of it for the kind of queue."""
+    return Field(
+        None, description="refused, whatever its value: a queue is a Kafka topic and always durable (Geode's "
+        f"{geode_name} true); a queue kept in memory only (Geode's default false) cannot be had",
+        json_schema_extra={"geode": geode_name})
+
+
+class _QueueConfig(_Model):
+    """What a gateway sender and an async event queue share: their id, how their events are batched and
+    spread over the queue's partitions, and how much a primary holds.  Each subclass gives Geode's own
+    default of ``batch_time_interval_ms`` and Geode's name of ``persistent``."""
+
+    id: str = Field(pattern=NAME_PATTERN, description="the queue's id, unique among the site's senders and "
+                    "async event queues; names its topics", json_schema_extra={"geode": "id"})
+    parallel: bool = Field(
+        False, description="true: one queue partition per region bucket, every member primary for some; "
+        "false (serial): dispatcher_threads partitions", json_schema_extra={"geode": "parallel"})
+    batch_size: int = Field(
+        100, ge=1, le=BATCH_SIZE_MAX, description="a batch goes out (to the remote site, or to the listener) when "
+        "it holds this many events", json_schema_extra={"geode": "batch-size"})
+    batch_time_interval_ms: int = _batch_time_interval_ms(...)
     batch_conflation: bool = Field(
         False, description="an update of a key replaces the earlier update of that key still waiting in the batch",
         json_schema_extra={"geode": "enable-batch-conflation"})
     dispatcher_threads: int = Field(
-        5, ge=1, le=1024, description="a serial sender's queue partitions (a parallel one has its region's buckets)",
-        json_schema_extra={"geode": "dispatcher-threads"})
+        5, ge=1, le=1024, description="a serial queue's partitions (a parallel one has its region's buckets); "
+        "batches going out at once", json_schema_extra={"geode": "dispatcher-threads"})
     order_policy: OrderPolicy = Field(
         "KEY", description="how a serial queue's events are spread over its partitions: by key, by writing "
-        "thread, or by the region bucket; a parallel sender cannot use THREAD",
+        "thread, or by the region bucket; a parallel queue cannot use THREAD",
         json_schema_extra={"geode": "order-policy"})
-    persistent: bool | None = Field(
-        None, description="refused, whatever its value: a queue is a Kafka topic and always durable (Geode's "
-        "enable-persistence true); a queue kept in memory only (Geode's default false) cannot be had",
-        json_schema_extra={"geode": "enable-persistence"})
+    persistent: bool | None = _persistent("persistent")
     maximum_queue_memory_mb: int = Field(
         100, ge=1, le=QUEUE_MEMORY_MB_MAX,
-        description="what a sender holds in memory; beyond it, it stops reading until batches are "
+        description="what a primary holds in memory; beyond it, it stops reading until batches are "
         "removed (the rest waits in Kafka)", json_schema_extra={"geode": "maximum-queue-memory"})
+
+    _check_persistent = field_validator("persistent", mode="before")(_refuse_persistent)
+
+
+class GatewaySenderConfig(_QueueConfig):
+    """A gateway sender (Geode defaults): a queue whose events go to a remote site."""
+
+    batch_time_interval_ms: int = _batch_time_interval_ms(1000)
+    persistent: bool | None = _persistent("enable-persistence")
+    remote_dsid: int = Field(ge=1, le=255, description="the dsid of the site this sender sends to",
+                             json_schema_extra={"geode": "remote-distributed-system-id"})
     alert_threshold_ms: int = Field(
         0, ge=0, description="log an alert while the queue's oldest event is older than this; 0 = no alert",
         json_schema_extra={"geode": "alert-threshold"})
@@ -119,8 +142,6 @@ class GatewaySenderConfig(_Model):
     remote: RemoteSiteConfig | None = Field(
         None, description="the remote site's Kafka cluster and topic prefix, where batches are written and acks "
         "read (Geode finds the remote site through its locators)")
-
-    _check_persistent = field_validator("persistent", mode="before")(_refuse_persistent)
 
     @field_validator("event_filters")
     @classmethod
@@ -168,39 +189,10 @@ class ListenerConfig(_Model):
         return self
 
 
-class AsyncEventQueueConfig(_Model):
+class AsyncEventQueueConfig(_QueueConfig):
     """An async event queue (Geode defaults): a queue whose events go to a listener."""
 
-    id: str = Field(pattern=NAME_PATTERN, description="the queue's id, unique among the site's senders and "
-                    "async event queues; names its topics", json_schema_extra={"geode": "id"})
-    parallel: bool = Field(
-        False, description="true: one queue partition per region bucket, every dispatcher primary for some; "
-        "false (serial): dispatcher_threads partitions", json_schema_extra={"geode": "parallel"})
-    batch_size: int = Field(100, ge=1, le=BATCH_SIZE_MAX,
-                            description="a batch is offered to the listener when it holds this many "
-                            "events", json_schema_extra={"geode": "batch-size"})
-    batch_time_interval_ms: int = Field(
-        5, ge=0, le=BATCH_TIME_INTERVAL_MS_MAX,
-        description="… or when this long has passed since its first event, whichever comes first",
-        json_schema_extra={"geode": "batch-time-interval"})
-    batch_conflation: bool = Field(
-        False, description="an update of a key replaces the earlier update of that key still waiting in the batch",
-        json_schema_extra={"geode": "enable-batch-conflation"})
-    dispatcher_threads: int = Field(
-        5, ge=1, le=1024, description="a serial queue's partitions; batches offered at once",
-        json_schema_extra={"geode": "dispatcher-threads"})
-    order_policy: OrderPolicy = Field(
-        "KEY", description="how a serial queue's events are spread over its partitions: by key, by writing "
-        "thread, or by the region bucket; a parallel queue cannot use THREAD",
-        json_schema_extra={"geode": "order-policy"})
-    persistent: bool | None = Field(
-        None, description="refused, whatever its value: a queue is a Kafka topic and always durable (Geode's "
-        "persistent true); a queue kept in memory only (Geode's default false) cannot be had",
-        json_schema_extra={"geode": "persistent"})
-    maximum_queue_memory_mb: int = Field(
-        100, ge=1, le=QUEUE_MEMORY_MB_MAX,
-        description="what a dispatcher holds in memory; beyond it, it stops reading until batches are "
-        "removed (the rest waits in Kafka)", json_schema_extra={"geode": "maximum-queue-memory"})
+    batch_time_interval_ms: int = _batch_time_interval_ms(5)
     pause_event_processing: bool = Field(
         False, description="true: the queue starts paused (events queue up) until `sluice admin resume`",
         json_schema_extra={"geode": "pause-event-processing"})

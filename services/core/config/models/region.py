@@ -14,8 +14,9 @@ from typing import Any
 
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 
-from ..base import ENV_NAME_PATTERN, NAME_PATTERN, _existing_file, _invalid, _Model, _raise_rules, _seq
+from ..base import NAME_PATTERN, _existing_file, _invalid, _Model, _raise_rules, _seq
 from ..secrets import _HIDDEN, _resolve_secret
+from .secretfields import secret_env, secret_file
 
 _MEMBER_HOST = re.compile(r"^([0-9A-Fa-f:.]+/\d{1,3}|[0-9A-Fa-f:.]+|[A-Za-z0-9*]([A-Za-z0-9*_.-]*[A-Za-z0-9*])?)$")
 
@@ -58,23 +59,16 @@ class RegionServiceConfig(_Model):
     token: SecretStr | None = Field(
         None, description="when set, every request but /healthz and /readyz needs `Authorization: Bearer <token>`; "
         "members and clients of the site send it")
-    token_file: str | None = Field(
-        None, description="a file holding token (relative to the site file), read when the site file is loaded")
-    token_env: str | None = Field(
-        None, pattern=ENV_NAME_PATTERN, description="the name of an environment variable holding token, read when "
-        "the site file is loaded")
+    token_file: str | None = secret_file("token")
+    token_env: str | None = secret_env("token")
     member_token: SecretStr | None = Field(
         None, min_length=16, description="the credential region-service instances use between themselves "
         "(forwarded operations and reads, /internal/*) and gateway receivers use to apply other sites' events "
         "(apply_remote); it also signs each instance's record of the buckets it owns on the status topic, so "
         "that no other writer of that topic can redirect requests. 16 characters or more, not the same as token; "
         "required when token is set")
-    member_token_file: str | None = Field(
-        None, description="a file holding member_token (relative to the site file), read when the site file is "
-        "loaded")
-    member_token_env: str | None = Field(
-        None, pattern=ENV_NAME_PATTERN, description="the name of an environment variable holding member_token, "
-        "read when the site file is loaded")
+    member_token_file: str | None = secret_file("member_token")
+    member_token_env: str | None = secret_env("member_token")
     member_hosts: tuple[str, ...] = _seq(
         description="the hosts an instance's announced URL may name: IP networks (10.0.0.0/8) or host names, "
         "`*` matching any characters (*.orders.svc.cluster.local); a claim naming another host is ignored, so "

@@ -18,13 +18,16 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 
-from ..base import ENV_NAME_PATTERN, Problem, _existing_file, _invalid, _Model, _raise_rules
+from ..base import Problem, _existing_file, _invalid, _Model, _raise_rules
 from ..secrets import _secret_source_problems, secret_of
+from .secretfields import secret_env, secret_file
 
 #: Confluent's subject name strategies, by the names its serializers' settings use.
 SubjectNameStrategy = Literal["TopicNameStrategy", "RecordNameStrategy", "TopicRecordNameStrategy"]
 
 SECRETS = ("basic_auth_password", "bearer_token")
+#: When those are read from their sources.
+READ_BY_CLIENT = "read when the registry client is made"
 
 
 class SchemaRegistryConnection(_Model):
@@ -52,19 +55,14 @@ class SchemaRegistryConnection(_Model):
     basic_auth_password: SecretStr | None = Field(
         None, description="HTTP basic authentication: the password (or API secret); with basic_auth_username, "
         "exactly one of basic_auth_password, basic_auth_password_file or basic_auth_password_env")
-    basic_auth_password_file: str | None = Field(
-        None, description="a file holding basic_auth_password (a mounted Kubernetes secret); relative to the site "
-        "file")
-    basic_auth_password_env: str | None = Field(
-        None, pattern=ENV_NAME_PATTERN, description="the name of an environment variable holding basic_auth_password")
+    basic_auth_password_file: str | None = secret_file("basic_auth_password", READ_BY_CLIENT)
+    basic_auth_password_env: str | None = secret_env("basic_auth_password", READ_BY_CLIENT)
     bearer_token: SecretStr | None = Field(
         None, description="a static bearer token sent as 'Authorization: Bearer …' instead of basic "
         "authentication; at most one of bearer_token, bearer_token_file or bearer_token_env",
         json_schema_extra={"confluent": "bearer.auth.token"})
-    bearer_token_file: str | None = Field(
-        None, description="a file holding bearer_token, read when the registry client is made")
-    bearer_token_env: str | None = Field(
-        None, pattern=ENV_NAME_PATTERN, description="the name of an environment variable holding bearer_token")
+    bearer_token_file: str | None = secret_file("bearer_token", READ_BY_CLIENT)
+    bearer_token_env: str | None = secret_env("bearer_token", READ_BY_CLIENT)
     ssl_ca_location: str | None = Field(
         None, description="CA bundle (PEM) that signed an https registry's certificate; relative to the site file",
         json_schema_extra={"confluent": "schema.registry.ssl.ca.location"})

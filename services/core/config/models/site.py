@@ -19,7 +19,6 @@ from ... import sitekeys
 from ...errors import InvalidRequest, UnknownRegion
 from ...topics import TopicNames
 from ..base import (
-    ENV_NAME_PATTERN,
     SITE_PATTERN,
     _existing_file,
     _invalid,
@@ -36,6 +35,7 @@ from .queues import AsyncEventQueueConfig, GatewaySenderConfig
 from .receiver import ReceiverConfig
 from .region import RegionConfig, RegionServiceConfig
 from .registry import SchemaRegistryConnection
+from .secretfields import secret_env, secret_file
 from .subscriptions import SubscriptionsConfig
 
 
@@ -79,12 +79,8 @@ class SiteConfig(_Model):
         None, description="this site's Ed25519 private key (base64 of its 32-byte seed, or PEM): its gateway "
         "senders sign every batch and its receiver every ack with it; the other sites hold its public key in "
         "their gateway_public_keys (`sluice keys generate` makes a pair)")
-    gateway_private_key_file: str | None = Field(
-        None, description="a file holding gateway_private_key (relative to the site file), read when the site file "
-        "is loaded")
-    gateway_private_key_env: str | None = Field(
-        None, pattern=ENV_NAME_PATTERN, description="the name of an environment variable holding "
-        "gateway_private_key, read when the site file is loaded")
+    gateway_private_key_file: str | None = secret_file("gateway_private_key")
+    gateway_private_key_env: str | None = secret_env("gateway_private_key")
     gateway_public_keys: dict[Annotated[int, Field(ge=1, le=255)], str] = Field(
         default_factory=dict, strict=False,
         description="dsid -> that site's Ed25519 public key (base64 of 32 bytes, or PEM; during a key rotation "

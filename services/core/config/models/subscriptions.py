@@ -6,8 +6,9 @@ from typing import Any
 
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 
-from ..base import ENV_NAME_PATTERN, _existing_file, _Model
+from ..base import _existing_file, _Model
 from ..secrets import _resolve_secret
+from .secretfields import secret_env, secret_file
 
 
 class SubscriptionsConfig(_Model):
@@ -45,11 +46,8 @@ class SubscriptionsConfig(_Model):
         None, description="when set, a client registration (its record on the registry topic) is taken only with "
         "the record header `authorization: Bearer <token>`, and refused with a message to the client otherwise; "
         "the site's clients send it")
-    token_file: str | None = Field(
-        None, description="a file holding token (relative to the site file), read when the site file is loaded")
-    token_env: str | None = Field(
-        None, pattern=ENV_NAME_PATTERN, description="the name of an environment variable holding token, read when "
-        "the site file is loaded")
+    token_file: str | None = secret_file("token")
+    token_env: str | None = secret_env("token")
 
     @model_validator(mode="before")
     @classmethod
