@@ -22,24 +22,15 @@ import re
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from ...kafka import sasl_mechanism_problem
 from ...mskiam import MskIamToken, signer_problem
 from ...topics import TopicNames
-from ..base import (
-    TOPIC_PREFIX_PATTERN,
-    Problem,
-    _as_int,
-    _existing_file,
-    _get,
-    _invalid,
-    _Model,
-    _raise_rules,
-)
+from ..base import TOPIC_PREFIX_PATTERN, Problem, _as_int, _get, _invalid, _Model, _raise_rules
 from ..librdkafka import passthrough_problems, passthrough_value, revealed
 from ..secrets import _secret_source_problems, _shown, secret_of
-from .secretfields import READ_PER_CLIENT, secret_env, secret_file
+from .secretfields import READ_PER_CLIENT, existing_files, secret_env, secret_file
 
 SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI"]
@@ -206,11 +197,9 @@ class KafkaConnection(_Model):
             _raise_rules([(where.removeprefix("librdkafka."), shown, reason) for where, shown, reason in problems])
         return {name: passthrough_value(name, v) for name, v in value.items()}
 
-    @field_validator("ssl_ca_location", "ssl_certificate_location", "ssl_key_location", "sasl_password_file",
-                     "ssl_key_password_file", "sasl_oauthbearer_client_secret_file", "sasl_kerberos_keytab")
-    @classmethod
-    def _check_file(cls, value: str | None, info: ValidationInfo) -> str | None:
-        return None if value is None else _existing_file(value, info)
+    _check_files = existing_files("ssl_ca_location", "ssl_certificate_location", "ssl_key_location",
+                                  "sasl_password_file", "ssl_key_password_file",
+                                  "sasl_oauthbearer_client_secret_file", "sasl_kerberos_keytab")
 
     @model_validator(mode="after")
     def _check_connection(self) -> KafkaConnection:
