@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger("sluice.mskiam")
@@ -40,6 +41,7 @@ def signer_problem() -> str | None:
     return None
 
 
+@dataclass(frozen=True)
 class MskIamToken:
     """confluent-kafka's ``oauth_cb`` for Amazon MSK's IAM login in ``region``.
 
@@ -48,8 +50,7 @@ class MskIamToken:
     the expiry in milliseconds.
     """
 
-    def __init__(self, region: str) -> None:
-        self.region = region
+    region: str
 
     def __call__(self, _oauthbearer_config: Any) -> tuple[str, float]:
         from aws_msk_iam_sasl_signer import MSKAuthTokenProvider
@@ -64,15 +65,6 @@ class MskIamToken:
                           self.region)
             raise
         return token, expiry_ms / 1000
-
-    def __repr__(self) -> str:
-        return f"MskIamToken(region={self.region!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, MskIamToken) and other.region == self.region
-
-    def __hash__(self) -> int:
-        return hash(self.region)
 
 
 __all__ = ["INSTALL", "SIGNER", "MskIamToken", "signer_problem"]
