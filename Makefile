@@ -120,7 +120,8 @@ docs: install
 
 # deploy/requirements.lock (pyproject.toml's runtime dependencies) and
 # deploy/build-requirements.lock (its build backend), every file with its
-# sha256: what deploy/Dockerfile installs with `pip install --require-hashes`.
+# sha256: what deploy/Dockerfile installs with `pip install --require-hashes`
+# (the runtime dependencies and the msk extra, Amazon MSK's IAM signer).
 # Run after changing a dependency; tests/unit/test_supply_chain.py fails while
 # the lock misses one.  pip-compile resolves for this machine's Python 3.11
 # on Linux, the image's.
@@ -128,7 +129,7 @@ PIP_TOOLS := pip-tools==7.6.2
 LOCK_FLAGS := --quiet --generate-hashes --strip-extras --no-emit-index-url --no-emit-find-links --resolver=backtracking
 lock: install
 	$(PY) -m pip install --quiet '$(PIP_TOOLS)'
-	CUSTOM_COMPILE_COMMAND="make lock" $(PY) -m piptools compile $(LOCK_FLAGS) \
+	CUSTOM_COMPILE_COMMAND="make lock" $(PY) -m piptools compile $(LOCK_FLAGS) --extra msk \
 		--output-file deploy/requirements.lock pyproject.toml
 	CUSTOM_COMPILE_COMMAND="make lock" $(PY) -m piptools compile $(LOCK_FLAGS) --allow-unsafe \
 		--all-build-deps --only-build-deps --output-file deploy/build-requirements.lock pyproject.toml

@@ -381,7 +381,7 @@ def test_the_kafka_logins_document_covers_every_mechanism() -> None:
     """docs/kafka-logins.md gives every mechanism the site file accepts, and the three platforms."""
     text = (SERVICES.parent / "docs" / "kafka-logins.md").read_text(encoding="utf-8")
     for word in ("PLAIN", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI", "librdkafka:", "Strimzi", "Confluent Cloud",
-                 "Amazon MSK", "sasl_oauthbearer_client_secret_file"):
+                 "Amazon MSK", "sasl_oauthbearer_client_secret_file", "aws_msk_iam", "pip install sluice[msk]"):
         assert word in text, word
     for block in text.split("```yaml")[1:]:
         yaml.safe_load(textwrap.dedent(block.split("```")[0]))

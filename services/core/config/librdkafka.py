@@ -15,8 +15,9 @@ compared with it by a unit test):
   durable, read_committed, idempotence, transactions, the murmur2
   partitioner, its group names), and those a typed field of the section sets
   (``bootstrap_servers``, the SASL and TLS fields), which say where to set it;
-- a property set through librdkafka's C API (callbacks, opaque pointers) is
-  refused: a file cannot give one;
+- a property set through librdkafka's C API (callbacks, opaque pointers), or
+  confluent-kafka's token callback (``CALLBACKS``), is refused: a file cannot
+  give one;
 - a value of the wrong type, outside the property's range or not one of its
   values is refused.
 
@@ -106,6 +107,12 @@ OWNED: dict[str, str] = {
                                          "partitions itself"),
 }
 
+#: confluent-kafka's own callables that stand for a login, each with the field that sets it instead.
+CALLBACKS: dict[str, str] = {
+    "oauth_cb": "is confluent-kafka's token callback, which a file cannot give; Amazon MSK's IAM token is "
+                "sasl_oauthbearer_method aws_msk_iam, an OIDC token sasl_oauthbearer_method oidc",
+}
+
 #: Secrets librdkafka takes inline: kept as ``SecretStr``, never shown.
 SECRET_PROPERTIES = frozenset({
     "ssl.key.pem",
@@ -125,6 +132,9 @@ def passthrough_problems(values: Any) -> list[Problem]:
     for name, value in values.items():
         where = f"librdkafka.{name}"
         shown = "**********" if name in SECRET_PROPERTIES else _plain(value)
+        if name in CALLBACKS:
+            problems.append((where, shown, CALLBACKS[name]))
+            continue
         if not isinstance(name, str) or name not in PROPERTIES:
             close = difflib.get_close_matches(str(name), PROPERTIES, n=1, cutoff=0.75)
             hint = f"; did you mean {close[0]!r}?" if close else ""

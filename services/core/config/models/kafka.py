@@ -4,7 +4,8 @@
 and the only place its secrets are revealed (``client_settings``).  A login
 is a SASL mechanism with its own settings: PLAIN and SCRAM (user name and
 password), OAUTHBEARER (OIDC's client credentials against a token endpoint,
-or librdkafka's unsecured JWT for development), GSSAPI (Kerberos); any other
+Amazon MSK's IAM token signed by AWS's library, or librdkafka's unsecured
+JWT for development), GSSAPI (Kerberos); any other
 librdkafka property goes in ``librdkafka:``, checked in
 ``..librdkafka`` (docs/kafka-logins.md shows each with Strimzi, Confluent
 Cloud and Amazon MSK);
@@ -21,27 +22,19 @@ import re
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from ...kafka import sasl_mechanism_problem
+from ...mskiam import MskIamToken, signer_problem
 from ...topics import TopicNames
-from ..base import (
-    TOPIC_PREFIX_PATTERN,
-    Problem,
-    _as_int,
-    _existing_file,
-    _get,
-    _invalid,
-    _Model,
-    _raise_rules,
-)
+from ..base import TOPIC_PREFIX_PATTERN, Problem, _as_int, _get, _invalid, _Model, _raise_rules
 from ..librdkafka import passthrough_problems, passthrough_value, revealed
 from ..secrets import _secret_source_problems, _shown, secret_of
-from .secretfields import READ_PER_CLIENT, secret_env, secret_file
+from .secretfields import READ_PER_CLIENT, existing_files, secret_env, secret_file
 
 SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI"]
-OauthbearerMethod = Literal["oidc", "unsecured_jwt"]
+OauthbearerMethod = Literal["oidc", "unsecured_jwt", "aws_msk_iam"]
 
 #: The mechanisms that log in with a user name and password.
 _PASSWORD_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
@@ -49,12 +42,14 @@ _PASSWORD_FIELDS = ("sasl_username", "sasl_password", "sasl_password_file", "sas
 _OIDC_FIELDS = ("sasl_oauthbearer_client_id", "sasl_oauthbearer_client_secret",
                 "sasl_oauthbearer_client_secret_file", "sasl_oauthbearer_client_secret_env",
                 "sasl_oauthbearer_token_endpoint_url", "sasl_oauthbearer_scope", "sasl_oauthbearer_extensions")
-_OAUTHBEARER_FIELDS = ("sasl_oauthbearer_method", *_OIDC_FIELDS, "sasl_oauthbearer_config")
+_OAUTHBEARER_FIELDS = ("sasl_oauthbearer_method", *_OIDC_FIELDS, "sasl_oauthbearer_config", "aws_region")
 _KERBEROS_FIELDS = ("sasl_kerberos_service_name", "sasl_kerberos_principal", "sasl_kerberos_keytab",
                     "sasl_kerberos_kinit_cmd")
 #: RFC 7628 §3.1: an extension's key is letters only, and "auth" is the token's own.
 _EXTENSION_KEY = re.compile(r"^[A-Za-z]+$")
 _URL = re.compile(r"^https?://[^\s/?#]+[^\s]*$")
+#: AWS's region names: us-east-1, eu-central-2, us-gov-west-1, cn-north-1, ap-southeast-4 …
+_AWS_REGION = re.compile(r"^[a-z]{2}(-[a-z]+)+-[0-9]{1,2}$")
 
 _HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?)$")
 
@@ -84,7 +79,9 @@ class KafkaConnection(_Model):
         None, description="with OAUTHBEARER: oidc (the default) fetches tokens from "
         "sasl_oauthbearer_token_endpoint_url with OAuth client credentials; unsecured_jwt makes unsigned tokens "
         "from sasl_oauthbearer_config, for development and tests against a broker with Kafka's unsecured "
-        "validator only", json_schema_extra={"kafka": "sasl.oauthbearer.method"})
+        "validator only; aws_msk_iam signs Amazon MSK's IAM token with the AWS credentials botocore finds "
+        "(needs aws_region, SASL_SSL and the package aws-msk-iam-sasl-signer-python: pip install sluice[msk])",
+        json_schema_extra={"kafka": "sasl.oauthbearer.method"})
     sasl_oauthbearer_client_id: str | None = Field(
         None, min_length=1, description="with OAUTHBEARER oidc, required: the client's id at the identity provider",
         json_schema_extra={"kafka": "sasl.oauthbearer.client.id"})
@@ -109,6 +106,9 @@ class KafkaConnection(_Model):
         None, min_length=1, description="with OAUTHBEARER unsecured_jwt, required: the unsigned token's claims as "
         "space-separated name=value pairs, at least principal=<name> (e.g. 'principal=alice lifeSeconds=3600')",
         json_schema_extra={"kafka": "sasl.oauthbearer.config"})
+    aws_region: str | None = Field(
+        None, description="with OAUTHBEARER aws_msk_iam, required: the AWS region of the Amazon MSK cluster "
+        "(e.g. eu-west-1), which its IAM token is signed for")
     sasl_kerberos_service_name: str | None = Field(
         None, min_length=1, description="with GSSAPI: the brokers' Kerberos service name (default kafka)",
         json_schema_extra={"kafka": "sasl.kerberos.service.name"})
@@ -168,6 +168,13 @@ class KafkaConnection(_Model):
             raise _invalid("must be an http:// or https:// URL, e.g. https://idp.example.com/oauth2/token")
         return value
 
+    @field_validator("aws_region")
+    @classmethod
+    def _check_aws_region(cls, value: str | None) -> str | None:
+        if value is not None and not _AWS_REGION.match(value):
+            raise _invalid("must be an AWS region name, e.g. eu-west-1 or us-east-1")
+        return value
+
     @field_validator("sasl_oauthbearer_extensions")
     @classmethod
     def _check_extensions(cls, value: dict[str, str] | None) -> dict[str, str] | None:
@@ -190,11 +197,9 @@ class KafkaConnection(_Model):
             _raise_rules([(where.removeprefix("librdkafka."), shown, reason) for where, shown, reason in problems])
         return {name: passthrough_value(name, v) for name, v in value.items()}
 
-    @field_validator("ssl_ca_location", "ssl_certificate_location", "ssl_key_location", "sasl_password_file",
-                     "ssl_key_password_file", "sasl_oauthbearer_client_secret_file", "sasl_kerberos_keytab")
-    @classmethod
-    def _check_file(cls, value: str | None, info: ValidationInfo) -> str | None:
-        return None if value is None else _existing_file(value, info)
+    _check_files = existing_files("ssl_ca_location", "ssl_certificate_location", "ssl_key_location",
+                                  "sasl_password_file", "ssl_key_password_file",
+                                  "sasl_oauthbearer_client_secret_file", "sasl_kerberos_keytab")
 
     @model_validator(mode="after")
     def _check_connection(self) -> KafkaConnection:
@@ -241,7 +246,11 @@ class KafkaConnection(_Model):
         return settings
 
     def _oauthbearer_settings(self) -> dict[str, Any]:
-        """librdkafka's OAUTHBEARER settings: OIDC client credentials, or the unsecured JWT for development."""
+        """librdkafka's OAUTHBEARER settings: OIDC client credentials, Amazon MSK's IAM token made by
+        confluent-kafka's ``oauth_cb`` (core/mskiam.py), or the unsecured JWT for development."""
+        if self.sasl_oauthbearer_method == "aws_msk_iam":
+            assert self.aws_region is not None, "the connection's rules require aws_region"
+            return {"sasl.oauthbearer.method": "default", "oauth_cb": MskIamToken(self.aws_region)}
         if self.sasl_oauthbearer_method == "unsecured_jwt":
             return {
                 "sasl.oauthbearer.method": "default",
@@ -394,7 +403,16 @@ def _login_rules(section: Mapping[str, Any], mechanism: str, protocol: str) -> l
         require_secret("sasl_password", f"when security_protocol is {protocol}")
     elif mechanism == "OAUTHBEARER":
         method = section.get("sasl_oauthbearer_method") or "oidc"
-        if method == "unsecured_jwt":
+        if method == "aws_msk_iam":
+            own = ("sasl_oauthbearer_method", "aws_region")
+            require("aws_region", "with sasl_oauthbearer_method aws_msk_iam")
+            if protocol != "SASL_SSL":
+                problems.append(("security_protocol", protocol, "must be SASL_SSL with sasl_oauthbearer_method "
+                                                                "aws_msk_iam: Amazon MSK's IAM listeners take TLS only"))
+            unavailable = signer_problem()
+            if unavailable is not None:
+                problems.append(("sasl_oauthbearer_method", method, unavailable))
+        elif method == "unsecured_jwt":
             own = ("sasl_oauthbearer_method", "sasl_oauthbearer_config")
             require("sasl_oauthbearer_config", "with sasl_oauthbearer_method unsecured_jwt")
             config = section.get("sasl_oauthbearer_config")

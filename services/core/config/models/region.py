@@ -14,9 +14,9 @@ from typing import Any
 
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 
-from ..base import NAME_PATTERN, _existing_file, _invalid, _Model, _raise_rules, _seq
+from ..base import NAME_PATTERN, _invalid, _Model, _raise_rules, _seq
 from ..secrets import _HIDDEN, _resolve_secret
-from .secretfields import secret_env, secret_file
+from .secretfields import existing_files, secret_env, secret_file
 
 _MEMBER_HOST = re.compile(r"^([0-9A-Fa-f:.]+/\d{1,3}|[0-9A-Fa-f:.]+|[A-Za-z0-9*]([A-Za-z0-9*_.-]*[A-Za-z0-9*])?)$")
 
@@ -118,10 +118,7 @@ class RegionServiceConfig(_Model):
     def _read_token(cls, data: Any, info: ValidationInfo) -> Any:
         return _resolve_secret(_resolve_secret(data, "token", info), "member_token", info)
 
-    @field_validator("token_file", "member_token_file")
-    @classmethod
-    def _check_token_file(cls, value: str | None, info: ValidationInfo) -> str | None:
-        return None if value is None else _existing_file(value, info)
+    _check_token_files = existing_files("token_file", "member_token_file")
 
     @field_validator("member_hosts")
     @classmethod

@@ -16,11 +16,11 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
-from ..base import Problem, _existing_file, _invalid, _Model, _raise_rules
+from ..base import Problem, _invalid, _Model, _raise_rules
 from ..secrets import _secret_source_problems, secret_of
-from .secretfields import secret_env, secret_file
+from .secretfields import existing_files, secret_env, secret_file
 
 #: Confluent's subject name strategies, by the names its serializers' settings use.
 SubjectNameStrategy = Literal["TopicNameStrategy", "RecordNameStrategy", "TopicRecordNameStrategy"]
@@ -88,10 +88,7 @@ class SchemaRegistryConnection(_Model):
                 raise _invalid(f"the port of {url!r} must be a number from 1 to 65535") from None
         return ",".join(urls)
 
-    @field_validator("ssl_ca_location", "basic_auth_password_file", "bearer_token_file")
-    @classmethod
-    def _check_file(cls, value: str | None, info: ValidationInfo) -> str | None:
-        return None if value is None else _existing_file(value, info)
+    _check_files = existing_files("ssl_ca_location", "basic_auth_password_file", "bearer_token_file")
 
     @model_validator(mode="after")
     def _check_registry(self) -> SchemaRegistryConnection:

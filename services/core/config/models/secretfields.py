@@ -1,18 +1,20 @@
-"""The ``<secret>_file`` and ``<secret>_env`` fields beside every secret of the site file.
+"""The ``<secret>_file`` and ``<secret>_env`` fields beside every secret of the site file, and the check of
+every field naming a file.
 
 Each secret may be given as its value, as a file holding it, or as the name
 of an environment variable holding it (config/secrets.py reads the one
 given); these build the two source fields the same way for every section,
-saying when the source is read.
+saying when the source is read.  ``existing_files`` is the validator of a
+section's file fields (secret files, certificates, keytabs).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
-from ..base import ENV_NAME_PATTERN
+from ..base import ENV_NAME_PATTERN, _existing_file
 
 #: When the tokens and keys the services use are read.
 READ_WHEN_LOADED = "read when the site file is loaded"
@@ -29,3 +31,13 @@ def secret_env(secret: str, read: str = READ_WHEN_LOADED) -> Any:
     """The field naming an environment variable that holds ``secret`` (Kubernetes' secretKeyRef)."""
     return Field(None, pattern=ENV_NAME_PATTERN,
                  description=f"the name of an environment variable holding {secret}, {read}")
+
+
+def _existing_or_unset(value: str | None, info: ValidationInfo) -> str | None:
+    return None if value is None else _existing_file(value, info)
+
+
+def existing_files(*fields: str) -> Any:
+    """The validator of ``fields``: each one given names a file that exists, relative to the site file's
+    folder, and is kept as its absolute path."""
+    return field_validator(*fields)(_existing_or_unset)

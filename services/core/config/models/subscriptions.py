@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, model_validator
 
-from ..base import _existing_file, _Model
+from ..base import _Model
 from ..secrets import _resolve_secret
-from .secretfields import secret_env, secret_file
+from .secretfields import existing_files, secret_env, secret_file
 
 
 class SubscriptionsConfig(_Model):
@@ -54,7 +54,4 @@ class SubscriptionsConfig(_Model):
     def _read_token(cls, data: Any, info: ValidationInfo) -> Any:
         return _resolve_secret(data, "token", info)
 
-    @field_validator("token_file")
-    @classmethod
-    def _check_token_file(cls, value: str | None, info: ValidationInfo) -> str | None:
-        return None if value is None else _existing_file(value, info)
+    _check_token_file = existing_files("token_file")
