@@ -25,8 +25,9 @@ PLAN = [
 ]
 
 
-# The long tier (`make test-long`, CI, and `make soak` for longer), alone after its parallel part: each fault
-# it injects is proved in `make test` by a test of its own (tests/README.md, "The long tier").
+# The long tier (`make test-long`, CI, and `make soak` for longer), alone after its parallel part: most faults
+# it injects are proved in `make test` by a test of their own; tests/README.md ("The long tier") names which,
+# and those only this run injects.
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.serial  # bounds in seconds on every failover: runs alone (make test)

@@ -122,16 +122,16 @@ def test_kill_9_one_of_two_instances_mid_stream_loses_and_duplicates_nothing(sit
     store_dirs = [tmp_path / f"store-{i}" if stores else None for i in range(2)]
     instances = [RegionProcess(tmp_path / "site.yaml", tmp_path / f"region-{i}.log", store_dir=store_dirs[i])
                  for i in range(2)]
+    # With local stores the writers go on until the restarted instance has taken writes.
+    hold_open = threading.Event()
+    if stores:
+        hold_open.set()
     try:
         for inst in instances:
             inst.wait_ready()
         if copies:
             victims = wait_standbys(instances[1], instances[0])
         urls = [inst.url for inst in instances]
-        # With local stores the writers go on until the restarted instance has taken writes.
-        hold_open = threading.Event()
-        if stores:
-            hold_open.set()
         writers = [Writer(i, urls, seed=1000 + i, ops=ops_per_writer, hold_open=hold_open) for i in range(WRITERS)]
         started = time.monotonic()
         for w in writers:
@@ -230,6 +230,7 @@ def test_kill_9_one_of_two_instances_mid_stream_loses_and_duplicates_nothing(sit
         }
         assert acked_ids <= changelog_ids
     finally:
+        hold_open.clear()  # a failed wait must not leave the writers writing
         for inst in instances:
             inst.stop()
 

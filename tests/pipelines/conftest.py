@@ -15,11 +15,15 @@ from typing import Any
 
 import pytest
 
-#: Settings of the shared session: small shuffles for small data, no UI (no port to find).
+from pipelinekit import DRIVER_JAVA_OPTIONS
+
+#: Settings of the shared session: small shuffles for small data, no UI (no port to find), and a driver JVM
+#: that starts and compiles cheaply (``DRIVER_JAVA_OPTIONS``).
 TEST_CONF = {
     "spark.ui.enabled": "false",
     "spark.sql.shuffle.partitions": "4",
     "spark.default.parallelism": "2",
+    "spark.driver.extraJavaOptions": DRIVER_JAVA_OPTIONS,
 }
 
 

@@ -15,7 +15,12 @@ from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
 from sluice.core.kafka import partition_for_key
 from sluice.core.topics import apply_topics
 
-__all__ = ["Produced", "encode", "entry_event", "produce", "write_site"]
+__all__ = ["DRIVER_JAVA_OPTIONS", "Produced", "encode", "entry_event", "produce", "write_site"]
+
+#: The JVM options of every Spark driver the pipeline tests start (issue 21): serial GC and the C1 compiler
+#: only, as the embedded brokers have.  The jobs here run seconds on a few hundred rows, where C2's compilations
+#: cost more than they return: a session start and one small job took 13 CPU-seconds instead of 26.
+DRIVER_JAVA_OPTIONS = "-XX:+UseSerialGC -XX:TieredStopAtLevel=1"
 
 
 def write_site(path: Path, *, site: str, dsid: int, bootstrap: str, prefix: str,

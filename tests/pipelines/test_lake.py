@@ -16,7 +16,7 @@ import pytest
 from sluice.cli import main as sluice_main
 from sluice.core.events import EntryEvent, Operation
 
-from pipelinekit import Produced, encode, entry_event, produce, write_site
+from pipelinekit import DRIVER_JAVA_OPTIONS, Produced, encode, entry_event, produce, write_site
 
 #: Two Spark JVMs (the killed job's and the tests' session) on 2 cores: ~35 s on a quiet machine, several
 #: times that when other work shares it.
@@ -50,7 +50,8 @@ def _produce_events(cfg: Any, bootstrap: str, events: list[EntryEvent]) -> dict[
 
 def _lake_args(site: Path, lake: Path) -> list[str]:
     return ["pipeline", "lake", "-c", str(site), "--lake", str(lake), "--available-now",
-            "--max-offsets-per-trigger", str(PER_TRIGGER), "--master", "local[2]", "--conf", "spark.ui.enabled=false"]
+            "--max-offsets-per-trigger", str(PER_TRIGGER), "--master", "local[2]", "--conf", "spark.ui.enabled=false",
+            "--conf", f"spark.driver.extraJavaOptions={DRIVER_JAVA_OPTIONS}"]
 
 
 def _run_and_kill(args: list[str], after_batch: int, log: Path, timeout_s: float = 240) -> list[str]:
