@@ -126,6 +126,8 @@ def site_of(batches: int) -> Site:
 @pytest.mark.parametrize("a_finishes", [False, True], ids=["A-gives-up-mid-batch", "A-acks-then-revokes"])
 def test_a_takeover_by_revoke_applies_nothing_twice_and_goes_on_with_the_tracking_and_figures(
         a_finishes: bool) -> None:
+    """A revoke in the middle of batch 2: B applies it (A's half as recoveries), never batches 0 and 1 again, and
+    its acks go on from A's tracking and figures."""
     site = site_of(4)
     a = Member("A", site)
     a.assign(now_ms=1)
@@ -164,6 +166,8 @@ def test_a_takeover_by_revoke_applies_nothing_twice_and_goes_on_with_the_trackin
 
 
 def test_a_takeover_without_revoke_commits_nothing_of_a_and_its_late_ack_moves_nothing() -> None:
+    """A loses the partition with batch 1 done but uncommitted and batch 2 in hand: B answers batch 1 as a
+    duplicate, applies batch 2, and A's late ack commits nothing."""
     site = site_of(3)
     a = Member("A", site)
     a.assign(now_ms=1)
@@ -215,6 +219,7 @@ def test_a_partition_taken_again_by_the_same_member_starts_a_new_ownership() -> 
 
 
 def test_done_offsets_keep_the_newest_of_each_partition_and_are_handed_out_once() -> None:
+    """The offsets due are one per partition (bounded by the partitions, not the batches), each handed out once."""
     protocol = ReceiverProtocol(TOPIC, DSID, "A")
     first, second = protocol.assign([0, 1], {}, {}, now_ms=1)
     for offset in range(1, 1001):
@@ -225,6 +230,7 @@ def test_done_offsets_keep_the_newest_of_each_partition_and_are_handed_out_once(
 
 
 def test_done_offsets_only_grow_within_an_ownership() -> None:
+    """A done offset below the last one of the same ownership is our bug, and fails loudly."""
     protocol = ReceiverProtocol(TOPIC, DSID, "A")
     [part] = protocol.assign([0], {}, {}, now_ms=1)
     protocol.done(part, 10)
@@ -233,6 +239,8 @@ def test_done_offsets_only_grow_within_an_ownership() -> None:
 
 
 def test_the_last_batch_id_of_a_sender_partition_never_goes_down() -> None:
+    """An older ack read later changes nothing, a batch below the last is a duplicate, and an ack moving the id back
+    fails loudly."""
     protocol = ReceiverProtocol(TOPIC, DSID, "A")
     [part] = protocol.assign([0], {KEY: 50}, {}, now_ms=1)
     protocol.learn({KEY: 7})  # an older ack read later changes nothing
@@ -245,6 +253,7 @@ def test_the_last_batch_id_of_a_sender_partition_never_goes_down() -> None:
 
 
 def test_the_first_batch_after_a_takeover_may_be_half_applied_and_only_that_one() -> None:
+    """Only the first batch past the figures' offset may have been half applied by the owner before."""
     protocol = ReceiverProtocol(TOPIC, DSID, "B")
     carried = PartitionTotals(0, DSID, offset=4, member="A")
     [part] = protocol.assign([0], {}, {0: [carried, None]}, now_ms=1)
@@ -257,6 +266,8 @@ def test_the_first_batch_after_a_takeover_may_be_half_applied_and_only_that_one(
 
 
 def test_a_batch_refused_whole_is_counted_once() -> None:
+    """A refused batch already counted by the figures is not counted again; a new one is, and clears the half-
+    applied mark."""
     protocol = ReceiverProtocol(TOPIC, DSID, "A")
     [part] = protocol.assign([0], {}, {0: [PartitionTotals(0, DSID, offset=2, member="Z")]}, now_ms=1)
     assert protocol.refused(part, 2, now_ms=2, rejected_batches=1) is None  # counted by whoever refused it first
@@ -270,6 +281,7 @@ def test_a_batch_refused_whole_is_counted_once() -> None:
 
 
 def test_failure_actions_read_the_retriable_flag() -> None:
+    """Retry, alert or refuse is read from the error's retriable flag (and 401/403), never from its name."""
     assert failure_action(BrokerUnavailable("away")) is FailureAction.RETRY
     assert failure_action(RegionError(503, {"retriable": True})) is FailureAction.RETRY
     assert failure_action(RegionError(401, {"error": "Unauthorized"})) is FailureAction.ALERT
@@ -306,7 +318,8 @@ def test_applying_a_batch_does_not_retry_an_error_that_is_not_retriable(tmp_path
     receiver = _receiver(tmp_path, client)
     batch = SimpleNamespace(batch_id=1, source_dsid=1, bodies=[b"?", b"?"])
     applied = Applied()
-    receiver._settle(batch, b"", "http://owner", [0, 1], [("orders", 0)] * 2, [None, None], applied,  # type: ignore[arg-type]
+    buckets: list[tuple[str, int] | None] = [("orders", 0)] * 2
+    receiver._settle(batch, b"", "http://owner", [0, 1], buckets, [None, None], applied,  # type: ignore[arg-type]
                      threading.Event())
     assert client.calls == [2, 1, 1] and sorted(applied.exceptions) == [0, 1]
     assert {e["exception_class"] for e in applied.exceptions.values()} == {"KafkaFatal"}
@@ -327,7 +340,8 @@ def test_applying_a_batch_retries_a_retriable_error(tmp_path: Any) -> None:
 
     receiver._owners = owners  # type: ignore[method-assign]
     with pytest.raises(Stopping):
-        receiver._settle(batch, b"", "http://owner", [0, 1], [("orders", 0)] * 2, [None, None], applied,  # type: ignore[arg-type]
+        buckets: list[tuple[str, int] | None] = [("orders", 0)] * 2
+        receiver._settle(batch, b"", "http://owner", [0, 1], buckets, [None, None], applied,  # type: ignore[arg-type]
                          stop)
     assert client.calls == [2] and applied.unanswered == {0, 1} and applied.exceptions == {}
 

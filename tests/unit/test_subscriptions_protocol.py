@@ -129,6 +129,8 @@ def two_clients() -> tuple[Site, str, str]:
 
 
 def test_a_takeover_by_revoke_fills_each_event_once_flagging_what_may_have_been_filled() -> None:
+    """A revoke in the middle of a fill: the last checkpoint lets B go on where A stopped, each event once, B's
+    flagged possibleDuplicate."""
     site, c0, c1 = two_clients()
     a = Member("A", site)
     a.assign({0, 1})
@@ -155,6 +157,8 @@ def test_a_takeover_by_revoke_fills_each_event_once_flagging_what_may_have_been_
 
 
 def test_a_takeover_without_revoke_refills_from_the_last_checkpoint_and_a_late_checkpoint_moves_nothing() -> None:
+    """A lost partition gets no last checkpoint; B refills from the last one (repeats flagged), and A's late
+    checkpoint changes nothing of B's."""
     site, c0, c1 = two_clients()
     a = Member("A", site)
     a.assign({0, 1})
@@ -193,6 +197,7 @@ def test_a_takeover_without_revoke_refills_from_the_last_checkpoint_and_a_late_c
 
 
 def test_checkpoints_never_go_back() -> None:
+    """A primary starts from the last checkpoint, and a checkpoint behind it is our bug, failing loudly."""
     protocol = SubscriptionProtocol("A", PARTITIONS, 100, PINGS_MS)
     protocol.take_checkpoint({"registry_partition": 0, "member": "Z", "updated_at": 0,
                               "positions": [{"topic": CHANGELOG[0], "partition": 0, "offset": 7}], "queues": []})
@@ -204,6 +209,7 @@ def test_checkpoints_never_go_back() -> None:
 
 
 def test_a_queue_starts_where_the_fill_is_and_takes_nothing_older() -> None:
+    """A queue takes nothing before its registration is answered, and never its client's own writes."""
     site, c0, _c1 = two_clients()
     a = Member("A", site)
     a.assign({0, 1})
@@ -217,6 +223,8 @@ def test_a_queue_starts_where_the_fill_is_and_takes_nothing_older() -> None:
 
 
 def test_a_full_queue_takes_no_more_and_its_client_is_dropped_next_turn() -> None:
+    """Past maximum-message-count an event is not queued but counted, and the client is marked for removal; an ack
+    makes room."""
     protocol = SubscriptionProtocol("A", PARTITIONS, 2, PINGS_MS, {})
     c0 = client_in(0)
     protocol.assign({0}, {CHANGELOG: 0}, {c0: registration(c0)})
@@ -241,6 +249,7 @@ def test_a_full_queue_takes_no_more_and_its_client_is_dropped_next_turn() -> Non
 ])
 def test_the_unregistration_rules_are_decisions_on_the_record_and_the_time(
         record: dict[str, Any], silent_ms: int, reason: str | None) -> None:
+    """Closed, silent past the ping bound, or neither: the rule decides from the record and the time passed in."""
     protocol = SubscriptionProtocol("A", PARTITIONS, 100, PINGS_MS)
     client = Client(record, partition=0)
     protocol.add_client(client)
@@ -249,6 +258,7 @@ def test_the_unregistration_rules_are_decisions_on_the_record_and_the_time(
 
 
 def test_a_durable_client_away_keeps_its_durable_interest_until_its_timeout() -> None:
+    """A durable client away is kept for its durable-client-timeout and no longer; a ping brings it back."""
     protocol = SubscriptionProtocol("A", PARTITIONS, 100, PINGS_MS)
     record = registration("c", durable=True, durable_timeout_s=30)
     record["interest"].append({"region": "orders", "keys": ["k"], "all_keys": False, "regex": None,
@@ -270,6 +280,7 @@ def test_a_durable_client_away_keeps_its_durable_interest_until_its_timeout() ->
 
 
 def test_answers_and_markers_are_due_once_per_registration_and_session() -> None:
+    """REGISTERED is due once per (session, version), the marker once per session."""
     protocol = SubscriptionProtocol("A", PARTITIONS, 100, PINGS_MS)
     c0 = client_in(0)
     protocol.assign({0}, {CHANGELOG: 0}, {c0: registration(c0)})
@@ -307,6 +318,7 @@ class _Tables:
 
 
 def test_reading_a_table_end_does_not_retry_an_error_that_is_not_retriable() -> None:
+    """A fatal error reading a table's end is raised at once, not tried again."""
     service = SubscriptionService(site_cfg(), member_id="unit")
     service._tables = _Tables(KafkaFatal("fatal"))  # type: ignore[assignment]
     with pytest.raises(KafkaFatal):
@@ -315,6 +327,7 @@ def test_reading_a_table_end_does_not_retry_an_error_that_is_not_retriable() -> 
 
 
 def test_reading_a_table_end_retries_a_retriable_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A retriable error reading a table's end is tried again."""
     monkeypatch.setattr(service_module, "READ_TABLES_RETRY_S", 0.0)
     service = SubscriptionService(site_cfg(), member_id="unit")
     service._tables = _Tables(BrokerUnavailable("the leader moved"))  # type: ignore[assignment]
@@ -339,6 +352,7 @@ class _Producer:
 
 
 def test_a_write_does_not_retry_an_error_that_is_not_retriable() -> None:
+    """A fatal write error is raised at once, not tried again."""
     service = SubscriptionService(site_cfg(), member_id="unit")
     service._producer = _Producer(KafkaFatal("fatal", code=KafkaError._FATAL))
     with pytest.raises(KafkaFatal):
@@ -347,6 +361,7 @@ def test_a_write_does_not_retry_an_error_that_is_not_retriable() -> None:
 
 
 def test_a_write_waits_out_a_full_producer_queue(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full producer queue is back-pressure: the write goes again."""
     monkeypatch.setattr(service_module, "PRODUCER_FULL_WAIT_S", 0.0)
     service = SubscriptionService(site_cfg(), member_id="unit")
     service._producer = _Producer(KafkaCallFailed("full", code=KafkaError._QUEUE_FULL, retriable=True))
