@@ -38,6 +38,18 @@ RECEIVER_KIND = "gateway-receiver"
 RECEIVER_ID = "receiver"
 
 
+#: How long a control record written by ``sluice admin`` may take to be acknowledged before the
+#: command fails (the operator sees it, rather than a state change that may not have happened).
+CONTROL_WRITE_DEADLINE_S = 30.0
+#: How long asking the broker for the control topic's end offset may take when a follower starts.
+CONTROL_END_DEADLINE_S = 10.0
+#: How long one read of the control topic waits for records while a follower reads it to its end,
+#: how long that whole read may take, and how long the broker holds a follower's idle fetch.
+CONTROL_READ_WAIT_S = 0.05
+CONTROL_READ_DEADLINE_S = 15.0
+CONTROL_FETCH_WAIT_MS = 100
+
+
 def control_key(kind: str, target_id: str) -> bytes:
     return f"{kind}/{target_id}".encode()
 
@@ -50,7 +62,7 @@ def write_desired_state(cfg: SiteConfig, kind: str, target_id: str, state: str, 
     errors: list[Any] = []
     producer.produce(cfg.topics.control(), get_codec().encode("ControlRecord", record), control_key(kind, target_id),
                      on_delivery=lambda err, _m: errors.append(err))
-    if producer.flush(30) or errors != [None]:
+    if producer.flush(CONTROL_WRITE_DEADLINE_S) or errors != [None]:
         raise SluiceError(f"control record for {kind} {target_id} not acknowledged: {errors}")
 
 
@@ -65,21 +77,21 @@ class ControlFollower:
         self.topic = cfg.topics.control()
         self._codec = get_codec()
         self._consumer = make_consumer(cfg.kafka.client_settings(), None,
-                                       **{"client.id": client_id, "fetch.wait.max.ms": 100})
+                                       **{"client.id": client_id, "fetch.wait.max.ms": CONTROL_FETCH_WAIT_MS})
 
-    def read_to_end(self, deadline_s: float = 15.0) -> list[dict[str, Any]]:
+    def read_to_end(self, deadline_s: float = CONTROL_READ_DEADLINE_S) -> list[dict[str, Any]]:
         """The key's records from the start of the topic to its end as of now; the follower then
         stays assigned, for ``poll_nowait``."""
         consumer = self._consumer
         tp = TopicPartition(self.topic, 0)
         with kafka_errors(f"reading {self.topic}"):
-            low, high = consumer.get_watermark_offsets(tp, timeout=10)
+            low, high = consumer.get_watermark_offsets(tp, timeout=CONTROL_END_DEADLINE_S)
         consumer.assign([TopicPartition(self.topic, 0, OFFSET_BEGINNING)])
         records: list[dict[str, Any]] = []
         last = low - 1
         end = time.monotonic() + deadline_s
         while last < high - 1 and time.monotonic() < end:
-            for msg in consumer.consume(500, 0.05):
+            for msg in consumer.consume(500, CONTROL_READ_WAIT_S):
                 if msg.error() is None:
                     last = msg.offset()
                     records += self._take(msg)

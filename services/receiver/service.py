@@ -68,6 +68,12 @@ one batch, step by step:
    of its own (core/receivertotals.py): the next owner of the partition
    continues from them, whatever became of this process.
 
+The decisions of these steps (which inbound partition is this member's,
+which batch is a duplicate, what its ack and figures say, which offset is
+committed when, which failure is retried) are ``protocol.py``'s, a pure
+protocol with no Kafka, thread or clock; this module reads, routes, writes
+and commits as it says.
+
 Region-service instances are found through the records they publish on the
 status topic (``sluice.core.directory``: believed only when signed with the
 member token and naming a host ``member_hosts`` allows), read by a thread of
@@ -92,7 +98,7 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from opentelemetry.trace import SpanKind
@@ -128,7 +134,7 @@ from ..core.lifecycle import Service
 from ..core.loop import PartitionLoop
 from ..core.queueloop import DesiredState
 from ..core.receivertotals import PartitionTotals
-from ..core.regionclient import BatchAnswer, BatchClient, RegionError
+from ..core.regionclient import BatchClient, RegionError
 from ..core.signing import Headers, Signer, Verifier, site_signer, site_verifier
 from ..core.kafka import (
     Consumer,
@@ -141,6 +147,16 @@ from ..core.kafka import (
     partition_for_key,
     produce_durably,
     read_to_end,
+)
+from .protocol import (
+    Ack,
+    Applied,
+    Duplicate,
+    FailureAction,
+    InboundPartition,
+    ReceiverProtocol,
+    batch_problem,
+    failure_action,
 )
 
 log = logging.getLogger("sluice.receiver")
@@ -155,8 +171,6 @@ APPLY_BACKOFF_FIRST_S = 0.1
 APPLY_BACKOFF_MAX_S = 5.0
 #: An alert that goes on is logged again this often (and counted each time).
 ALERT_REPEAT_S = 30.0
-#: Answers of the region service that say the receiver's credential is wrong, not the events.
-UNAUTHORIZED = (401, 403)
 #: How many of an inbound partition's last acks a new owner keeps to find the newest figures that verify.
 ACKS_WITH_FIGURES_KEPT = 16
 #: How often the receiver's directory thread reads the claims published since its last read.
@@ -178,44 +192,6 @@ THREAD_JOIN_DEADLINE_S = 5.0
 LANE_CLOSE_DEADLINE_S = 30.0
 
 
-class _Applied:
-    """What became of a batch's events so far, one lane's, as the owners answered."""
-
-    __slots__ = ("exceptions", "last_index", "last_event_id", "applied", "duplicates", "conflicts", "recovered",
-                 "unanswered")
-
-    def __init__(self, unanswered: set[int] | None = None) -> None:
-        self.exceptions: dict[int, dict[str, Any]] = {}  # batch index -> the ack's BatchException
-        self.last_index = -1
-        self.last_event_id: EventID | None = None
-        self.applied = self.duplicates = self.conflicts = self.recovered = 0
-        #: Events an attempt may have applied without its answer reaching us (a lost answer, or the
-        #: previous owner's attempt at the first batch after a takeover): repeats of them are recoveries.
-        self.unanswered: set[int] = unanswered if unanswered is not None else set()
-
-    def refuse(self, index: int, event_id: EventID, exception_class: str, message: str) -> None:
-        self.exceptions[index] = {"index": index, "event_id": event_id.to_record(),
-                                  "exception_class": exception_class, "message": message}
-
-    def took(self, part: list[int], answer: BatchAnswer) -> None:
-        """An owner's answer to the record of the batch's events ``part`` (record index -> batch index).
-        Its repeats are recoveries when every event it answered (those it did not refuse) was unanswered
-        before (receivertotals.py, step 4); a request never mixes the two kinds (``ReceiverService._settle``)."""
-        self.applied += answer.applied
-        self.conflicts += answer.conflicts
-        refused = {part[r["index"]] for r in answer.refused}
-        answered = [i for i in part if i not in refused]
-        if answered and self.unanswered.issuperset(answered):
-            self.recovered += answer.duplicates
-        else:
-            self.duplicates += answer.duplicates
-        self.unanswered.difference_update(answered)
-        if answer.last_applied is not None:
-            index, event_id = answer.last_applied
-            if part[index] > self.last_index:
-                self.last_index, self.last_event_id = part[index], event_id
-
-
 def region_service_urls(cfg: SiteConfig) -> list[str]:
     """URLs of the live region-service instances, from the records they publish (``sluice.core.directory``)."""
     with kafka_errors("reading the region-service instances"):
@@ -225,20 +201,18 @@ def region_service_urls(cfg: SiteConfig) -> list[str]:
 class _Lane:
     """The batches of one inbound partition, handled in order by one thread.
 
-    ``figures`` are the partition's over all its owners (receivertotals.py), replaced whole by the lane's
-    thread once what they count is durable; the main thread only reads them."""
+    ``part`` is the partition's state in the protocol (protocol.py) for this ownership: its figures are
+    replaced whole, under the protocol's lock, once what they count is durable; the main thread only
+    reads them."""
 
-    def __init__(self, partition: int, receiver: "ReceiverService", figures: PartitionTotals) -> None:
+    def __init__(self, partition: int, receiver: "ReceiverService", part: InboundPartition) -> None:
         self.partition = partition
         self.queue: queue.Queue[Message | None] = queue.Queue(maxsize=LANE_QUEUE_MAX + 1)  # + the closing None
         self.stop = threading.Event()  # set on revoke or shutdown
         self.paused = False
         self.error: BaseException | None = None
         self.handled_yet = False  # a batch of this partition was handled since the lane began
-        self.figures = figures
-        #: The next batch past ``figures.offset`` may have been half applied by the owner before
-        #: (receivertotals.py, step 4); cleared once it is handled.
-        self.maybe_half_applied = True
+        self.part = part
         self.thread = threading.Thread(target=self._run, args=(receiver,), daemon=True,
                                        name=f"receiver-lane-{partition}")
         self.thread.start()
@@ -289,38 +263,6 @@ def _drop_queued(inbox: "queue.Queue[Message | None]") -> None:
             inbox.get_nowait()
         except queue.Empty:
             return
-
-
-class _DoneOffsets:
-    """The newest done offset of each inbound partition, from the lanes to the loop: one entry per
-    partition whatever the lanes did meanwhile (bounded by the partitions, not by the batches).
-
-    Within one ownership of a partition its done offsets only grow (a lane handles its batches in
-    order); ``forget`` ends an ownership (the partition lost: nothing of it is committed)."""
-
-    def __init__(self, topic: str) -> None:
-        self.topic = topic
-        self._lock = threading.Lock()
-        self._due: dict[int, int] = {}
-        self._last: dict[int, int] = {}
-
-    def put(self, partition: int, offset: int) -> None:
-        with self._lock:
-            last = self._last.get(partition, -1)
-            assert offset > last, f"{self.topic}[{partition}]: done offset {offset} after {last}"
-            self._last[partition] = offset
-            self._due[partition] = offset
-
-    def take(self) -> list[TopicPartition]:
-        with self._lock:
-            due, self._due = self._due, {}
-        return [TopicPartition(self.topic, p, offset) for p, offset in due.items()]
-
-    def forget(self, partitions: set[int]) -> None:
-        with self._lock:
-            for p in partitions:
-                self._due.pop(p, None)
-                self._last.pop(p, None)
 
 
 @dataclass
@@ -381,7 +323,6 @@ class ReceiverService(Service):
         self.region_group = f"{cfg.kafka.topic_prefix}region"
         self.regions = {r.name: r for r in cfg.regions}
         self._codec = get_codec()
-        self._last_batch: dict[str, int] = {}
         self._consumer: Consumer | None = None
         self._producer: Any = None
         self._client: BatchClient | None = None
@@ -389,7 +330,9 @@ class ReceiverService(Service):
         self._directory_thread: threading.Thread | None = None
         self._batch_header = self._codec.header("GatewayBatch")
         self._lanes: dict[int, _Lane] = {}
-        self._done = _DoneOffsets(self.inbound)  # offsets to commit, from the lanes
+        #: The receiver's decisions (protocol.py): lanes and the loop call it under ``_protocol_lock``.
+        self._protocol = ReceiverProtocol(self.inbound, cfg.dsid, self.member_id)
+        self._protocol_lock = threading.Lock()
         rs = cfg.region_service
         self._member_token = rs.member_token.get_secret_value() if rs.member_token is not None else None
         self._batch_max_age_ms = cfg.receiver.batch_max_age_ms
@@ -655,7 +598,9 @@ class ReceiverService(Service):
             lane = self._lanes.pop(tp.partition, None)
             if lane is not None:
                 lane.close()
-        self._commit_done(consumer, asynchronous=False)
+        with self._protocol_lock:
+            offsets = self._protocol.release(tp.partition for tp in partitions) + self._protocol.commits()
+        self._commit_offsets(consumer, offsets, asynchronous=False)
 
     def on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """The session expired (a broker paused or unreachable): stop the lanes, commit nothing.
@@ -671,7 +616,8 @@ class ReceiverService(Service):
             lane = self._lanes.pop(partition, None)
             if lane is not None:
                 lane.close()
-        self._done.forget(lost)
+        with self._protocol_lock:
+            self._protocol.lost(lost)
         log.warning("receiver %s: lost inbound partitions %s (session expired)", self.member_id, sorted(lost))
 
     def on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -685,7 +631,7 @@ class ReceiverService(Service):
         # the receiver over a transient fault, so the read is retried.
         while True:
             try:
-                found = self._read_acks(partitions)
+                acked, found = self._read_acks(partitions)
                 published = self._read_published_figures()
                 break
             except SluiceError as exc:
@@ -694,32 +640,35 @@ class ReceiverService(Service):
                 log.warning("receiver %s: %s; reading them again", self.member_id, exc)
                 if self._stopping.wait(READ_RETRY_BACKOFF_S):
                     return
-        now_ms = int(time.time() * 1000)
-        # A new ownership: its lanes start at the group's committed offsets, whatever was done before.
-        self._done.forget({tp.partition for tp in partitions})
         for tp in partitions:
             old = self._lanes.pop(tp.partition, None)
             if old is not None:
                 old.close()
-            before = figures_of.newest([found.get(tp.partition), published.get(tp.partition)])
-            figures = (before or PartitionTotals(tp.partition, self.cfg.dsid)).taken_over_by(self.member_id, now_ms)
-            self._published.pop(tp.partition, None)
-            self._lanes[tp.partition] = _Lane(tp.partition, self, figures)
-            if before is not None:
+        # A new ownership: its lanes start at the group's committed offsets, whatever was done before.
+        figures = {tp.partition: [found.get(tp.partition), published.get(tp.partition)] for tp in partitions}
+        with self._protocol_lock:
+            parts = self._protocol.assign(list(figures), acked, figures, int(time.time() * 1000))
+            tracked = len(self._protocol.last_batch)
+        for part in parts:
+            self._published.pop(part.partition, None)
+            self._lanes[part.partition] = _Lane(part.partition, self, part)
+            if part.figures.carried_from or part.figures.offset >= 0:
                 log.info("receiver %s: inbound partition %d continues from the figures of %s (up to offset %d: "
-                         "%d batches, %d events applied)", self.member_id, tp.partition, before.member or "?",
-                         before.offset, before.totals["batches"], before.totals["events_applied"])
+                         "%d batches, %d events applied)", self.member_id, part.partition,
+                         part.figures.carried_from or "?", part.figures.offset, part.figures.totals["batches"],
+                         part.figures.totals["events_applied"])
         log.info("receiver %s: inbound partitions %s, %d sender partitions tracked", self.member_id,
-                 sorted(tp.partition for tp in partitions), len(self._last_batch))
+                 sorted(tp.partition for tp in partitions), tracked)
         self.assigned = True
 
-    def _read_acks(self, partitions: list[TopicPartition]) -> dict[int, PartitionTotals]:
+    def _read_acks(self, partitions: list[TopicPartition]) -> tuple[dict[str, int], dict[int, PartitionTotals]]:
         """The highest batch id applied per sender partition, from the acks this site wrote; and the
         figures the last of them carries, per partition (receivertotals.py).  An ack not signed with this site's
         key is left out: whoever else can write the acks topic must not make the receiver take a sender
         partition's next batches for repeats and drop them."""
         reader = make_consumer(self.cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 10})
         unverified = 0
+        acked: dict[str, int] = {}
         carried: dict[int, PartitionTotals] = {}
         try:
             with kafka_errors(f"reading {self.acks}"):
@@ -743,7 +692,7 @@ class ReceiverService(Service):
                             continue
                         # The key from the signed record, not the record key, which nobody signed.
                         key = f"{ack['source_dsid']}/{ack['sender_id']}/{ack['queue_partition']}"
-                        self._last_batch[key] = max(self._last_batch.get(key, -1), ack["batch_id"])
+                        acked[key] = max(acked.get(key, -1), ack["batch_id"])
                     found = [figures_of.from_ack(headers, self.cfg.dsid, self._own_acks) for headers in latest]
                     best = figures_of.newest(f for f in found if f is not None and f.partition == tp.partition)
                     if best is not None:
@@ -754,7 +703,7 @@ class ReceiverService(Service):
             self._count("acks_unverified", unverified)
             log.warning("receiver %s: %d records of %s not signed with this site's key were left out of the "
                         "duplicate-batch tracking", self.member_id, unverified, self.acks)
-        return carried
+        return acked, carried
 
     def _read_published_figures(self) -> dict[int, PartitionTotals]:
         """The inbound partitions' figures in the status topic (written there after a batch refused
@@ -785,7 +734,7 @@ class ReceiverService(Service):
         self._producer.produce(status, self._codec.encode("ReceiverStatus", record),
                                f"receiver/{self.member_id}".encode())
         for partition, lane in list(self._lanes.items()):
-            figures = lane.figures
+            figures = lane.part.figures
             if self._published.get(partition) != figures:
                 value = figures.encode()
                 self._producer.produce(status, value, figures_of.status_key(partition),
@@ -805,10 +754,6 @@ class ReceiverService(Service):
         durable: in the header of its ack, or for a batch refused whole, in the status topic."""
         stop = lane.stop
         value = msg.value()
-        new = msg.offset() > lane.figures.offset
-        maybe_half_applied = new and lane.maybe_half_applied
-        if new:
-            lane.maybe_half_applied = False
         signer = None
         if self._verifier is not None:
             try:
@@ -824,7 +769,6 @@ class ReceiverService(Service):
             self._count("rejected_batches")
             self._dead_letter(msg, f"undecodable gateway batch: {exc}", type(exc).__name__, stop)
             self._refused_whole(msg, lane, rejected_batches=1, dead_lettered=1)
-            self._commit(msg)
             return
         now_ms = int(time.time() * 1000)
         problem = self._batch_problem(batch, signer, now_ms)
@@ -834,51 +778,37 @@ class ReceiverService(Service):
         self._heard(batch)
         key = f"{batch.source_dsid}/{batch.sender_id}/{batch.queue_partition}"
         count = len(batch.bodies)
-        if batch.batch_id <= self._last_batch.get(key, -1):
+        with self._protocol_lock:
+            verdict = self._protocol.batch(lane.part, msg.offset(), key, batch.batch_id, count, now_ms)
+        if isinstance(verdict, Duplicate):
             self._count("duplicate_batches")
             self._count("duplicate_batch_events", count)
-            figures = lane.figures.counting(msg.offset(), now_ms, duplicate_batches=1) if new else lane.figures
-            last_id = _event_id_of(batch.bodies[-1]) if count else None
-            self._ack(msg, key, batch, last_applied=count - 1, last_event_id=last_id, exceptions=[], duplicate=True,
-                      stop=stop, last_batch_id=self._last_batch[key], figures=figures)
-            lane.figures = figures
-            self._commit(msg)
+            self._ack(msg, batch, replace(verdict.ack, last_event_id=_event_id_of(batch.bodies[-1]) if count else None),
+                      stop)
             return
         traces, spans = self._receive_spans(msg, batch, count)
         try:
-            applied = self._apply(batch, value, stop, traces, maybe_half_applied)
+            applied = self._apply(batch, value, stop, traces, verdict.maybe_half_applied)
         finally:
             for span in spans:
                 span.end()
-        # Tracked once acknowledged: a batch whose ack was not written is applied again when it comes
-        # again (its events are repeats by EventID), rather than answered duplicate_batch to a sender
-        # that never had an ack of it.
-        last_batch_id = max(self._last_batch.get(key, -1), batch.batch_id)
-        exceptions = [applied.exceptions[i] for i in sorted(applied.exceptions)]
-        figures = lane.figures
-        if new:
-            figures = figures.counting(
-                msg.offset(), int(time.time() * 1000), batches=1, events_applied=applied.applied + applied.recovered,
-                events_recovered=applied.recovered, events_duplicate=applied.duplicates, conflicts=applied.conflicts,
-                exceptions=len(applied.exceptions))
-        self._ack(msg, key, batch, last_applied=applied.last_index, last_event_id=applied.last_event_id,
-                  exceptions=exceptions, duplicate=False, stop=stop, last_batch_id=last_batch_id, figures=figures)
-        lane.figures = figures
-        self._last_batch[key] = last_batch_id
+        with self._protocol_lock:
+            ack = self._protocol.applied(verdict, applied, int(time.time() * 1000))
+        self._ack(msg, batch, ack, stop)
         self._count("batches")
-        self._commit(msg)
 
     def _refused_whole(self, msg: Message, lane: _Lane, **more: int) -> None:
         """A batch refused without an ack (its dead letter durable): the figures counting it are written
-        to the status topic, durably, before its offset is committed (receivertotals.py, step 2)."""
-        if msg.offset() <= lane.figures.offset:
-            return  # counted by whoever refused it first
-        figures = lane.figures.counting(msg.offset(), int(time.time() * 1000), **more)
-        value = figures.encode()
-        self._write(f"figures of inbound partition {lane.partition}", self.cfg.topics.status(), value,
-                    figures_of.status_key(lane.partition), lane.stop,
-                    headers=self._signer.headers(value) if self._signer else None)
-        lane.figures = figures
+        to the status topic, durably, before its offset is done (receivertotals.py, step 2)."""
+        with self._protocol_lock:
+            figures = self._protocol.refused(lane.part, msg.offset(), int(time.time() * 1000), **more)
+        if figures is not None:  # else counted by whoever refused it first
+            value = figures.encode()
+            self._write(f"figures of inbound partition {lane.partition}", self.cfg.topics.status(), value,
+                        figures_of.status_key(lane.partition), lane.stop,
+                        headers=self._signer.headers(value) if self._signer else None)
+        with self._protocol_lock:
+            self._protocol.done(lane.part, msg.offset() + 1, figures)
 
     def _receive_spans(self, msg: Message, batch: BatchView, count: int) -> tuple[list[str | None], list[Any]]:
         """Each event's trace context from the batch's header (None for one without),
@@ -907,27 +837,9 @@ class ReceiverService(Service):
         return traces, spans
 
     def _batch_problem(self, batch: BatchView, signer: int | None, now_ms: int) -> InvalidRequest | None:
-        """Why the batch must not be applied here, or None."""
-        source = batch.source_dsid
-        if signer is not None and source != signer:
-            return BadSignature("source_dsid", source, f"batch {batch.batch_id} was signed by dsid {signer}: a "
-                                "site signs only batches it sends")
-        if source not in self.accepted:
-            return RejectedBatch("source_dsid", source, f"batch {batch.batch_id} from dsid {source} rejected: "
-                                 f"accepted dsids are {sorted(self.accepted)}")
-        if batch.target_dsid != self.cfg.dsid:
-            return RejectedBatch("target_dsid", batch.target_dsid, f"batch {batch.batch_id} for dsid "
-                                 f"{batch.target_dsid} reached dsid {self.cfg.dsid}")
-        created = batch.created_at
-        if created < now_ms - self._batch_max_age_ms:
-            return StaleBatch("created_at", created, f"batch {batch.batch_id} from dsid {source} was sent "
-                              f"{now_ms - created} ms ago, longer than receiver.batch_max_age_ms="
-                              f"{self._batch_max_age_ms}: a replay")
-        if created > now_ms + self._clock_skew_ms:
-            return StaleBatch("created_at", created, f"batch {batch.batch_id} from dsid {source} is stamped "
-                              f"{created - now_ms} ms in the future, beyond region_service.max_clock_skew_ms="
-                              f"{self._clock_skew_ms}")
-        return None
+        """Why the batch must not be applied here, or None (``protocol.batch_problem``)."""
+        return batch_problem(batch, signer, now_ms, dsid=self.cfg.dsid, accepted=self.accepted,
+                             batch_max_age_ms=self._batch_max_age_ms, clock_skew_ms=self._clock_skew_ms)
 
     def _reject(self, msg: Message, problem: InvalidRequest, lane: _Lane, batch: BatchView | None = None) -> None:
         """Counted, logged, dead-lettered, never applied nor acknowledged."""
@@ -940,18 +852,17 @@ class ReceiverService(Service):
         log.warning("batch at %s[%d]@%d rejected%s: %s", msg.topic(), msg.partition(), msg.offset(), sender, problem)
         self._dead_letter(msg, str(problem), type(problem).__name__, lane.stop)
         self._refused_whole(msg, lane, rejected_batches=1, dead_lettered=1, **kind)
-        self._commit(msg)
 
     # --- routing a batch to its owners -------------------------------------------------------
 
     def _apply(self, batch: BatchView, value: bytes, stop: threading.Event, traces: list[str | None],
-               maybe_half_applied: bool = False) -> _Applied:
+               maybe_half_applied: bool = False) -> Applied:
         """Every event applied or refused for good: each routed to its bucket's owner, each owner's in
         requests of at most apply_events_max events, each request settled (retried until nothing in it
         may still succeed later) before the owner's next one, so a bucket's events apply in order.
         ``maybe_half_applied``: the owner before may have applied some of the events and died before
         acknowledging the batch (receivertotals.py, step 4)."""
-        applied = _Applied(set(range(len(batch.bodies))) if maybe_half_applied else None)
+        applied = Applied(unanswered=set(range(len(batch.bodies))) if maybe_half_applied else set())
         buckets: list[tuple[str, int] | None] = []
         for i, body in enumerate(batch.bodies):
             buckets.append(self._bucket_of(i, body, applied))
@@ -969,7 +880,7 @@ class ReceiverService(Service):
             log.warning("event %d refused: %s: %s", e["index"], e["exception_class"], e["message"])
         return applied
 
-    def _bucket_of(self, index: int, body: bytes, applied: _Applied) -> tuple[str, int] | None:
+    def _bucket_of(self, index: int, body: bytes, applied: Applied) -> tuple[str, int] | None:
         """(region, bucket) of an event from its first two fields; None, with its exception noted, when
         its body does not give them or its region is not one of this site's."""
         try:
@@ -1014,7 +925,7 @@ class ReceiverService(Service):
             backoff_s = min(backoff_s * 2, APPLY_BACKOFF_MAX_S)
 
     def _settle(self, batch: BatchView, value: bytes, url: str, part: list[int],
-                buckets: list[tuple[str, int] | None], traces: list[str | None], applied: _Applied,
+                buckets: list[tuple[str, int] | None], traces: list[str | None], applied: Applied,
                 stop: threading.Event) -> None:
         """Hand ``part`` to its owner(s) until every event of it is applied or refused for good.
 
@@ -1033,7 +944,7 @@ class ReceiverService(Service):
             failure: SluiceError | None = None
             for owner, indexes in targets.items():
                 # Events an earlier attempt may have applied unanswered go in requests of their own, so that
-                # the repeats an answer counts are known to be theirs or not (``_Applied.took``).
+                # the repeats an answer counts are known to be theirs or not (``Applied.took``).
                 unanswered = [i for i in indexes if i in applied.unanswered]
                 answered = [i for i in indexes if i not in applied.unanswered]
                 for request in (unanswered, answered):
@@ -1053,7 +964,7 @@ class ReceiverService(Service):
             targets = self._owners(batch, sorted(again), buckets, stop)
 
     def _post(self, batch: BatchView, value: bytes, url: str, part: list[int], traces: list[str | None],
-              applied: _Applied) -> tuple[list[int], SluiceError | None]:
+              applied: Applied) -> tuple[list[int], SluiceError | None]:
         """One request of the events ``part`` to ``url``: (the events to try again, why when the request
         got no usable answer).  What the failure says decides: a ``retriable`` one (no answer: the owner
         or this site's broker away, a 5xx) is tried again; the receiver's credential refused (401, 403)
@@ -1063,10 +974,12 @@ class ReceiverService(Service):
         try:
             answer = self._client_of().apply_batch(url, self._record(batch, value, part, traces))
         except SluiceError as exc:
-            if exc.retriable:
+            action = failure_action(exc)
+            if action is FailureAction.RETRY:
                 applied.unanswered.update(part)  # it may have applied them all the same
                 return part, exc
-            if isinstance(exc, RegionError) and exc.status in UNAUTHORIZED:
+            if action is FailureAction.ALERT:
+                assert isinstance(exc, RegionError)
                 self._alert_unauthorized(exc)
                 return part, exc
             if len(part) == 1:
@@ -1141,14 +1054,13 @@ class ReceiverService(Service):
 
     # --- acks, dead letters, commits ---------------------------------------------------------
 
-    def _ack(self, msg: Message, key: str, batch: BatchView, *, last_applied: int, last_event_id: EventID | None,
-             exceptions: list[dict[str, Any]], duplicate: bool, stop: threading.Event, last_batch_id: int,
-             figures: PartitionTotals) -> None:
-        """The signed ack of a batch.  ``last_batch_id``: the highest batch id applied for its sender
-        partition, what a sender whose batch ids started over needs to open an epoch above.  It says
-        which GatewayBatch versions this receiver reads (``batch_versions``), and carries the inbound
-        partition's ``figures`` with the batch counted, in a header of their own (receivertotals.py): what a
-        sender reads of the ack is unchanged."""
+    def _ack(self, msg: Message, batch: BatchView, ack: Ack, stop: threading.Event) -> None:
+        """The signed ack of a batch, and once it is durable, ``ReceiverProtocol.acked``.  ``last_batch_id``:
+        the highest batch id applied for its sender partition, what a sender whose batch ids started over
+        needs to open an epoch above.  It says which GatewayBatch versions this receiver reads
+        (``batch_versions``), and carries the inbound partition's figures with the batch counted, in a
+        header of their own (receivertotals.py): what a sender reads of the ack is unchanged."""
+        last_applied, last_event_id = ack.last_applied, ack.last_event_id
         record = {
             "sender_id": batch.sender_id,
             "source_dsid": batch.source_dsid,
@@ -1157,19 +1069,21 @@ class ReceiverService(Service):
             "batch_id": batch.batch_id,
             "last_applied_index": last_applied,
             "last_applied_event_id": None if last_applied < 0 or last_event_id is None else last_event_id.to_record(),
-            "duplicate_batch": duplicate,
-            "exceptions": exceptions,
+            "duplicate_batch": ack.duplicate,
+            "exceptions": ack.exceptions,
             "acked_at": int(time.time() * 1000),
-            "last_batch_id": last_batch_id,
+            "last_batch_id": ack.last_batch_id,
             "batch_versions": list(BATCH_VERSIONS_READ),
         }
         # Built from typed values (the owners' answers are read into them): no validation pass, which for
         # an ack's unions costs as much as the rest of its batch's routing.
         value = self._codec.encode("GatewayAck", record, validate=False)
-        headers = figures_of.ack_headers(self._signer.headers(value) if self._signer else None, figures.encode(),
-                                         self._signer)
-        self._write(f"ack of batch {batch.batch_id} ({key})", self.acks, value, key.encode(), stop,
+        headers = figures_of.ack_headers(self._signer.headers(value) if self._signer else None,
+                                         ack.figures.encode(), self._signer)
+        self._write(f"ack of batch {batch.batch_id} ({ack.key})", self.acks, value, ack.key.encode(), stop,
                     partition=msg.partition(), headers=headers)
+        with self._protocol_lock:
+            self._protocol.acked(ack)
 
     def _dead_letter(self, msg: Message, reason: str, error_class: str, stop: threading.Event) -> None:
         record = {"source_topic": msg.topic(), "source_partition": msg.partition(), "source_offset": msg.offset(),
@@ -1187,20 +1101,19 @@ class ReceiverService(Service):
         produce_durably(self._producer, topic, value, key, what=what, stopping=stop, partition=partition,
                         headers=None if headers is None else list(headers))
 
-    def _commit(self, msg: Message) -> None:
-        """Lane side: the batch is done.  The consumer is the main loop's: a
-        commit from a lane while the loop sits in consume() blocks, so the
-        loop commits (``_commit_done``)."""
-        self._done.put(msg.partition(), msg.offset() + 1)
-
     def _commit_done(self, consumer: Consumer, asynchronous: bool = True) -> None:
-        """Commit the newest done offset of each partition."""
-        newest = self._done.take()
-        if not newest:
+        """Commit the newest done offset of each partition (the lanes' outcomes, through the protocol:
+        the consumer is the loop's, and a commit from a lane while the loop sits in consume() blocks)."""
+        with self._protocol_lock:
+            offsets = self._protocol.commits()
+        self._commit_offsets(consumer, offsets, asynchronous)
+
+    def _commit_offsets(self, consumer: Consumer, offsets: list[TopicPartition], asynchronous: bool) -> None:
+        if not offsets:
             return
         try:
-            with kafka_errors(f"committing {sorted(tp.partition for tp in newest)}"):
-                consumer.commit(offsets=newest, asynchronous=asynchronous)
+            with kafka_errors(f"committing {sorted(tp.partition for tp in offsets)}"):
+                consumer.commit(offsets=offsets, asynchronous=asynchronous)
         except SluiceError as exc:
             log.warning("%s", exc)
 

@@ -49,6 +49,12 @@ A primary's loop, one thread:
    filled, then write the checkpoints, and delete from each queue what its
    client acknowledged.
 
+The primary's decisions (whose clients, where each partition fills from,
+which client gets which event, when a client is answered, marked or
+unregistered, what a checkpoint says) are ``protocol.py``'s, a pure protocol
+with no Kafka, thread or clock; this module reads the tables, writes and
+deletes as it says.
+
 Trust (issue 17).  The registry and the acks are written by clients, so no
 record of them is acted on before it passes the checks of
 ``sluice.core.clientregistry`` (the rules its clients hold too): its key is a
@@ -79,18 +85,13 @@ them; no one else writes any of these.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..core import telemetry
 from ..core.clientregistry import (
-    CLOSED,
-    DURABLE_CLIENT_TIMEOUT,
     MAXIMUM_MESSAGE_COUNT,
-    NO_PING,
     RESTORED,
     UNREGISTERED,
     bearer,
@@ -102,9 +103,7 @@ from ..core.clientregistry import (
     configured_token,
     create_queue,
     header_value,
-    interest_of,
     is_client_queue,
-    last_heard,
     queue_topic_problem,
     registry_partition,
 )
@@ -144,7 +143,7 @@ from ..core.kafka import (
 )
 from ..core.lifecycle import Service, ServiceState
 from ..core.loop import PartitionLoop
-from .index import InterestIndex
+from .protocol import Client, SubscriptionProtocol, Unregister
 
 log = logging.getLogger("sluice.subscriptions")
 
@@ -178,6 +177,34 @@ FLUSH_DEADLINE_S = 10.0
 #: may still be moving, a retriable failure tried again within it), and the pause between tries.
 READ_TABLES_S = 30.0
 READ_TABLES_RETRY_S = 0.2
+#: How long one read of the subscription tables waits for records while it reads them to their end.
+READ_TABLES_WAIT_S = 0.05
+#: How long asking the broker for one partition's end offset may take: a changelog's or a table's.
+END_OFFSET_DEADLINE_S = 10.0
+#: The same for a client queue's end (its bound, its size in an alert): best effort, so shorter.
+QUEUE_END_DEADLINE_S = 5.0
+#: How long looking up one topic (a client queue about to be answered REFUSED) may take.
+TOPIC_LOOKUP_DEADLINE_S = 5.0
+#: How long the producer may take to deliver what it holds before a queue's end is read or a client
+#: is unregistered (its tombstones durable before its queue is deleted).
+PRODUCER_DRAIN_DEADLINE_S = 10.0
+#: Deleting an unregistered client's queue: how long the broker may take (``operation_timeout``), and
+#: how long the service waits for its answer.
+QUEUE_DELETE_DEADLINE_S = 10.0
+QUEUE_DELETE_WAIT_S = 15.0
+#: How long the fill waits while this instance is primary for nothing (so the loop does not spin).
+IDLE_WAIT_S = 0.05
+#: How long one read of the changelogs waits for records, and how many it takes at most.
+FILL_WAIT_S = 0.05
+FILL_MAX_RECORDS = 2000
+#: How long a full producer queue is served before a write to a client queue is tried again.
+PRODUCER_FULL_WAIT_S = 0.1
+#: How long one wait for the producer's deliveries lasts before the service looks whether it stops, and
+#: how long, once stopping, it still waits for them before the checkpoint is given up.
+DELIVERY_WAIT_S = 1.0
+STOPPING_DELIVERY_DEADLINE_S = 10.0
+#: How long deleting acknowledged messages from the client queues may take (best effort).
+TRIM_DEADLINE_S = 5.0
 
 
 #: The hot path's boundary: a write to a client's queue that fails goes on through ``_produce_to``.
@@ -186,36 +213,8 @@ _READING_CHANGELOGS = kafka_errors("reading the region changelogs")
 _READING_TABLES = kafka_errors("reading the subscription tables")
 
 
-@dataclass
-class _Client:
-    """A client of one of this instance's registry partitions, as the primary tends it."""
-
-    record: dict[str, Any]
-    interest: dict[str, RegionInterest] = field(default_factory=dict)
-    queue_ready: bool = False
-    answered: tuple[str, int] | None = None  # (session, version) of the last REGISTERED written
-    marked: str | None = None  # session whose marker is written
-    away_since_ms: int | None = None  # durable client disconnected (or silent) since
-    filled: int = 0
-    #: (member, thread, sequence, bucket) of the last region clear or destroy part sent.
-    last_clear: tuple[str, int, int, int] | None = None
-    #: The bound of ``maximum-message-count``.  ``queue_end``: the end offset of the client's queue, read
-    #: from the broker once (``end_known``) and then moved by each message this primary writes to it;
-    #: ``acked``: the client's acknowledged position in it; ``room``: how many more events it takes before
-    #: it holds maximum-message-count messages not acknowledged (unbounded while the end is not known).
-    queue_end: int = 0
-    end_known: bool = False
-    acked: int = 0
-    room: int = sys.maxsize
-    #: Since when its queue is full, and how many events were not queued since (then it is unregistered).
-    full_since_ms: int | None = None
-    not_queued: int = 0
-
-    partition: int = -1  # its registry partition
-
-    @property
-    def id(self) -> str:
-        return self.record["client_id"]
+#: The protocol's client, under the name the service's tests know.
+_Client = Client
 
 
 class SubscriptionService(Service):
@@ -243,30 +242,19 @@ class SubscriptionService(Service):
         #: Reads changelog records of either framing (core/framing.py): the site's serializer may be confluent.
         self._frames = frames_for(cfg)
         self._message_header = self._codec.header("ClientMessage")
-        # Tables (every instance reads them whole).
+        # Tables (every instance reads them whole; the fill checkpoints are the protocol's).
         self.registry: dict[str, dict[str, Any]] = {}
         self.acks: dict[str, dict[str, Any]] = {}
-        self.checkpoints: dict[int, dict[tuple[str, int], int]] = {}
-        #: Per registry partition, the queues answered and the changelog offsets each takes events from
-        #: (None: the checkpoint predates them).
-        self.starts: dict[int, dict[str, dict[tuple[str, int], int]] | None] = {}
-        # What this instance is primary for.
-        self.owned: set[int] = set()
-        self._clients: dict[str, _Client] = {}
-        #: The interest in force of ``_clients``, by region and key (``index.py``): kept equal to each
-        #: client's ``interest`` by ``_add_client``, ``_set_interest`` and ``_drop_client``.
-        self._index = InterestIndex()
-        self._positions: dict[int, dict[tuple[str, int], int]] = {}  # next changelog offset, per owned partition
-        self._duplicates_below: dict[int, dict[tuple[str, int], int]] = {}  # refilled after a takeover
-        self._starts: dict[int, dict[str, dict[tuple[str, int], int]]] = {}  # queue starts, per owned partition
         self._reposition = False
-        self._dirty = False
         self._delivery_failed: str | None = None
         self._missing_queues: set[str] = set()
         self._trimmed: dict[str, int] = {}
         self.stats = {"filled": 0, "registered": 0, "markers": 0, "unregistered": 0, "timed_out": 0,
                       "undecodable": 0, "refills": 0, "takeovers": 0, "refused": 0, "dead_lettered": 0,
-                      "restored": 0, "queues_full": 0, "events_not_queued": 0}
+                      "restored": 0, "queues_full": 0, "events_not_queued": 0, "stale_checkpoints": 0}
+        #: The primary's decisions (protocol.py): clients, interest, positions, checkpoints.
+        self.protocol = SubscriptionProtocol(self.member_id, self.partitions, self.sub.maximum_message_count,
+                                             self.sub.maximum_time_between_pings_ms, self.stats)
         self._refusals_answered: dict[tuple[str, str, int], None] = {}  # (client, session, version), oldest first
         #: Refusals not answered yet, by (client, session, version): (registry partition, record, reason,
         #: give-up time), oldest first; answered by ``_answer_refusals``.
@@ -279,6 +267,44 @@ class SubscriptionService(Service):
         #: The group has given this member its assignment (possibly none) and it was not lost since.
         self.assigned = False
         self._instrument()
+
+    # The protocol's state, under the names the rest of the service (and its tests) use.
+
+    @property
+    def owned(self) -> set[int]:
+        return self.protocol.owned
+
+    @owned.setter
+    def owned(self, partitions: set[int]) -> None:
+        self.protocol.owned = partitions
+
+    @property
+    def _clients(self) -> dict[str, Client]:
+        return self.protocol.clients
+
+    @property
+    def _index(self) -> Any:
+        return self.protocol.index
+
+    @property
+    def _positions(self) -> dict[int, dict[tuple[str, int], int]]:
+        return self.protocol.positions
+
+    @property
+    def _starts(self) -> dict[int, dict[str, dict[tuple[str, int], int]]]:
+        return self.protocol.starts
+
+    @property
+    def _duplicates_below(self) -> dict[int, dict[tuple[str, int], int]]:
+        return self.protocol.duplicates_below
+
+    @property
+    def _dirty(self) -> bool:
+        return self.protocol.dirty
+
+    @_dirty.setter
+    def _dirty(self, dirty: bool) -> None:
+        self.protocol.dirty = dirty
 
     # --- health and metrics ----------------------------------------------------------------
 
@@ -406,34 +432,23 @@ class SubscriptionService(Service):
         if not gained:
             return
         self._read_tables(to_end=True)  # the previous primary's last checkpoint included
-        ends = self._changelog_ends()
-        for r in gained:
-            start = {tp: self.checkpoints.get(r, {}).get(tp, end) for tp, end in ends.items()}
-            self._positions[r] = start
-            self._duplicates_below[r] = dict(ends)
-            self._starts[r] = dict(self.starts.get(r) or {})
-            if r in self.checkpoints:
-                self.stats["takeovers"] += 1
-        self.owned |= gained
-        for client_id, record in self.registry.items():
-            r = registry_partition(client_id, self.partitions)
-            if r in gained:
-                self._add_client(_Client(record, partition=r))
-                if r in self.starts and self.starts[r] is None:
-                    # Answered by a release that did not record queue starts: the queue takes what
-                    # is filled from the checkpoint on.
-                    self._starts[r].setdefault(record["queue_topic"], {})
+        self.protocol.assign(gained, self._changelog_ends(), self.registry)
         self._reposition = True
-        self._dirty = True  # the new clients are tended (queues, registrations) before anything is filled
         log.info("subscriptions %s: primary for registry partitions %s (%d clients)", self.member_id,
                  sorted(self.owned), len(self._clients))
 
     def on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """The session expired: another instance may be primary already, so no last checkpoint is written
+        (a late one could move its successor back: protocol.py, step 6)."""
         self.assigned = False
-        self.on_revoke(consumer, partitions)
+        lost = self.protocol.lost(tp.partition for tp in partitions)
+        if lost:
+            self._reposition = True
+            log.warning("subscriptions %s: lost registry partitions %s (session expired)", self.member_id,
+                        sorted(lost))
 
     def on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        lost = {tp.partition for tp in partitions} & self.owned
+        lost = self.protocol.revoking(tp.partition for tp in partitions)
         if not lost:
             return
         try:
@@ -441,13 +456,7 @@ class SubscriptionService(Service):
                 self._sync(only=lost)
         except SluiceError as exc:
             log.warning("subscriptions %s: handing over without a last checkpoint: %s", self.member_id, exc)
-        self.owned -= lost
-        for r in lost:
-            self._positions.pop(r, None)
-            self._duplicates_below.pop(r, None)
-            self._starts.pop(r, None)
-        for client_id in [c for c in self._clients if registry_partition(c, self.partitions) not in self.owned]:
-            self._drop_client(client_id)
+        self.protocol.release(lost)
         self._reposition = True
         log.info("subscriptions %s: no longer primary for registry partitions %s", self.member_id, sorted(lost))
 
@@ -457,7 +466,8 @@ class SubscriptionService(Service):
         for topic, region in self.changelogs.items():
             for p in range(region.buckets):
                 with kafka_errors(f"reading the end of {topic}[{p}]"):
-                    _low, high = self._changelog.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+                    _low, high = self._changelog.get_watermark_offsets(TopicPartition(topic, p),
+                                                                       timeout=END_OFFSET_DEADLINE_S)
                 ends[(topic, p)] = high
         return ends
 
@@ -515,7 +525,7 @@ class SubscriptionService(Service):
         while True:
             try:
                 with kafka_errors(f"reading the end of {tp.topic}"):
-                    return self._tables.get_watermark_offsets(tp, timeout=10)[1]
+                    return self._tables.get_watermark_offsets(tp, timeout=END_OFFSET_DEADLINE_S)[1]
             except SluiceError as exc:
                 if not exc.retriable or time.monotonic() >= deadline:
                     raise
@@ -535,7 +545,7 @@ class SubscriptionService(Service):
                         ends[(topic, p)] = high
         while True:
             with _READING_TABLES:
-                msgs = self._tables.consume(1000, 0.05 if ends else 0)
+                msgs = self._tables.consume(1000, READ_TABLES_WAIT_S if ends else 0)
                 for msg in msgs:
                     if msg.error() is None:
                         self._table_record(msg)
@@ -544,7 +554,7 @@ class SubscriptionService(Service):
                         if tp.offset >= ends[(tp.topic, tp.partition)]:
                             del ends[(tp.topic, tp.partition)]
             if ends and time.monotonic() > deadline:
-                raise TablesBehind(f"the subscription tables were not read to their end in 30 s "
+                raise TablesBehind(f"the subscription tables were not read to their end in {READ_TABLES_S:.0f} s "
                                    f"({len(ends)} partitions behind)")
             if not ends and len(msgs) < 1000:
                 return
@@ -598,16 +608,7 @@ class SubscriptionService(Service):
             return
         self.registry[name] = record
         if partition in self.owned:
-            self._dirty = True
-            client = self._clients.get(name)
-            if client is None:
-                self._add_client(_Client(record, partition=partition))
-            else:
-                if record["queue_topic"] != client.record["queue_topic"]:
-                    # A new queue (the client started over): its end is read before anything is written to it.
-                    client.end_known, client.acked, client.room = False, 0, sys.maxsize
-                    client.full_since_ms, client.not_queued = None, 0
-                client.record = record
+            self.protocol.registration(partition, record)
 
     def _take_ack(self, partition: int, name: str, record: dict[str, Any] | None, restored: bool) -> None:
         current = self.acks.get(name)
@@ -619,16 +620,10 @@ class SubscriptionService(Service):
             self.acks.pop(name, None)
         else:
             self.acks[name] = record
-            client = self._clients.get(name)
-            if client is not None and record["queue_topic"] == client.record["queue_topic"]:
-                client.acked = record["next_offset"]
-                self._reckon_room(client)
+            self.protocol.acked(name, record)
 
     def _take_checkpoint(self, record: dict[str, Any]) -> None:
-        r = record["registry_partition"]
-        self.checkpoints[r] = _positions_of(record["positions"])
-        self.starts[r] = (None if record["queues"] is None else
-                          {q["queue_topic"]: _positions_of(q["positions"]) for q in record["queues"]})
+        self.protocol.take_checkpoint(record)
 
     def _refuse(self, msg: Any, name: str, what: str, record: dict[str, Any] | None, exc: SluiceError) -> None:
         """A table record that cannot be read or fails a check changes nothing.  The primary of its
@@ -710,7 +705,7 @@ class SubscriptionService(Service):
         assert self._admin is not None
         try:
             with kafka_errors(f"listing {topic}"):
-                found = self._admin.list_topics(topic, timeout=5).topics.get(topic)
+                found = self._admin.list_topics(topic, timeout=TOPIC_LOOKUP_DEADLINE_S).topics.get(topic)
         except SluiceError:
             return False
         return found is not None and found.error is None
@@ -734,51 +729,41 @@ class SubscriptionService(Service):
             if client.full_since_ms is not None:
                 self._drop_full(client)
                 continue
-            if not record["connected"]:
-                if record["durable"] and record["keep_alive"]:
-                    self._away(client, record["changed_at"])
-                else:
-                    self._unregister(client, "closed" if not record["durable"] else "closed without keep-alive",
-                                     CLOSED)
-                    continue
-            else:
-                heard = last_heard(record, self.acks.get(client.id))
-                silent_ms = now_ms - heard
-                if silent_ms > self.sub.maximum_time_between_pings_ms:
-                    if not record["durable"]:
-                        self._unregister(client, f"no ping for {silent_ms / 1000:.1f} s", NO_PING)
-                        continue
-                    self._away(client, heard)
-                elif client.away_since_ms is not None:
-                    client.away_since_ms = None
-                    self._set_interest(client, interest_of(record))
-            if client.away_since_ms is not None:
-                away_s = (now_ms - client.away_since_ms) / 1000
-                if away_s > record["durable_timeout_s"]:
-                    self.stats["timed_out"] += 1
-                    size = self._queue_size(client)
-                    log.warning("ALERT durable client %s timed out: away %.1f s, more than its "
-                                "durable-client-timeout of %d s; its queue (%s messages) is deleted and it is "
-                                "unregistered", client.id, away_s, record["durable_timeout_s"],
-                                "?" if size is None else size,
-                                extra={"alert": "durable_client_timeout", "client_id": client.id,
-                                       "away_s": round(away_s, 1), "durable_client_timeout_s":
-                                       record["durable_timeout_s"], "queue_size": size})
-                    self._unregister(client, "durable-client-timeout", DURABLE_CLIENT_TIMEOUT)
-                    continue
-            if record["connected"] and client.answered != (record["session"], record["version"]):
-                if record["queue_topic"] not in self._starts[client.partition] and not self._start_queue(client):
+            away = client.away_since_ms
+            verdict = self.protocol.rule(client, self.acks.get(client.id), now_ms)
+            if away is None and client.away_since_ms is not None:
+                log.info("durable client %s is away since %s; its queue keeps filling for its durable interest "
+                         "for up to %d s", client.id,
+                         time.strftime("%H:%M:%S", time.localtime(client.away_since_ms / 1000)),
+                         record["durable_timeout_s"])
+            if verdict is not None:
+                self._unregister_for(verdict)
+                continue
+            if self.protocol.answer_due(client):
+                if not self.protocol.queue_started(client) and not self._start_queue(client):
                     continue  # answered once the queue's start is checkpointed
-                if client.away_since_ms is None:
-                    self._set_interest(client, interest_of(record))
                 self._send(client, {"kind": "REGISTERED", "session": record["session"],
                                     "version": record["version"]})
-                client.answered = (record["session"], record["version"])
+                self.protocol.answered(client)
                 self.stats["registered"] += 1
-            if record["ready"] and record["connected"] and client.marked != record["session"]:
+            if self.protocol.marker_due(client):
                 self._send(client, {"kind": "MARKER", "session": record["session"]})
                 client.marked = record["session"]
                 self.stats["markers"] += 1
+
+    def _unregister_for(self, verdict: Unregister) -> None:
+        client = verdict.client
+        if verdict.timed_out_after_s is not None:
+            self.stats["timed_out"] += 1
+            size = self._queue_size(client)
+            timeout_s = client.record["durable_timeout_s"]
+            log.warning("ALERT durable client %s timed out: away %.1f s, more than its durable-client-timeout of "
+                        "%d s; its queue (%s messages) is deleted and it is unregistered", client.id,
+                        verdict.timed_out_after_s, timeout_s, "?" if size is None else size,
+                        extra={"alert": "durable_client_timeout", "client_id": client.id,
+                               "away_s": round(verdict.timed_out_after_s, 1), "durable_client_timeout_s": timeout_s,
+                               "queue_size": size})
+        self._unregister(client, verdict.why, verdict.reason)
 
     def _read_queue_ends(self) -> None:
         """Read the end of each queue whose end this primary does not know (a client taken on, a new queue
@@ -787,40 +772,26 @@ class SubscriptionService(Service):
         if not unknown:
             return
         assert self._producer is not None
-        self._producer.flush(10)
+        self._producer.flush(PRODUCER_DRAIN_DEADLINE_S)
         for client in unknown:
             self._read_queue_end(client)
 
-    def _read_queue_end(self, client: _Client) -> None:
+    def _read_queue_end(self, client: Client) -> None:
         assert self._changelog is not None
         topic = client.record["queue_topic"]
         try:
             with kafka_errors(f"reading the end of queue {topic}"):
-                _low, high = self._changelog.get_watermark_offsets(TopicPartition(topic, 0), timeout=5)
+                _low, high = self._changelog.get_watermark_offsets(TopicPartition(topic, 0),
+                                                                   timeout=QUEUE_END_DEADLINE_S)
         except SluiceError as exc:
             log.warning("subscriptions %s: %s; its bound applies once it can be read", self.member_id, exc)
             return
-        ack = self.acks.get(client.id)
-        client.queue_end, client.end_known = high, True
-        client.acked = ack["next_offset"] if ack is not None and ack["queue_topic"] == topic else 0
-        self._reckon_room(client)
+        self.protocol.queue_end_read(client, high, self.acks.get(client.id))
 
-    def _reckon_room(self, client: _Client) -> None:
-        """How many more events the client's queue takes (``maximum-message-count`` minus the messages it
-        holds that the client has not acknowledged)."""
-        if client.end_known:
-            client.room = self.sub.maximum_message_count - (client.queue_end - min(client.acked, client.queue_end))
+    def _reckon_room(self, client: Client) -> None:
+        self.protocol.reckon_room(client)
 
-    def _queue_full(self, client: _Client) -> None:
-        """An event the client's queue has no room for: not written, counted; the client is unregistered on
-        the next turn (``_drop_full``)."""
-        client.not_queued += 1
-        self.stats["events_not_queued"] += 1
-        if client.full_since_ms is None:
-            client.full_since_ms = int(time.time() * 1000)
-            self._dirty = True
-
-    def _drop_full(self, client: _Client) -> None:
+    def _drop_full(self, client: Client) -> None:
         """A client whose queue overflowed is unregistered and its queue deleted, as Geode removes a slow
         receiver: it resynchronises (a connected client finds its queue gone and fetches its interest again;
         a durable one away finds it dropped when it comes back), rather than go on with events missing."""
@@ -838,39 +809,27 @@ class SubscriptionService(Service):
                            "events_not_queued": client.not_queued})
         self._unregister(client, "maximum-message-count", MAXIMUM_MESSAGE_COUNT)
 
-    def _add_client(self, client: _Client) -> None:
-        """A client of an owned partition, with the interest its record holds (answered or not: the
-        queue's start keeps anything from it until it is answered)."""
-        self._clients[client.id] = client
-        self._set_interest(client, interest_of(client.record))
+    def _add_client(self, client: Client) -> None:
+        self.protocol.add_client(client)
 
-    def _set_interest(self, client: _Client, interest: dict[str, RegionInterest]) -> None:
-        client.interest = interest
-        self._index.put(client.id, interest)
+    def _set_interest(self, client: Client, interest: dict[str, RegionInterest]) -> None:
+        self.protocol.set_interest(client, interest)
 
     def _drop_client(self, client_id: str) -> None:
-        self._clients.pop(client_id, None)
-        self._index.remove(client_id)
+        self.protocol.drop_client(client_id)
 
-    def _start_queue(self, client: _Client) -> bool:
+    def _start_queue(self, client: Client) -> bool:
         """Before a queue's first registration is answered: its events start where the fill is now
         (caught up with the registration), and a checkpoint says so before the answer is written."""
-        r = client.partition
-        self._starts[r][client.record["queue_topic"]] = dict(self._positions[r])
-        if self._sync(only={r}):
+        if self._sync(only={self.protocol.start_queue(client)}):
             return True
-        del self._starts[r][client.record["queue_topic"]]
+        self.protocol.start_failed(client)
         return False
 
-    def _away(self, client: _Client, since_ms: int) -> None:
-        if client.away_since_ms is None:
-            client.away_since_ms = since_ms
-            self._set_interest(client, interest_of(client.record, durable_only=True))
-            log.info("durable client %s is away since %s; its queue keeps filling for its durable interest "
-                     "for up to %d s", client.id, time.strftime("%H:%M:%S", time.localtime(since_ms / 1000)),
-                     client.record["durable_timeout_s"])
+    def _away(self, client: Client, since_ms: int) -> None:
+        self.protocol.away(client, since_ms)
 
-    def _unregister(self, client: _Client, why: str, reason: str) -> None:
+    def _unregister(self, client: Client, why: str, reason: str) -> None:
         """Forget a client: tombstones in the registry and the acks, its queue deleted.  The registry
         tombstone says why (``reason``, one of ``clientregistry.UNREGISTERED_REASONS``)."""
         assert self._producer is not None and self._admin is not None
@@ -880,30 +839,30 @@ class SubscriptionService(Service):
         self._produce_to(self.registry_topic, None, key, r,
                          (bearer(self.token) or []) + [(UNREGISTERED, reason.encode())])
         self._produce_to(self.acks_topic, None, key, r, bearer(self.token))
-        self._producer.flush(10)
+        self._producer.flush(PRODUCER_DRAIN_DEADLINE_S)
         self._drop_client(client.id)
         self.registry.pop(client.id, None)
         self.acks.pop(client.id, None)
         topic = client.record["queue_topic"]
         # Checked when the registration was read; kept as the last guard before a topic is deleted.
         assert queue_topic_problem(self.cfg, client.id, topic) is None, topic
-        futures = self._admin.delete_topics([topic], operation_timeout=10)
+        futures = self._admin.delete_topics([topic], operation_timeout=QUEUE_DELETE_DEADLINE_S)
         for topic, fut in futures.items():
             try:
                 with kafka_errors(f"deleting {topic}"):
-                    fut.result(timeout=15)
+                    fut.result(timeout=QUEUE_DELETE_WAIT_S)
             except KafkaCallFailed as exc:
                 if exc.code != KafkaError.UNKNOWN_TOPIC_OR_PART:
                     log.warning("%s", exc)
         self.stats["unregistered"] += 1
         log.info("client %s unregistered (%s); queue %s deleted", client.id, why, client.record["queue_topic"])
 
-    def _queue_size(self, client: _Client) -> int | None:
+    def _queue_size(self, client: Client) -> int | None:
         assert self._changelog is not None
         try:
             with kafka_errors("reading the end of a client queue"):
                 _low, high = self._changelog.get_watermark_offsets(
-                    TopicPartition(client.record["queue_topic"], 0), timeout=5)
+                    TopicPartition(client.record["queue_topic"], 0), timeout=QUEUE_END_DEADLINE_S)
         except SluiceError:
             return None
         ack = self.acks.get(client.id)
@@ -919,12 +878,11 @@ class SubscriptionService(Service):
         moves past it, whoever it reached."""
         assert self._changelog is not None
         if not self.owned:
-            self._stopping.wait(0.05)
+            self._stopping.wait(IDLE_WAIT_S)
             return
         with _READING_CHANGELOGS:
-            msgs = consume_available(self._changelog, 2000, 0.05)
-        owned = self.owned
-        positions = self._positions
+            msgs = consume_available(self._changelog, FILL_MAX_RECORDS, FILL_WAIT_S)
+        takers_of, advance = self.protocol.takers, self.protocol.advance
         # One fill time for the messages of one read: a few milliseconds apart at most.
         filled_at = int(time.time() * 1000)
         delivered = 0
@@ -932,14 +890,13 @@ class SubscriptionService(Service):
             if msg.error() is not None:
                 continue
             tp, offset = (msg.topic(), msg.partition()), msg.offset()
-            takers = [r for r in owned if positions[r].get(tp, 0) <= offset]
+            takers = takers_of(tp, offset)
             if not takers:
                 continue
             value = msg.value()
             if value is not None:
                 delivered += self._route(msg, value, takers, tp, offset, filled_at)
-            for r in takers:
-                positions[r][tp] = offset + 1
+            advance(takers, tp, offset)
         self.stats["filled"] += delivered
 
     def _route(self, msg: Any, value: bytes, takers: list[int], tp: tuple[str, int], offset: int,
@@ -985,42 +942,19 @@ class SubscriptionService(Service):
             except MalformedRecord:
                 return 0  # dead-lettered by the instance that fills its dead-letter partition
         clear = (head.member_id, *tail) if region_operation else None
-        every_taker = len(takers) == len(self.owned)
-        clients, starts, duplicates_below = self._clients, self._starts, self._duplicates_below
+        deliveries = self.protocol.deliveries(reached, takers, tp, offset, head.member_id, clear, filled_at)
         produce = self._producer.produce
         writing = _WRITING_QUEUE
         messages: dict[tuple[bool, bool], bytes] = {}
-        delivered = 0
         # One boundary around the whole loop, not one per delivery (this is the hot path): a write that
         # fails leaves it, goes through ``_produce_to`` (a full producer queue waited out, a queue known
         # to be gone noted, not written), and the loop goes on with the next client.
-        todo = iter(reached.items())
+        todo = iter(deliveries)
         while True:
             try:
                 with writing:
-                    for client_id, values in todo:
-                        client = clients[client_id]
-                        r = client.partition
-                        if not every_taker and r not in takers:
-                            continue
-                        record = client.record
-                        topic = record["queue_topic"]
-                        start = starts[r].get(topic)
-                        if start is None or offset < start.get(tp, 0):
-                            continue  # older than the queue's first registration: the client's initial load has it
-                        if head.member_id == record["member_id"]:
-                            continue  # a client's own update is never sent back to it
-                        if clear is not None:
-                            if client.last_clear == clear:
-                                continue
-                            client.last_clear = clear
-                        below = duplicates_below.get(r)
-                        duplicate = below is not None and offset < below.get(tp, 0)
-                        if client.room <= 0:
-                            self._queue_full(client)
-                            continue
-                        client.room -= 1
-                        client.queue_end += 1
+                    for client, values, duplicate in todo:
+                        topic = client.record["queue_topic"]
                         message = messages.get((values, duplicate))
                         if message is None:
                             message = messages[(values, duplicate)] = client_event_message(
@@ -1028,12 +962,10 @@ class SubscriptionService(Service):
                                 receive_values=values, possible_duplicate=duplicate, filled_at=filled_at)
                         produce(topic, message, partition=0)
                         client.filled += 1
-                        delivered += 1
-                return delivered
+                return len(deliveries)
             except KafkaCallFailed:
                 self._produce_to(topic, message, None, 0)
                 client.filled += 1
-                delivered += 1
 
     def _entry_body(self, value: bytes) -> bytes:
         """The current EntryEvent body of a changelog record: its bytes after the header, or, for a
@@ -1056,14 +988,13 @@ class SubscriptionService(Service):
         message["filled_at"] = int(time.time() * 1000)
         return self._codec.encode("ClientMessage", message, validate=False)
 
-    def _send(self, client: _Client, message: dict[str, Any]) -> None:
+    def _send(self, client: Client, message: dict[str, Any]) -> None:
         self._produce(client, self._encode(message))
 
-    def _produce(self, client: _Client, value: bytes) -> None:
+    def _produce(self, client: Client, value: bytes) -> None:
         """A registration's answer or a marker: always written, a full queue included (they are few, and
         the client waits for them); they count in what the queue holds."""
-        client.room -= 1
-        client.queue_end += 1
+        self.protocol.wrote_control(client)
         self._produce_to(client.record["queue_topic"], value, None, 0)
 
     def _produce_to(self, topic: str, value: bytes | None, key: bytes | None, partition: int,
@@ -1086,7 +1017,7 @@ class SubscriptionService(Service):
                     self._missing_queues.add(topic)
                     return
                 # A full producer queue: back-pressure, waited out.
-                self._producer.poll(0.1)
+                self._producer.poll(PRODUCER_FULL_WAIT_S)
                 if self._stopping.is_set():
                     # Not written: no checkpoint may pass it (the next primary fills it again).
                     self._delivery_failed = self._delivery_failed or f"{topic}: stopping with the producer queue full"
@@ -1124,44 +1055,28 @@ class SubscriptionService(Service):
             self.stats["refills"] += 1
             log.warning("subscriptions %s: a queue write failed (%s); filling again from the last checkpoint",
                         self.member_id, failed)
-            for r in partitions:
-                positions = self._positions[r]
-                for tp in positions:
-                    positions[tp] = min(positions[tp], self.checkpoints.get(r, {}).get(tp, positions[tp]))
-                self._duplicates_below[r] = self._changelog_ends()
-            for client in self._clients.values():
-                if client.partition in partitions:
-                    # Some of what was counted in the queue never reached it: its end is read again.
-                    client.end_known, client.room = False, sys.maxsize
+            self.protocol.refill(partitions, self._changelog_ends())
             self._reposition = True
-            self._dirty = True
             return False
-        now_ms = int(time.time() * 1000)
-        for r in partitions:
-            queues = {c.record["queue_topic"] for c in self._clients.values() if c.partition == r}
-            starts = self._starts[r] = {q: at for q, at in self._starts[r].items() if q in queues}
-            record = {"registry_partition": r, "member": self.member_id, "updated_at": now_ms,
-                      "positions": _position_records(self._positions[r]),
-                      "queues": [{"queue_topic": q, "positions": _position_records(at)}
-                                 for q, at in sorted(starts.items())]}
+        for record in self.protocol.checkpoint(partitions, int(time.time() * 1000)):
             # Built from this instance's own offsets and checked queue names: no validation pass (its
             # failed union branch formatted the whole record into a message, at every checkpoint).
+            r = record["registry_partition"]
             self._producer.produce(self.fill_topic, self._codec.encode("FillCheckpoint", record, validate=False),
                                    str(r).encode(), partition=r)
-            self.checkpoints[r] = dict(self._positions[r])
-            self.starts[r] = dict(starts)
         if not self._written():
             return False
         self._trim()
         return True
 
     def _written(self) -> bool:
-        """Wait until the broker has everything produced; when stopping, for 10 s at most."""
+        """Wait until the broker has everything produced; when stopping, for
+        ``STOPPING_DELIVERY_DEADLINE_S`` at most."""
         assert self._producer is not None
         give_up = None
-        while self._producer.flush(1.0) > 0:
+        while self._producer.flush(DELIVERY_WAIT_S) > 0:
             if self._stopping.is_set():
-                give_up = give_up or time.monotonic() + 10
+                give_up = give_up or time.monotonic() + STOPPING_DELIVERY_DEADLINE_S
                 if time.monotonic() > give_up:
                     return False
         return True
@@ -1184,7 +1099,7 @@ class SubscriptionService(Service):
             return
         try:
             with kafka_errors("delete_records"):
-                futures = self._admin.delete_records([tp for _, tp in wanted], request_timeout=5)
+                futures = self._admin.delete_records([tp for _, tp in wanted], request_timeout=TRIM_DEADLINE_S)
         except (SluiceError, ValueError) as exc:
             log.debug("delete_records: %s", exc)
             return
@@ -1206,14 +1121,6 @@ def _refusal_reason(exc: SluiceError) -> str:
     if isinstance(exc, InvalidRequest) and exc.field == "authorization":
         return exc.reason
     return str(exc)
-
-
-def _positions_of(records: list[dict[str, Any]]) -> dict[tuple[str, int], int]:
-    return {(p["topic"], p["partition"]): p["offset"] for p in records}
-
-
-def _position_records(positions: dict[tuple[str, int], int]) -> list[dict[str, Any]]:
-    return [{"topic": t, "partition": p, "offset": o} for (t, p), o in sorted(positions.items())]
 
 
 __all__ = ["FORWARDED", "SubscriptionService"]

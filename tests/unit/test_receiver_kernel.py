@@ -1,6 +1,5 @@
-"""The receiver over the partition loop, without a broker: the offsets its lanes hand to the loop are one
-per partition (bounded by the partitions, not the batches), only grow within an ownership and start
-again with a new one; a lane's inbox is bounded, a put into a full one waits, and gives up once the
+"""The receiver over the partition loop, without a broker (its offsets' rules: test_receiver_protocol.py):
+a lane's inbox is bounded, a put into a full one waits, and gives up once the
 lane stopped; the receiver's turn routes each record to its partition's lane and commits what is done."""
 
 from __future__ import annotations
@@ -12,28 +11,9 @@ import pytest
 
 from sluice.core.kafka import TopicPartition
 from sluice.receiver import service as receiver_module
-from sluice.receiver.service import LANE_QUEUE_MAX, ReceiverService, _DoneOffsets, _Lane
+from sluice.receiver.service import LANE_QUEUE_MAX, ReceiverService, _Lane
 
 DEADLINE_S = 10.0
-
-
-def test_done_offsets_keep_the_newest_of_each_partition() -> None:
-    done = _DoneOffsets("a.gateway.inbound")
-    for offset in range(1, 1001):
-        done.put(0, offset)
-    done.put(1, 7)
-    assert sorted((tp.partition, tp.offset) for tp in done.take()) == [(0, 1000), (1, 7)]
-    assert done.take() == []
-
-
-def test_done_offsets_only_grow_within_an_ownership() -> None:
-    done = _DoneOffsets("a.gateway.inbound")
-    done.put(0, 10)
-    with pytest.raises(AssertionError, match="done offset 5 after 10"):
-        done.put(0, 5)
-    done.forget({0})  # lost, or taken again: the group's committed offset is where the new lanes start
-    done.put(0, 5)
-    assert [(tp.partition, tp.offset) for tp in done.take()] == [(0, 5)]
 
 
 class _Receiver:
@@ -122,8 +102,8 @@ def test_a_turn_routes_records_to_their_lanes_and_commits_what_is_done(tmp_path:
     receiver._subscribed = True  # as if the loop had joined the group (desired RUNNING)
     lanes = {0: _LaneStub(0), 1: _LaneStub(1)}
     receiver._lanes = lanes  # type: ignore[assignment]
-    receiver._done.put(0, 3)
-    receiver._done.put(1, 9)
+    for part in receiver._protocol.assign([0, 1], {}, {}, now_ms=0):  # the lanes' outcomes: these offsets done
+        receiver._protocol.done(part, {0: 3, 1: 9}[part.partition])
     receiver.turn([_Msg(0, 3), _Msg(1, 9), _Msg(2, 1), _Msg(0, 4)])  # partition 2 is not ours
     assert [m.offset() for m in lanes[0].got] == [3, 4] and [m.offset() for m in lanes[1].got] == [9]
     assert consumer.commits == [[(0, 3), (1, 9)]]

@@ -1,5 +1,5 @@
 """The receivers' figures per inbound partition (services/receiver/totals.py) and how a batch's repeats are
-counted (``_Applied``): what a new owner continues from, what an ack carries, what is recovered."""
+counted (``Applied``, receiver/protocol.py): what a new owner continues from, what an ack carries, what is recovered."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from sluice.core.regionclient import BatchAnswer
 from sluice.core.codec import schema_dir
 from sluice.core.config import SiteConfig
 from sluice.core.signing import Signer, Verifier
-from sluice.receiver.service import _Applied
+from sluice.receiver.protocol import Applied
 from sluice.core.receivertotals import (COUNTS, PartitionTotals, ack_headers, from_ack, from_status, newest, status_key,
                                     summed)
 
@@ -78,13 +78,13 @@ def test_repeats_are_recovered_only_in_requests_of_events_an_attempt_may_have_ap
     """After a takeover (every event unanswered) or a request that got no answer, the retry's repeats were
     applied by the attempt that left no answer: counted applied (recovered).  A request of events already
     answered counts its repeats as repeats; events refused for now stay unanswered."""
-    applied = _Applied(set(range(4)))
+    applied = Applied(unanswered=set(range(4)))
     applied.took([0, 1, 2, 3], _answer(4, 1, 2, refused=[3]))
     assert (applied.applied, applied.recovered, applied.duplicates, applied.unanswered) == (1, 2, 0, {3})
     applied.took([3], _answer(1, 0, 1))
     assert (applied.recovered, applied.duplicates, applied.unanswered) == (3, 0, set())
 
-    fresh = _Applied()
+    fresh = Applied()
     fresh.took([0, 1], _answer(2, 1, 1))
     assert (fresh.applied, fresh.recovered, fresh.duplicates) == (1, 0, 1)
     fresh.unanswered.update([2, 3])  # their request got no answer
