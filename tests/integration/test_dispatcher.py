@@ -231,7 +231,8 @@ def test_a_record_that_cannot_be_decoded_is_dead_lettered_and_dispatch_goes_on(
         assert len(dead) == 1
         letter = get_codec().decode_as("DeadLetter", dead[0][2])
         assert letter["value"] == b"\x00not avro at all" and letter["key"] == b"bad"
-        assert "marker" in letter["reason"] and letter["source_topic"] == cfg.topics.queue("q")
+        # A first byte 00 is Confluent's framing (core/framing.py), which this site has no registry to read.
+        assert "names no schema_registry" in letter["reason"] and letter["source_topic"] == cfg.topics.queue("q")
         assert dispatcher.proc.poll() is None, "the dispatcher died on a corrupt record"
     finally:
         dispatcher.stop()

@@ -129,3 +129,22 @@ def dead_letters(bootstrap: str, topic: str) -> list[dict[str, Any]]:
         consumer.close()
     codec = get_codec()
     return [codec.decode_as("DeadLetter", value) for _, _, value in read_topic(bootstrap, topic, partitions) if value]
+
+
+def test_an_unreachable_registry_stops_the_region_start_naming_the_subject(site_a: Site, unique_prefix: str,
+                                                                        tmp_path: Path) -> None:
+    """serializer: confluent with no registry at the URL: the region service does not start; its error names the
+    registry and the changelog topic's subject it could not register (no registry process needed)."""
+    sites = write_two_sites(tmp_path, site_a.bootstrap, unique_prefix, a={
+        "serializer": "confluent", "schema_registry": {"url": "http://127.0.0.1:9", "timeout_s": 2},
+        "regions": [{"name": "orders", "buckets": BUCKETS}],
+    }, b={"regions": [{"name": "orders", "buckets": BUCKETS}]})
+    subject = f"{sites.cfg_a.topics.region_changelog('orders')}-value"
+    region = RegionProcess(sites.path_a, tmp_path / "region-a.log", wait=False)
+    try:
+        wait_for(lambda: region.proc.poll() is not None, timeout_s=120, what="the region service to refuse to start")
+        assert region.proc.returncode != 0
+        log = region.log_path.read_text()
+        assert subject in log and "http://127.0.0.1:9" in log, log[-3000:]
+    finally:
+        region.stop()

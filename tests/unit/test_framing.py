@@ -25,7 +25,6 @@ from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
 from sluice.core.eventwire import FLAG_ROUTED, entry_event_body, queued_event, queued_flags_body
 from sluice.core.framing import CONFLUENT_HEADER_BYTES, Frames, confluent_header, frames_for
 from sluice.core.queueloop import _read_older
-from sluice.core.registry import registry_schema_text
 from sluice.region.fanout import QueueTarget, RecordBuilder
 from sluice.region.state import changelog_event
 
@@ -252,3 +251,20 @@ def test_site_serializer_settings(tmp_path: Any) -> None:
     assert frames is frames_for(cfg) and frames.serializer == "confluent" and frames.registry == cfg.schema_registry
     with pytest.raises(ConfigError):
         site(tmp_path, serializer="confluent", schema_registry={"url": "ftp://registry"})
+
+
+def test_subscription_service_cuts_the_body_out_of_either_framing(client: MockRegistry) -> None:
+    """The subscription service's reader of changelog records gives the same EntryEvent body for a record of a
+    confluent site as for its single-object twin, and refuses an unknown id with ``CodecError``."""
+    from types import SimpleNamespace
+
+    from sluice.subscriptions.service import SubscriptionService
+
+    writer, reader = writer_and_reader(client)
+    body = entry_event_body(entry())
+    service = SimpleNamespace(_entry_header=get_codec().header("EntryEvent"), _frames=reader, _codec=get_codec())
+    entry_body = SubscriptionService._entry_body
+    assert entry_body(service, get_codec().header("EntryEvent") + body) == body  # type: ignore[arg-type]
+    assert entry_body(service, writer.header("EntryEvent", CHANGELOG) + body) == body  # type: ignore[arg-type]
+    with pytest.raises(CodecError):
+        entry_body(service, confluent_header(4242) + body)  # type: ignore[arg-type]

@@ -100,8 +100,7 @@ class SiteConfig(_Model):
         "single-object encoding, C3 01 and the schema's fingerprint) or confluent (Confluent's wire format, 00 and "
         "a schema id from schema_registry, which Confluent's deserializers, Kafka Connect, ksqlDB and Flink read); "
         "Sluice's own protocol records (removals, gateway batches and acks, status, control) stay single-object. "
-        "Readers take either framing, so a site can switch",
-        json_schema_extra={"confluent": "value.serializer"})
+        "Readers take either framing, so a site can switch")
     schema_registry: SchemaRegistryConnection | None = Field(
         None, description="the Confluent-compatible schema registry of serializer: confluent (required with it); "
         "with single-object, where to look up the schema ids of Confluent-framed records the topics still hold")
