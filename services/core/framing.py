@@ -33,7 +33,9 @@ Reading, step by step (``Frames``):
    ``MalformedRecord`` saying so.  Both are ``CodecError``: the reader
    dead-letters the record as any other unreadable one.  A registry that
    cannot be reached is ``RegistryUnavailable`` (retriable): the record is
-   not dead-lettered for a registry's outage.
+   not dead-lettered for a registry's outage; its reader asks again (the
+   queue loop and the subscription service with ``kafka.until_answered``,
+   a bucket load and a standby copy by reading the record again).
 
 Writing: ``header(name, topic)`` is the header a record of schema ``name``
 on ``topic`` gets.  Confluent ids come from registering the schema in the

@@ -89,7 +89,7 @@ from .codec import get_codec
 from .framing import Frames, frames_for
 from .config import SiteConfig
 from .control import ControlFollower
-from .errors import CodecError, DeliveryRefused, MalformedRecord, SluiceError, Stopping
+from .errors import CodecError, DeliveryRefused, MalformedRecord, RegistryUnavailable, SluiceError, Stopping
 from .events import EntryEvent, EventID
 from .eventwire import (
     FLAG_NO_CALLBACKS,
@@ -670,9 +670,17 @@ class QueuePrimary(Service):
             if part.head < 0:
                 part.head = offset
             try:
-                read = queued_flags_body(header, msg.value())
+                value = msg.value()
+                read = queued_flags_body(header, value)
                 if read is None:
-                    read = _read_older(self._frames, msg.value())
+                    try:
+                        read = _read_older(self._frames, value)
+                    except RegistryUnavailable:
+                        # A Confluent frame's schema id the registry cannot be asked about now: not a
+                        # reason to dead-letter the record; the loop waits for the registry (or a stop).
+                        read = until_answered(lambda: _read_older(self._frames, value),
+                                              f"queue {self.topic}: the schema of {partition}@{offset}",
+                                              stopping=self._stopping)
             except (CodecError, KeyError, ValueError) as exc:
                 # Not a QueuedEvent (or an older one whose event cannot be an EntryEvent).
                 self._skip_unreadable(part, msg, exc, now_ms)

@@ -301,16 +301,19 @@ class StandbyKeeper:
                 offset = msg.offset()
                 if copy is None or copy is not self._assigned.get(key) or offset < copy.position:
                     continue  # a copy taken or started again since the fetch
-                copy.position = offset + 1
                 value = msg.value()
+                # The position moves only once the record is read or refused: a registry that cannot be
+                # asked (RegistryUnavailable, retriable: a fresh reader from the positions) skips nothing.
                 try:
                     event = changelog_event(value, self._frames)
                 except CodecError as exc:
+                    copy.position = offset + 1
                     log.error("changelog %s[%d]@%d unreadable, skipped by the standby: %s", msg.topic(),
                               msg.partition(), offset, exc)
                     copy.unreadable.append((offset, msg.key(), value, exc))
                     self.stats["standby_unreadable"] += 1
                     continue
+                copy.position = offset + 1
                 entries = copy.state.entries
                 before = entries.get(event.key)
                 if before is not None and before.value is not None:

@@ -115,6 +115,7 @@ from ..core.errors import (
     InvalidRequest,
     KafkaCallFailed,
     MalformedRecord,
+    RegistryUnavailable,
     SluiceError,
     TablesBehind,
     TopicMissing,
@@ -140,6 +141,7 @@ from ..core.kafka import (
     make_admin,
     make_consumer,
     make_producer,
+    until_answered,
 )
 from ..core.lifecycle import Service, ServiceState
 from ..core.loop import PartitionLoop
@@ -973,6 +975,15 @@ class SubscriptionService(Service):
         again.  Either framing (``core/framing.py``).  ``CodecError`` when it is no EntryEvent."""
         if value[:HEADER_BYTES] == self._entry_header:
             return value[HEADER_BYTES:]
+        try:
+            return self._framed_body(value)
+        except RegistryUnavailable:
+            # A Confluent frame's schema id the registry cannot be asked about now: not a reason to
+            # dead-letter the record; wait for the registry (or a stop).
+            return until_answered(lambda: self._framed_body(value), "subscriptions: a changelog record's schema",
+                                  stopping=self._stopping)
+
+    def _framed_body(self, value: bytes) -> bytes:
         header = self._frames.current_header(value, "EntryEvent")
         if header is not None:
             return value[len(header):]

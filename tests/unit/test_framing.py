@@ -20,7 +20,7 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 
 from sluice.core.codec import HEADER_BYTES, MARKER, get_codec, schema_dir
 from sluice.core.config.models.registry import SchemaRegistryConnection
-from sluice.core.errors import CodecError, ConfigError, MalformedRecord, UnknownSchema
+from sluice.core.errors import CodecError, ConfigError, MalformedRecord, RegistryUnavailable, UnknownSchema
 from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
 from sluice.core.eventwire import FLAG_ROUTED, entry_event_body, queued_event, queued_flags_body
 from sluice.core.framing import CONFLUENT_HEADER_BYTES, Frames, confluent_header, frames_for
@@ -263,8 +263,67 @@ def test_subscription_service_cuts_the_body_out_of_either_framing(client: MockRe
     writer, reader = writer_and_reader(client)
     body = entry_event_body(entry())
     service = SimpleNamespace(_entry_header=get_codec().header("EntryEvent"), _frames=reader, _codec=get_codec())
+    service._framed_body = lambda value: SubscriptionService._framed_body(service, value)  # type: ignore[arg-type]
     entry_body = SubscriptionService._entry_body
     assert entry_body(service, get_codec().header("EntryEvent") + body) == body  # type: ignore[arg-type]
     assert entry_body(service, writer.header("EntryEvent", CHANGELOG) + body) == body  # type: ignore[arg-type]
     with pytest.raises(CodecError):
         entry_body(service, confluent_header(4242) + body)  # type: ignore[arg-type]
+
+
+class FlakyRegistry(MockRegistry):
+    """Gives no answer (a connection refused) to the first ``failures`` questions about a schema id."""
+
+    failures = 0
+
+    def get_schema(self, schema_id: int, *args: Any, **kwargs: Any) -> Any:
+        if self.failures > 0:
+            self.failures -= 1
+            raise ConnectionRefusedError("connection refused")
+        return super().get_schema(schema_id, *args, **kwargs)
+
+
+def test_queue_loop_waits_for_an_unreachable_registry_and_dead_letters_nothing(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Confluent queue record met while the registry cannot answer is read once it answers: not
+    dead-lettered, not skipped (the queue loop asks again, as it does a broker that is away)."""
+    from test_queueloop import QUEUE, FakeMessage, dead_letters, make_loop, waiting
+    from test_queueloop import entry as queue_entry
+
+    from sluice.core import kafka as kafka_module
+
+    monkeypatch.setattr(kafka_module, "ASK_AGAIN_AFTER_S", 0.0)
+    client = FlakyRegistry({"url": "mock://flaky"})
+    loop = make_loop(tmp_path)
+    header = Frames(get_codec(), REGISTRY, serializer="confluent", client=client).header("QueuedEvent", loop.topic)
+    loop._frames = Frames(get_codec(), REGISTRY, client=client)
+    client.failures = 2
+    data = queued_event(header, 0, QUEUE, 0, 5, 1_700_000_000_000, entry_event_body(queue_entry("a", 0)))
+    loop._read([FakeMessage(data, 0, 0)], now_ms=0)
+    assert client.failures == 0 and dead_letters(loop) == []
+    assert [e.key for e in waiting(loop).events] == ["a"]
+
+
+def test_standby_copy_keeps_its_position_while_the_registry_cannot_answer(client: MockRegistry) -> None:
+    """The standby reader's position moves past a Confluent changelog record only once it is read: a registry
+    that cannot answer raises (retriable: a fresh reader from the positions), and the record is read again."""
+    from types import SimpleNamespace
+
+    from sluice.region.standby import StandbyCopy, StandbyKeeper
+    from sluice.region.state import BucketState
+
+    flaky = FlakyRegistry({"url": "mock://flaky-standby"})
+    data = Frames(get_codec(), REGISTRY, serializer="confluent", client=flaky).header("EntryEvent", CHANGELOG) \
+        + entry_event_body(entry())
+    keeper = StandbyKeeper(kafka_settings={}, client_id="c", changelog_topics={"orders": CHANGELOG}, dsid=1,
+                           member_id="m", codec=get_codec(), frames=Frames(get_codec(), REGISTRY, client=flaky))
+    copy = StandbyCopy(state=BucketState("orders", 3, 1, "m"))
+    keeper._copies[("orders", 3)] = keeper._assigned[("orders", 3)] = copy
+    msg = SimpleNamespace(error=lambda: None, topic=lambda: CHANGELOG, partition=lambda: 3, offset=lambda: 0,
+                          value=lambda: data, key=lambda: b"k1")
+    flaky.failures = 1
+    with pytest.raises(RegistryUnavailable):
+        keeper._apply([msg])
+    assert copy.position == 0 and not copy.state.entries
+    keeper._apply([msg])
+    assert copy.position == 1 and copy.state.entries["k1"].value == entry().value
