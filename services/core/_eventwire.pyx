@@ -13,7 +13,7 @@ error.
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.object cimport PyObject_GenericSetAttr
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 
@@ -540,3 +540,32 @@ def new_entry_event(region, key, operation, value, event_id, version, int64_t or
 def new_version_tag(int64_t dsid, int64_t timestamp, int64_t entry_version, member_id=""):
     """``VersionTag(...)`` of these fields, without its frozen ``__init__``."""
     return _version(dsid, timestamp, entry_version, member_id)
+
+
+def queued_flags_body(header, data):
+    """``eventwire.queued_flags_body(header, data)`` of a record that starts with ``header`` and
+    reads whole, or None: a record that does not (another version, a truncated or malformed one) is
+    the Python reader's to answer (None or ``MalformedRecord``)."""
+    cdef Cursor c
+    cdef Py_ssize_t n_header, n, i, start
+    cdef int64_t flags
+    if type(header) is not bytes or type(data) is not bytes:
+        return None
+    n_header = PyBytes_GET_SIZE(header)
+    _open(&c, data)
+    if c.size < n_header or memcmp(c.buf, PyBytes_AS_STRING(header), n_header) != 0:
+        return None
+    c.pos = n_header
+    flags = _int(&c)
+    n = _span(&c)  # the queue id, skipped
+    if c.bad:
+        return None
+    c.pos += n
+    for i in range(3):  # changelog_partition, changelog_offset, enqueued_at: skipped
+        start = c.pos
+        while c.pos < c.size and c.buf[c.pos] & 0x80:
+            c.pos += 1
+        c.pos += 1
+        if c.pos > c.size or c.pos - start > 10:
+            return None
+    return (flags, PyBytes_FromStringAndSize(<const char*>c.buf + c.pos, c.size - c.pos))

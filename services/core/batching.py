@@ -2,7 +2,9 @@
 
 The story of a partition's events, step by step:
 
-1. ``add`` appends an event read from the queue to the batch being assembled.
+1. ``add`` appends an event read from the queue to the batch being assembled
+   (``extend`` appends a run of them at once where ``add`` would read nothing
+   of an event but its offset and size).
    With conflation on, an update of a key replaces an earlier *update* of the
    same key still waiting in that batch (Geode's batch conflation); creates,
    destroys and everything else are never conflated away, and an update never
@@ -66,6 +68,12 @@ class BatchPolicy:
     #: Keep the events of one transaction (put_all / remove_all) in one batch.
     group_transactions: bool = False
     transaction_hold_ms: int = 2000
+
+    @property
+    def appends_only(self) -> bool:
+        """``add`` reads nothing of an event but its offset and size (no conflation, no transaction
+        grouping): it refuses none, so events may join a batcher in runs (``PartitionBatcher.extend``)."""
+        return not (self.conflation or self.group_transactions)
 
 
 @dataclass(slots=True)
@@ -183,6 +191,32 @@ class PartitionBatcher(Generic[T]):
         a.events.append(item)
         a.first_offsets.append(offset)
         a.sizes.append(size)
+
+    def extend(self, items: list[T], now_ms: int) -> None:
+        """``add`` of each of ``items`` in turn, their offsets increasing, for a policy that
+        ``appends_only`` (issue 18: one call per run of a poll's records, not one per record).
+        With any other policy each item is ``add``-ed, and the first an ``add`` refuses raises
+        with those before it added: the caller adds them one by one when it must know which."""
+        policy = self.policy
+        if not policy.appends_only:
+            for item in items:
+                self.add(item, now_ms)
+            return
+        if not items:
+            return
+        offsets = [item.offset for item in items]
+        sizes = [item.size_bytes for item in items]
+        a = self._assembling
+        if a.first_offset < 0:
+            a.first_offset = offsets[0]
+        if offsets[-1] > a.last_offset:
+            a.last_offset = offsets[-1]
+        if a.first_added_ms < 0:
+            a.first_added_ms = now_ms
+        a.nbytes += sum(sizes)
+        a.events += items
+        a.first_offsets += offsets
+        a.sizes += sizes
 
     def skip(self, offset: int, now_ms: int) -> None:
         """A record that could not be read (it went to the dead-letter topic)."""

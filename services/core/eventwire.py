@@ -851,6 +851,16 @@ __all__ += ["entry_operation"]
 
 
 def queued_flags_body(header: bytes, data: bytes | None) -> tuple[int, bytes] | None:
+    """``queued_flags_body_py``, through the compiled reader where it is built (issue 18: the
+    queue loop calls it for every record)."""
+    if _compiled is not None:
+        read = _compiled.queued_flags_body(header, data)
+        if read is not None:
+            return read  # type: ignore[no-any-return]
+    return queued_flags_body_py(header, data)
+
+
+def queued_flags_body_py(header: bytes, data: bytes | None) -> tuple[int, bytes] | None:
     """(flags, event body) of a queue record of the current QueuedEvent version (``header``:
     ``codec.header("QueuedEvent")``), the fields between skipped: what the queue loop needs of
     every record, at a third of ``read_queued``'s cost (no view, no strings made).  None when the
@@ -886,7 +896,7 @@ def queued_flags_body(header: bytes, data: bytes | None) -> tuple[int, bytes] | 
     return flags, data[pos:]
 
 
-__all__ += ["queued_flags_body"]
+__all__ += ["queued_flags_body", "queued_flags_body_py"]
 
 
 def removal_record(header: bytes, queue_id: str, queue_partition: int, batch_id: int, last_removed_offset: int,
@@ -925,5 +935,10 @@ _compiled = _load_compiled()
 #: where it is in use (without the frozen dataclasses' ``__init__``): for the region's write path.
 new_entry_event: Callable[..., EntryEvent] = EntryEvent if _compiled is None else _compiled.new_entry_event
 new_version_tag: Callable[..., VersionTag] = VersionTag if _compiled is None else _compiled.new_version_tag
+#: The compiled ``queued_flags_body`` without its Python wrapper, for the queue loop's read of every
+#: record: it answers None for a record it leaves to ``queued_flags_body`` (another version, a damaged
+#: one), and for every record where the compiled module is not in use.
+queued_flags_body_lean: Callable[[bytes, bytes | None], tuple[int, bytes] | None] = (
+    (lambda header, data: None) if _compiled is None else _compiled.queued_flags_body)
 #: Whether the compiled readers are in use (tests/unit/test_eventwire_compiled.py checks that ``make`` built them).
 COMPILED = _compiled is not None

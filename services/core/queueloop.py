@@ -97,6 +97,7 @@ from .eventwire import (
     FLAG_ROUTED,
     decode_entry,
     queued_flags_body,
+    queued_flags_body_lean,
     read_queued,
     removal_record,
 )
@@ -646,54 +647,83 @@ class QueuePrimary(Service):
         """The records of one poll, into their partitions' batchers, as ``AsyncEvent``s of the
         queued event bodies.  Nothing is decoded here but a QueuedEvent's flags: a record of the
         current version is read by ``eventwire.queued_flags_body`` (equal to ``read_queued``, at
-        a third of its cost), any other by ``read_queued`` (older versions; what is not a
-        QueuedEvent goes to the dead-letter topic with its reason).  Nothing is called per record
-        but that, the event's making and the batcher."""
+        a third of its cost; compiled where it is built), any other by ``read_queued`` (older
+        versions; what is not a QueuedEvent goes to the dead-letter topic with its reason).
+        Nothing is called per record but that, the event's making and, where the batcher reads
+        nothing of an event but its offset and size (``BatchPolicy.appends_only``), a list
+        append: the events of one partition read in a row join its batcher together
+        (``PartitionBatcher.extend``), before anything else (a record skipped, the next
+        partition's) reaches it (issue 18)."""
         partitions = self._partitions
         codec = self._codec
         header = codec.header("QueuedEvent")
         queue_id = self.queue_id
         filtering = self._filtering
         tracing = self._tracing
+        appends_only = self.policy.appends_only
+        lean = queued_flags_body_lean
+        of_body = AsyncEvent.of_body
+        part: QueuePartition | None = None
+        partition = -1
+        skip_below = duplicate_below = -1
+        #: Events of ``part`` read in a row, not yet in its batcher.
+        run: list[AsyncEvent] = []
         for msg in msgs:
             if msg.error() is not None:
                 if msg.error().code() != KafkaError._PARTITION_EOF:
                     log.warning("queue %s: %s", self.topic, msg.error())
                 continue
-            partition = msg.partition()
-            part = partitions.get(partition)
+            if msg.partition() != partition:
+                if run:
+                    part.batcher.extend(run, now_ms)  # type: ignore[union-attr]
+                    run = []
+                partition = msg.partition()
+                part = partitions.get(partition)
+                if part is not None:
+                    skip_below, duplicate_below = part.skip_below, part.duplicate_below
             if part is None:
                 continue  # revoked meanwhile
             offset = msg.offset()
-            if offset < part.skip_below:
+            if offset < skip_below:
                 continue  # dropped by a clean start: neither an event nor an offset to cover again
             if part.head < 0:
                 part.head = offset
-            try:
-                value = msg.value()
-                read = queued_flags_body(header, value)
-                if read is None:
-                    try:
-                        read = _read_older(self._frames, value)
-                    except RegistryUnavailable:
-                        # A Confluent frame's schema id the registry cannot be asked about now: not a
-                        # reason to dead-letter the record; the loop waits for the registry (or a stop).
-                        read = until_answered(lambda: _read_older(self._frames, value),
-                                              f"queue {self.topic}: the schema of {partition}@{offset}",
-                                              stopping=self._stopping)
-            except (CodecError, KeyError, ValueError) as exc:
-                # Not a QueuedEvent (or an older one whose event cannot be an EntryEvent).
-                self._skip_unreadable(part, msg, exc, now_ms)
-                continue
+            value = msg.value()
+            read = lean(header, value)  # the compiled reader: None for what it leaves to the next
+            if read is None:
+                try:
+                    read = queued_flags_body(header, value)
+                    if read is None:
+                        try:
+                            read = _read_older(self._frames, value)
+                        except RegistryUnavailable:
+                            # A Confluent frame's schema id the registry cannot be asked about now: not a
+                            # reason to dead-letter the record; the loop waits for the registry (or a stop).
+                            read = until_answered(lambda: _read_older(self._frames, value),
+                                                  f"queue {self.topic}: the schema of {partition}@{offset}",
+                                                  stopping=self._stopping)
+                except (CodecError, KeyError, ValueError) as exc:
+                    # Not a QueuedEvent (or an older one whose event cannot be an EntryEvent).
+                    if run:
+                        part.batcher.extend(run, now_ms)
+                        run = []
+                    self._skip_unreadable(part, msg, exc, now_ms)
+                    continue
             flags, body = read
-            duplicate = bool(flags & FLAG_POSSIBLE_DUPLICATE) or offset < part.duplicate_below
+            duplicate = bool(flags & FLAG_POSSIBLE_DUPLICATE) or offset < duplicate_below
             if flags & FLAG_NO_CALLBACKS:
                 event: AsyncEvent = CopiedEvent.of_body(body, queue_id, partition, offset, duplicate)
             elif tracing:
                 event = TracedEvent.of_body(body, queue_id, partition, offset, duplicate,
                                             telemetry.header(msg.headers(), telemetry.TRACEPARENT))
             else:
-                event = AsyncEvent.of_body(body, queue_id, partition, offset, duplicate)
+                event = of_body(body, queue_id, partition, offset, duplicate)
+            if appends_only and (not filtering or flags & FLAG_ROUTED):
+                run.append(event)
+                continue
+            if run:
+                part.batcher.extend(run, now_ms)
+                run = []
             try:
                 if filtering and not flags & FLAG_ROUTED and not self.accepts(event.event):
                     self.stats["filtered"] += 1
@@ -704,6 +734,8 @@ class QueuePrimary(Service):
             except MalformedRecord as exc:
                 # Its QueuedEvent fields read, its event body does not: the first touch found it.
                 self._skip_unreadable(part, msg, exc, now_ms)
+        if run:
+            part.batcher.extend(run, now_ms)  # type: ignore[union-attr]
 
     def _cover_skipped_offsets(self, now_ms: int) -> None:
         """Offsets the consumer moved past without handing over a record are covered as read.
