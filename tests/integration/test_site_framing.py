@@ -24,7 +24,9 @@ from confluent_kafka.schema_registry import SchemaRegistryClient
 
 from sluice.client import RegionClient
 from sluice.core.codec import HEADER_BYTES, get_codec
+from sluice.core.config.models.registry import SchemaRegistryConnection
 from sluice.core.events import EntryEvent
+from sluice.core.framing import Frames
 from sluice.core.processes import ReceiverProcess, RegionProcess, SenderProcess, ServiceProcess
 
 from regionkit import read_topic, remote, start_two_regions, write_two_sites
@@ -148,3 +150,48 @@ def test_an_unreachable_registry_stops_the_region_start_naming_the_subject(site_
         assert subject in log and "http://127.0.0.1:9" in log, log[-3000:]
     finally:
         region.stop()
+
+
+def test_a_confluent_site_writes_another_sites_events_under_its_own_header(
+        site_a: Site, unique_prefix: str, registry: EmbeddedRegistry, tmp_path: Path) -> None:  # noqa: F811
+    """The other way round: site a single-object, site b confluent.  Each of a's events reaches b's changelog
+    once, its body as a wrote it under b's own header (the id of b's changelog subject), which a plain
+    AvroDeserializer consumer reads."""
+    sites = write_two_sites(tmp_path, site_a.bootstrap, unique_prefix, a={
+        "regions": [{"name": "orders", "buckets": BUCKETS, "gateway_senders": ["orders-to-b"]}],
+        "gateway_senders": [{"id": "orders-to-b", "remote_dsid": 2, "parallel": True, "batch_size": 20,
+                             "batch_time_interval_ms": 20, "remote": remote(site_a.bootstrap, unique_prefix, "b")}],
+    }, b={
+        "serializer": "confluent", "schema_registry": {"url": registry.url},
+        "regions": [{"name": "orders", "buckets": BUCKETS}],
+        "receiver": {"inbound_partitions": 2, "accepted_dsids": [1]},
+    })
+    changelog_a = sites.cfg_a.topics.region_changelog("orders")
+    changelog_b = sites.cfg_b.topics.region_changelog("orders")
+    procs: list[ServiceProcess] = []
+    try:
+        region_a, _region_b = start_two_regions(sites.path_a, sites.path_b, tmp_path, procs, ready_s=120)
+        procs += [ReceiverProcess(sites.path_b, tmp_path / "receiver-b.log"),
+                  SenderProcess(sites.path_a, "orders-to-b", tmp_path / "sender-a.log")]
+        RegionClient([region_a.url]).put_all("orders", {f"k{i}": {"n": i} for i in range(KEYS)})
+        records = read_confluent(site_a.bootstrap, changelog_b, registry.url, KEYS, procs)
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+    entry_id = SchemaRegistryClient({"url": registry.url}).get_latest_version(f"{changelog_b}-value").schema_id
+    assert {schema_id for schema_id, _, _ in records} == {entry_id}
+    assert sorted(key for _, key, _ in records) == sorted(f"k{i}" for i in range(KEYS))
+    assert {json.loads(event["value"])["n"] for _, _, event in records} == set(range(KEYS))
+    assert all(event["origin_dsid"] == 1 for _, _, event in records)
+    # Every record of b's changelog is one of a's events, once; a's own changelog stayed single-object.
+    applied = [value for _, _, value in read_topic(site_a.bootstrap, changelog_b, BUCKETS) if value]
+    assert len(applied) == KEYS and all(value[0] == 0 for value in applied)
+    codec = get_codec()
+    mine = [value for _, _, value in read_topic(site_a.bootstrap, changelog_a, BUCKETS) if value]
+    assert len(mine) == KEYS and all(value[:HEADER_BYTES] == codec.header("EntryEvent") for value in mine)
+    # Read back through Sluice's own reader of either framing: b holds exactly a's events, each once.
+    frames = Frames(codec, SchemaRegistryConnection(url=registry.url))
+    b_events = [EntryEvent.from_record(frames.decode_as("EntryEvent", value)) for value in applied]
+    a_events = [EntryEvent.from_record(codec.decode_as("EntryEvent", value)) for value in mine]
+    assert sorted(e.event_id for e in b_events) == sorted(e.event_id for e in a_events)
+    assert {e.key: e.value for e in b_events} == {e.key: e.value for e in a_events}
