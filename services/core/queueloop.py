@@ -101,7 +101,7 @@ from .eventwire import (
     read_queued,
     removal_record,
 )
-from .lifecycle import Service, ServiceState
+from .lifecycle import Service
 from .loop import Inbox, PartitionLoop
 from .queueprotocol import OfferDone, QueuePartition, QueueProtocol, Removal
 from .queueclean import (
