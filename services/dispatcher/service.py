@@ -32,11 +32,11 @@ from ..core.asyncevent import Accepted, AsyncEvent, DeadLetter, load_listener_cl
 from ..core.batching import Batch
 from ..core.config import SiteConfig
 from ..core.errors import InvalidRequest, SluiceError
+from ..core.lifecycle import ServiceState
 from ..core.queueloop import (
     DesiredState,
     QueuePartition,
     QueuePrimary,
-    ServiceState,
     event_traceparent,
     flag_possible_duplicates,
 )

@@ -118,11 +118,11 @@ from ..core.kafka import (
 )
 from ..core.gatewayfilters import SenderFilters
 from ..core.signing import Signer, Verifier, site_signer, site_verifier
+from ..core.lifecycle import ServiceState
 from ..core.queueloop import (
     DesiredState,
     QueuePartition,
     QueuePrimary,
-    ServiceState,
     event_traceparent,
     flag_possible_duplicates,
 )
