@@ -98,6 +98,7 @@ from .eventwire import (
     decode_entry,
     queued_flags_body,
     queued_flags_body_lean,
+    queued_flags_body_py,
     read_queued,
     removal_record,
 )
@@ -692,7 +693,8 @@ class QueuePrimary(Service):
             read = lean(header, value)  # the compiled reader: None for what it leaves to the next
             if read is None:
                 try:
-                    read = queued_flags_body(header, value)
+                    # What the compiled reader left: the Python reference answers it, or says why not.
+                    read = queued_flags_body_py(header, value)
                     if read is None:
                         try:
                             read = _read_older(self._frames, value)
