@@ -48,7 +48,7 @@ from types import TracebackType
 from typing import IO, Self
 
 from sluice.broker.jars import KAFKA_VERSION_DEFAULT, ensure_kafka_jars, log4j_config
-from sluice.core.processes import die_with_parent
+from sluice.core.processes import die_with_parent, stop_process
 from sluice.core.errors import BrokerStartError, InvalidRequest
 
 HOST = "127.0.0.1"
@@ -365,11 +365,12 @@ class BrokerProcess:
             self._state = BrokerState.STOPPED
 
     def pause(self) -> None:
-        """SIGSTOP: the broker keeps its sockets open but answers nothing."""
+        """SIGSTOP, returning once every thread of the broker has stopped: it keeps its sockets open
+        but answers nothing."""
         if self.state is not BrokerState.RUNNING:
             raise BrokerStartError(f"cannot pause the broker of site {self.site!r}: it is {self.state.value}")
         assert self._process is not None
-        self._process.send_signal(signal.SIGSTOP)
+        stop_process(self._process.pid)
         self._state = BrokerState.PAUSED
 
     def resume(self) -> None:

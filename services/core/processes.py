@@ -31,6 +31,34 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 
 
+def stop_process(pid: int, timeout_s: float = 5.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it is stopped: the signal is delivered
+    asynchronously, and a thread still running on another core could answer a request meanwhile.
+    Where /proc does not say (not Linux), returns after the signal."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while not _all_threads_stopped(pid):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} not stopped {timeout_s} s after SIGSTOP")
+        time.sleep(0.005)
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return sys.platform != "linux" or not os.path.exists(f"/proc/{pid}")
+    for tid in tasks:
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue  # a thread that ended
+        # "tid (comm) S …": the state follows the last ')' (comm may hold one).
+        if stat[stat.rindex(")") + 2] not in "TtZX":
+            return False
+    return True
+
+
 def _resolve_prctl() -> Callable[..., int] | None:
     if sys.platform != "linux":
         return None
@@ -154,8 +182,9 @@ class ServiceProcess:
         self.proc.wait(10)
 
     def pause(self) -> None:
-        """SIGSTOP: the process keeps its sockets but answers nothing, heartbeats included."""
-        self.proc.send_signal(signal.SIGSTOP)
+        """SIGSTOP, returning once it holds: the process keeps its sockets but answers nothing,
+        heartbeats included."""
+        stop_process(self.proc.pid)
 
     def resume(self) -> None:
         self.proc.send_signal(signal.SIGCONT)

@@ -48,9 +48,11 @@ CPU_UNIT = "µs/event"
 
 
 # The long tier (`make test-long`, CI): three minutes of CPU proving that `make bench` runs, a tool rather than
-# a guarantee of the product, whose figures each benchmark takes from code `make test` covers.
+# a guarantee of the product, whose figures each benchmark takes from code `make test` covers.  Serial: beside
+# the long tier's other tests on two cores, its areas together took more than five minutes.
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.serial
+@pytest.mark.timeout(600)
 def test_quick_bench_run_writes_results_with_ratios(tmp_path: Path) -> None:
     """`python -m bench --quick` exits 0 and writes every figure with its same-run baseline and ratio, the CPU
     per event of the processes each benchmark measures, and the issue's aims judged met or not met."""
