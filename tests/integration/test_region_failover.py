@@ -36,7 +36,7 @@ from sluice.core.events import EventID
 from regionkit import RegionProcess, read_queue, read_topic, wait_standbys, write_site
 from waiting import wait_for
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = pytest.mark.timeout(600)
 
 #: How long the writers may take to a point of the test (a kill, a restart), and a survivor to take a
 #: paused owner's bucket over (its session timeout and a rebalance).
