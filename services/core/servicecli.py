@@ -17,6 +17,18 @@ from .errors import ConfigError, InvalidRequest, SluiceError
 from .health import HealthServer
 
 
+def add_service_parser(subparsers: Any, command: str, *, help: str, description: str,
+                       example: str) -> argparse.ArgumentParser:
+    """The parser of one service command: its help, its description, an example as its epilog
+    (kept as written), and the site-file options every service takes."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        command, help=help, description=description, epilog=example,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_site_options(parser)
+    return parser
+
+
 def add_site_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-c", "--config", required=True, help="site configuration file (YAML or TOML)")
     parser.add_argument("--bootstrap", help="override kafka.bootstrap_servers")

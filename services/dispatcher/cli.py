@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.config import SiteConfig
-from ..core.servicecli import add_site_options, run_loop_service
+from ..core.servicecli import add_service_parser, run_loop_service
 from .service import DispatcherService
 
 EXAMPLE = """\
@@ -22,15 +22,13 @@ primary, and the other takes over when a primary dies.
 
 
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "dispatcher",
+    p = add_service_parser(
+        subparsers, "dispatcher",
         help="run a dispatcher of an async event queue (batches to its listener)",
         description="Deliver the events of an async event queue in batches to its listener; a batch leaves "
         "the queue only when the listener accepts it.",
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        example=EXAMPLE,
     )
-    add_site_options(p)
     p.add_argument("--queue", required=True, metavar="ID", help="async event queue id from the site file")
     p.set_defaults(func=run)
 

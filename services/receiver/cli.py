@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..core.servicecli import add_site_options, run_loop_service
+from ..core.servicecli import add_service_parser, run_loop_service
 from .service import ReceiverService
 
 EXAMPLE = """\
@@ -20,15 +20,13 @@ topic's partitions through a consumer group.
 
 
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "receiver",
+    p = add_service_parser(
+        subparsers, "receiver",
         help="run a gateway receiver (applies batches from remote sites)",
         description="Apply gateway batches from remote sites through the local region service and acknowledge "
         "them: duplicates discarded, WAN conflicts resolved, per-event exceptions reported.",
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        example=EXAMPLE,
     )
-    add_site_options(p)
     p.set_defaults(func=run)
 
 

@@ -14,7 +14,7 @@ import uvicorn
 
 from ..core.config import SiteConfig
 from ..core.servicecli import (
-    add_site_options,
+    add_service_parser,
     install_telemetry,
     load_site,
     serve_health,
@@ -50,15 +50,13 @@ clients then send `Authorization: Bearer <token>`.
 
 
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "region",
+    p = add_service_parser(
+        subparsers, "region",
         help="run a region-service instance (bucket owner + HTTP API)",
         description="Run one region-service instance: owns buckets through the consumer group, applies "
         "operations in order, writes the region changelog and every attached queue.",
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        example=EXAMPLE,
     )
-    add_site_options(p)
     p.add_argument("--host", help="address to listen on (default: region_service.host)")
     p.add_argument("--port", type=int, help="port to listen on, 0 for any (default: region_service.port)")
     p.add_argument("--store-dir", help="this instance's local store of bucket state (default: "

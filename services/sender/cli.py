@@ -7,7 +7,7 @@ from typing import Any
 
 from ..core.config import SiteConfig
 from ..core.errors import InvalidRequest
-from ..core.servicecli import add_site_options, run_loop_service
+from ..core.servicecli import add_service_parser, run_loop_service
 from .service import GatewaySenderService
 
 EXAMPLE = """\
@@ -25,15 +25,13 @@ def add_parser(subparsers: Any) -> None:
         ("parallel-sender", True, "orders-to-site-b", "one primary per bucket"),
         ("serial-sender", False, "customers-to-site-b", "one primary per dispatcher thread's partition"),
     ):
-        p = subparsers.add_parser(
-            command,
+        p = add_service_parser(
+            subparsers, command,
             help=f"run a {'parallel' if parallel else 'serial'} gateway sender (batches to a remote site)",
             description="Send a gateway sender's queue in batches to the remote site's receiver, through Kafka, "
             "and remove each batch once the remote site acknowledged it.",
-            epilog=EXAMPLE.format(command=command, sender=sender, what=what),
-            formatter_class=argparse.RawDescriptionHelpFormatter,
+            example=EXAMPLE.format(command=command, sender=sender, what=what),
         )
-        add_site_options(p)
         p.add_argument("--sender", required=True, metavar="ID", help="gateway sender id from the site file")
         p.set_defaults(func=run, parallel=parallel, command=command)
 

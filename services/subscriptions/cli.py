@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..core.servicecli import add_site_options, run_loop_service
+from ..core.servicecli import add_service_parser, run_loop_service
 from .service import SubscriptionService
 
 EXAMPLE = """\
@@ -22,15 +22,13 @@ clients when it dies.  `sluice admin -c FILE status` lists the clients.
 
 
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "subscriptions",
+    p = add_service_parser(
+        subparsers, "subscriptions",
         help="run a subscription-service instance (client interest, durable and HA client queues)",
         description="Feed subscribed clients: per-client queues in Kafka filled from the region changelogs by "
         "interest, durable clients kept across disconnects, failover between instances.",
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        example=EXAMPLE,
     )
-    add_site_options(p)
     p.set_defaults(func=run)
 
 
