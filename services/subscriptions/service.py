@@ -256,6 +256,9 @@ class SubscriptionService(Service):
         self._reposition = False
         self._delivery_failed: str | None = None
         self._missing_queues: set[str] = set()
+        #: Client queues whose deliveries the producer dropped as their partition left its metadata →
+        #: the first such failure, until ``_sync`` asks the broker whether each queue is gone.
+        self._purged_queues: dict[str, str] = {}
         self._trimmed: dict[str, int] = {}
         self.stats = {"filled": 0, "registered": 0, "markers": 0, "unregistered": 0, "timed_out": 0,
                       "undecodable": 0, "refills": 0, "takeovers": 0, "refused": 0, "dead_lettered": 0,
@@ -1053,6 +1056,11 @@ class SubscriptionService(Service):
             # The client's queue was deleted under it: the client starts over with a new queue,
             # and nothing is filled again for a queue that is gone.
             self._missing_queues.add(msg.topic())
+        elif err.code() == KafkaError._DESTROY and is_client_queue(self.cfg, msg.topic()):
+            # What the producer held for a partition that left its metadata (a queue deleted while
+            # batches for it waited) is dropped with this code: gone, or failed if the queue is
+            # still there (``_sync`` asks the broker which).
+            self._purged_queues.setdefault(msg.topic(), f"{msg.topic()}: {err.str()}")
         elif self._delivery_failed is None:
             self._delivery_failed = f"{msg.topic()}: {err.str()}"
 
@@ -1064,6 +1072,7 @@ class SubscriptionService(Service):
         assert self._producer is not None
         if not self._written():
             return False
+        self._sort_purged()
         failed, self._delivery_failed = self._delivery_failed, None
         if self._missing_queues:
             for topic in sorted(self._missing_queues):
@@ -1090,6 +1099,24 @@ class SubscriptionService(Service):
             return False
         self._trim()
         return True
+
+    def _sort_purged(self) -> None:
+        """Each queue whose deliveries the producer dropped (``_delivered``) is gone when the broker no
+        longer lists it; otherwise, or when the broker cannot say, the deliveries failed and are filled
+        again from the last checkpoint (repeats are discarded by the client)."""
+        assert self._admin is not None
+        purged, self._purged_queues = self._purged_queues, {}
+        for topic, why in purged.items():
+            try:
+                with kafka_errors(f"listing {topic}"):
+                    found = self._admin.list_topics(topic, timeout=TOPIC_LOOKUP_DEADLINE_S).topics.get(topic)
+                gone = found is None or (found.error is not None and found.error.code() in QUEUE_MISSING)
+            except SluiceError:
+                gone = False  # the broker cannot say: filled again, to be safe
+            if gone:
+                self._missing_queues.add(topic)
+            elif self._delivery_failed is None:
+                self._delivery_failed = why
 
     def _written(self) -> bool:
         """Wait until the broker has everything produced; when stopping, for

@@ -80,3 +80,47 @@ def test_a_fill_sends_its_deliveries_once_they_are_all_routed() -> None:
     assert [EntryEvent.from_record(m["event"]) for m in got] == events
     assert service.stats["filled"] == 3
 
+
+
+class Err:
+    def __init__(self, code: int) -> None:
+        self._code = code
+
+    def code(self) -> int:
+        return self._code
+
+    def str(self) -> str:
+        return "Local: Broker handle destroyed for termination"
+
+
+class Listed:
+    """``list_topics`` of an admin client that knows only ``existing``."""
+
+    def __init__(self, existing: set[str]) -> None:
+        self.existing = existing
+        self.asked: list[str] = []
+
+    def list_topics(self, topic: str, timeout: float = 0) -> Any:
+        self.asked.append(topic)
+        metadata = type("Metadata", (), {})()
+        metadata.topics = {topic: type("Topic", (), {"error": None})()} if topic in self.existing else {}
+        return metadata
+
+
+def test_deliveries_dropped_for_a_deleted_queue_are_its_being_gone_not_a_failed_write() -> None:
+    """What the producer drops as a deleted queue's partition leaves its metadata (``_DESTROY``) makes the
+    queue noted gone when the broker no longer lists it, with nothing filled again; dropped for a queue
+    still listed, it is a failed write, and the partition is filled again from its last checkpoint."""
+    from confluent_kafka import KafkaError
+
+    cfg = site()
+    service, client, producer, _admin = _primary(cfg, queue_end=0, acked=0)
+    queue = client.record["queue_topic"]
+    service._changelog = type("Ends", (), {"get_watermark_offsets": lambda *_, **__: (0, 0)})()
+    for existing, refilled in ((set(), 0), ({queue}, 1)):
+        service._admin = Listed(existing)  # type: ignore[assignment]
+        service._delivered(Err(KafkaError._DESTROY), Message(queue, 0, b""))
+        service._sync()
+        assert service._admin.asked == [queue]
+        assert service.stats["refills"] == refilled
+        assert service._missing_queues == set() and service._purged_queues == {}
