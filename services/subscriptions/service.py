@@ -42,11 +42,11 @@ A primary's loop, one thread:
    body read by the compiled reader) in an index of the clients' interest
    (``index.py``), the message being the record's bytes spliced into a
    ClientMessage, and each fill's messages sent as it ends, one batch per
-   queue (issue 18).  A queue
-   holding ``maximum-message-count`` messages its client has not
-   acknowledged takes no more events: the event is counted as not queued,
-   and the client is unregistered on the next turn (Geode's slow-receiver
-   removal), so that it resynchronises rather than miss events unawares;
+   queue (issue 18).  A queue holding ``maximum-message-count`` messages
+   its client has not acknowledged takes no more events: the event is
+   counted as not queued, and the client is unregistered on the next turn
+   (Geode's slow-receiver removal), so that it resynchronises rather than
+   miss events unawares;
 4. every ``message-sync-interval``: wait until the queues hold what was
    filled, then write the checkpoints, and delete from each queue what its
    client acknowledged.
@@ -163,10 +163,10 @@ QUEUE_GONE_MS = 5000
 #: delivery was a request of its own, ~35 µs of the broker's CPU each over 100 client queues (issue
 #: 18).  Each fill sends what it routed when it ends (``_send_filled``), one batch per queue, so this
 #: is only the bound on how long a delivery waits when that send is not taken up at once: long
-#: enough that a turn's deliveries to one client are one batch, not one per few milliseconds (each
+#: enough that a fill's deliveries to one client are one batch, not one per few milliseconds (each
 #: batch costs the broker a write and the client a fetch).
 QUEUE_LINGER_MS = 50
-#: How long the end of a turn waits for the broker to take what the turn filled (``_send_filled``):
+#: How long the end of a fill waits for the broker to take what it filled (``_send_filled``):
 #: the send starts at once; the wait only gives the producer's thread the moment it needs to start it.
 TURN_SEND_WAIT_S = 0.005
 #: What a write to a deleted queue fails with: the topic is gone, or (librdkafka 2.x, once it has
