@@ -32,6 +32,8 @@ from typing import Any, Callable
 
 from ..core.events import CREATES, DESTROYS, EventID, Operation
 from ..core.interest import Delivery
+from ..core.jsonvalue import decode as decode_value
+from ..core.subscriptionwire import read_client_event
 from .cache import EventTracker, RegionCache
 
 log = logging.getLogger("sluice.client")
@@ -50,6 +52,33 @@ class ClientEvent:
     replayed: bool = False  # before the marker: shown, not applied
     possible_duplicate: bool = False
     callback_argument: str | None = None
+
+
+def event_of_message(message: dict[str, Any]) -> ClientEvent:
+    """The event of a decoded ClientMessage of kind EVENT (``Codec.decode_as``), as listeners see it."""
+    e = message["event"]
+    return ClientEvent(
+        region=e["region"], key=e["key"], operation=Operation(e["operation"]),
+        new_value=None if e["value"] is None else decode_value(e["value"], e["value_encoding"]),
+        event_id=EventID.from_record(e["event_id"]),
+        delivery=Delivery.VALUES if message["receive_values"] else Delivery.INVALIDATES,
+        possible_duplicate=message["possible_duplicate"] or e["possible_duplicate"],
+        callback_argument=e["callback_argument"],
+    )
+
+
+def read_event(header: bytes, data: bytes | None) -> ClientEvent | None:
+    """The event of a ClientMessage of kind EVENT as the subscription service writes it, read from its
+    bytes (``subscriptionwire.read_client_event``), equal to ``event_of_message`` of its decoded record;
+    None for any other message (the codec reads it).  ``header``: ``codec.header("ClientMessage")``."""
+    read = read_client_event(header, data)
+    if read is None:
+        return None
+    e, values, duplicate = read
+    return ClientEvent(e.region, e.key, e.operation,
+                       None if e.value is None else decode_value(e.value, e.value_encoding),
+                       e.event_id, Delivery.VALUES if values else Delivery.INVALIDATES, False,
+                       duplicate or e.possible_duplicate, e.callback_argument)
 
 
 class MessageProcessor:
@@ -191,4 +220,4 @@ class MessageProcessor:
                 log.exception("listener %s.%s raised on %s", type(listener).__name__, name, arg)
 
 
-__all__ = ["ClientEvent", "MessageProcessor"]
+__all__ = ["ClientEvent", "MessageProcessor", "event_of_message", "read_event"]

@@ -77,9 +77,8 @@ from ..core.errors import (
     RegistrationRefused,
     SluiceError,
 )
-from ..core.events import EventID, Operation
+from ..core.events import Operation
 from ..core.interest import ALL_KEYS, Delivery, Registration, RegionInterest, ResultPolicy, compile_regex
-from ..core.jsonvalue import decode as decode_value
 from ..core.kafka import (
     TOPIC_MISSING,
     KafkaError,
@@ -94,7 +93,7 @@ from ..core.kafka import (
 )
 from ..core.regionclient import RegionClient
 from .cache import EventTracker, RegionCache
-from .messages import ClientEvent, MessageProcessor
+from .messages import ClientEvent, MessageProcessor, event_of_message, read_event
 
 log = logging.getLogger("sluice.client")
 #: What a deleted queue looks like to a consumer.
@@ -347,6 +346,7 @@ class ClientCache:
         self._acks_topic = names.subscription_acks()
         self._partition = registry_partition(self.client_id, self.cfg.subscriptions.registry_partitions)
         self._codec = get_codec()
+        self._message_header = self._codec.header("ClientMessage")
         self._lock = threading.RLock()
         self._answered = threading.Condition(self._lock)
         self._regions: dict[str, ClientRegion] = {}
@@ -792,6 +792,13 @@ class ClientCache:
 
     def _handle(self, raw: bytes | None) -> None:
         self.stats["received"] += 1
+        event = read_event(self._message_header, raw)
+        if event is not None:
+            # An event as the service writes it, read from its bytes, its value parsed before the lock.
+            with self._lock:
+                self.stats["events"] += 1
+                self._processor.on_event(event, int(time.time() * 1000))
+            return
         try:
             message = self._codec.decode_as("ClientMessage", raw)
         except CodecError as exc:
@@ -820,17 +827,8 @@ class ClientCache:
                     if not self._processor.live:
                         self._processor.on_marker()
             elif kind == "EVENT" and message["event"] is not None:
-                e = message["event"]
                 self.stats["events"] += 1
-                event = ClientEvent(
-                    region=e["region"], key=e["key"], operation=Operation(e["operation"]),
-                    new_value=None if e["value"] is None else decode_value(e["value"], e["value_encoding"]),
-                    event_id=EventID.from_record(e["event_id"]),
-                    delivery=Delivery.VALUES if message["receive_values"] else Delivery.INVALIDATES,
-                    possible_duplicate=message["possible_duplicate"] or e["possible_duplicate"],
-                    callback_argument=e["callback_argument"],
-                )
-                self._processor.on_event(event, int(time.time() * 1000))
+                self._processor.on_event(event_of_message(message), int(time.time() * 1000))
 
     def _ack(self) -> None:
         record = {"client_id": self.client_id, "session": self._session, "queue_topic": self.queue_topic,

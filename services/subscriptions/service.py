@@ -38,13 +38,15 @@ A primary's loop, one thread:
    back learns its queue was dropped);
 3. fill: each changelog record goes to every client of its partitions
    whose interest matches (a durable client away keeps only its durable
-   interest), found by the record's head (region, key, operation, writer)
-   in an index of the clients' interest (``index.py``), the message being
-   the record's bytes spliced into a ClientMessage (issue 18).  A queue
-   holding ``maximum-message-count`` messages its client has not
-   acknowledged takes no more events: the event is counted as not queued,
-   and the client is unregistered on the next turn (Geode's slow-receiver
-   removal), so that it resynchronises rather than miss events unawares;
+   interest), found by the record's region, key, operation and writer (its
+   body read by the compiled reader) in an index of the clients' interest
+   (``index.py``), the message being the record's bytes spliced into a
+   ClientMessage, and each fill's messages sent as it ends, one batch per
+   queue (issue 18).  A queue holding ``maximum-message-count`` messages
+   its client has not acknowledged takes no more events: the event is
+   counted as not queued, and the client is unregistered on the next turn
+   (Geode's slow-receiver removal), so that it resynchronises rather than
+   miss events unawares;
 4. every ``message-sync-interval``: wait until the queues hold what was
    filled, then write the checkpoints, and delete from each queue what its
    client acknowledged.
@@ -87,6 +89,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, Callable
 
 from ..core import telemetry
@@ -114,7 +117,6 @@ from ..core.errors import (
     CodecError,
     InvalidRequest,
     KafkaCallFailed,
-    MalformedRecord,
     RegistryUnavailable,
     SluiceError,
     TablesBehind,
@@ -122,11 +124,9 @@ from ..core.errors import (
 )
 from ..core.events import REGION_OPERATIONS, EntryEvent, Operation
 from ..core.eventwire import (
-    check_entry_tail,
     client_event_message,
+    decode_entry,
     entry_event_body,
-    entry_without_value,
-    read_entry_head,
 )
 from ..core.interest import RegionInterest
 from ..core.kafka import (
@@ -161,8 +161,14 @@ FETCH_WAIT_MS = 20
 QUEUE_GONE_MS = 5000
 #: How long the producer of the client queues waits to fill a batch (``linger.ms``).  At 0 every
 #: delivery was a request of its own, ~35 µs of the broker's CPU each over 100 client queues (issue
-#: 18); a few ms gather the deliveries of many events into one request per broker.
-QUEUE_LINGER_MS = 5
+#: 18).  Each fill sends what it routed when it ends (``_send_filled``), one batch per queue, so this
+#: is only the bound on how long a delivery waits when that send is not taken up at once: long
+#: enough that a fill's deliveries to one client are one batch, not one per few milliseconds (each
+#: batch costs the broker a write and the client a fetch).
+QUEUE_LINGER_MS = 50
+#: How long the end of a fill waits for the broker to take what it filled (``_send_filled``):
+#: the send starts at once; the wait only gives the producer's thread the moment it needs to start it.
+TURN_SEND_WAIT_S = 0.005
 #: What a write to a deleted queue fails with: the topic is gone, or (librdkafka 2.x, once it has
 #: seen the deletion) its partition.
 QUEUE_MISSING = TOPIC_MISSING
@@ -250,6 +256,9 @@ class SubscriptionService(Service):
         self._reposition = False
         self._delivery_failed: str | None = None
         self._missing_queues: set[str] = set()
+        #: Client queues whose deliveries the producer dropped as their partition left its metadata →
+        #: the first such failure, until ``_sync`` asks the broker whether each queue is gone.
+        self._purged_queues: dict[str, str] = {}
         self._trimmed: dict[str, int] = {}
         self.stats = {"filled": 0, "registered": 0, "markers": 0, "unregistered": 0, "timed_out": 0,
                       "undecodable": 0, "refills": 0, "takeovers": 0, "refused": 0, "dead_lettered": 0,
@@ -900,51 +909,54 @@ class SubscriptionService(Service):
                 delivered += self._route(msg, value, takers, tp, offset, filled_at)
             advance(takers, tp, offset)
         self.stats["filled"] += delivered
+        self._send_filled()
+
+    def _send_filled(self) -> None:
+        """What the turn wrote (its fill, and the answers and markers before it) leaves now rather than
+        after ``linger.ms``: the producer's ``flush`` sends every waiting batch at once.  It waits
+        ``TURN_SEND_WAIT_S`` at most, not for the broker's answer: ``_sync`` is where the loop waits
+        for that."""
+        assert self._producer is not None
+        self._producer.flush(TURN_SEND_WAIT_S)  # with nothing waiting, it returns at once
 
     def _route(self, msg: Any, value: bytes, takers: list[int], tp: tuple[str, int], offset: int,
                filled_at: int) -> int:
         """One changelog record to the queues of the clients it reaches; how many it reached.
 
-        Only the record's head is read to route it (``read_entry_head``: region, key, operation,
-        writer); its tail is read too before it is delivered anywhere, or by the one instance that
-        dead-letters the changelog partition's undecodable records (``changelog partition mod
-        registry partitions``, when it fills that registry partition), so that an unreadable record
-        is dead-lettered once and no client is sent one.  A client's message is the record's body
-        spliced into a ClientMessage (``client_event_message``), its value cut out for a client of
-        invalidates: one message per (values, possibleDuplicate) of the event, whatever the clients."""
-        dead_letters_here = msg.partition() % self.partitions in takers
-        tail: tuple[int, int, int] | None = None
+        The record's body is read whole by ``decode_entry`` (the compiled reader where it is built,
+        as strict as fastavro, at a third of the cost of reading its routing fields in Python), before
+        it is delivered anywhere: an unreadable record reaches no client, and is dead-lettered by the
+        one instance that dead-letters the changelog partition's undecodable records (``changelog
+        partition mod registry partitions``, when it fills that registry partition), so once.  A
+        client's message is the record's body spliced into a ClientMessage
+        (``client_event_message``), written again without its value for a client of invalidates:
+        one message per (values, possibleDuplicate) of the event, whatever the clients (issue 18)."""
         try:
             body = self._entry_body(value)
-            head = read_entry_head(body)
-            if dead_letters_here:
-                tail = check_entry_tail(body, head)
+            event, _layout = decode_entry(body)
         except CodecError as exc:
-            if dead_letters_here:
+            if msg.partition() % self.partitions in takers:
                 self.stats["undecodable"] += 1
                 log.error("subscriptions %s: %s[%d]@%d cannot be read and is dead-lettered: %s",
                           self.member_id, msg.topic(), msg.partition(), offset, exc)
                 self._dead_letter(msg, f"changelog record cannot be read: {exc}", type(exc).__name__)
             return 0
-        operation = head.operation
+        operation = event.operation
         if operation not in FORWARDED:
             return 0
         region_operation = operation in REGION_OPERATIONS
         if region_operation:
             # Every client with interest in the region hears of a clear: once per bucket (the bucket's
             # entries arrive together, one REGION_CLEAR event each).
-            reached: Any = dict.fromkeys(self._index.clients_in(head.region), True)
+            reached: Any = dict.fromkeys(self._index.clients_in(event.region), True)
         else:
-            reached = self._index.clients_of(head.region, head.key)
+            reached = self._index.clients_of(event.region, event.key)
         if not reached:
             return 0
-        if tail is None:
-            try:
-                tail = check_entry_tail(body, head)
-            except MalformedRecord:
-                return 0  # dead-lettered by the instance that fills its dead-letter partition
-        clear = (head.member_id, *tail) if region_operation else None
-        deliveries = self.protocol.deliveries(reached, takers, tp, offset, head.member_id, clear, filled_at)
+        writer = event.event_id
+        clear = ((writer.member_id, writer.thread_id, writer.sequence_id, event.bucket) if region_operation
+                 else None)
+        deliveries = self.protocol.deliveries(reached, takers, tp, offset, writer.member_id, clear, filled_at)
         produce = self._producer.produce
         writing = _WRITING_QUEUE
         messages: dict[tuple[bool, bool], bytes] = {}
@@ -959,9 +971,11 @@ class SubscriptionService(Service):
                         topic = client.record["queue_topic"]
                         message = messages.get((values, duplicate))
                         if message is None:
+                            sent = body if values or event.value is None else entry_event_body(
+                                replace(event, value=None))
                             message = messages[(values, duplicate)] = client_event_message(
-                                self._message_header, body if values else entry_without_value(body, head),
-                                receive_values=values, possible_duplicate=duplicate, filled_at=filled_at)
+                                self._message_header, sent, receive_values=values, possible_duplicate=duplicate,
+                                filled_at=filled_at)
                         produce(topic, message, partition=0)
                         client.filled += 1
                 return len(deliveries)
@@ -1042,6 +1056,11 @@ class SubscriptionService(Service):
             # The client's queue was deleted under it: the client starts over with a new queue,
             # and nothing is filled again for a queue that is gone.
             self._missing_queues.add(msg.topic())
+        elif err.code() == KafkaError._DESTROY and is_client_queue(self.cfg, msg.topic()):
+            # What the producer held for a partition that left its metadata (a queue deleted while
+            # batches for it waited) is dropped with this code: gone, or failed if the queue is
+            # still there (``_sync`` asks the broker which).
+            self._purged_queues.setdefault(msg.topic(), f"{msg.topic()}: {err.str()}")
         elif self._delivery_failed is None:
             self._delivery_failed = f"{msg.topic()}: {err.str()}"
 
@@ -1053,6 +1072,7 @@ class SubscriptionService(Service):
         assert self._producer is not None
         if not self._written():
             return False
+        self._sort_purged()
         failed, self._delivery_failed = self._delivery_failed, None
         if self._missing_queues:
             for topic in sorted(self._missing_queues):
@@ -1079,6 +1099,24 @@ class SubscriptionService(Service):
             return False
         self._trim()
         return True
+
+    def _sort_purged(self) -> None:
+        """Each queue whose deliveries the producer dropped (``_delivered``) is gone when the broker no
+        longer lists it; otherwise, or when the broker cannot say, the deliveries failed and are filled
+        again from the last checkpoint (repeats are discarded by the client)."""
+        assert self._admin is not None
+        purged, self._purged_queues = self._purged_queues, {}
+        for topic, why in purged.items():
+            try:
+                with kafka_errors(f"listing {topic}"):
+                    found = self._admin.list_topics(topic, timeout=TOPIC_LOOKUP_DEADLINE_S).topics.get(topic)
+                gone = found is None or (found.error is not None and found.error.code() in QUEUE_MISSING)
+            except SluiceError:
+                gone = False  # the broker cannot say: filled again, to be safe
+            if gone:
+                self._missing_queues.add(topic)
+            elif self._delivery_failed is None:
+                self._delivery_failed = why
 
     def _written(self) -> bool:
         """Wait until the broker has everything produced; when stopping, for
