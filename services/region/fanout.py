@@ -15,7 +15,11 @@ The story of one write, step by step:
    it is committed (group commit: whatever arrived while a transaction was
    being committed goes into the next one) and writes it as one Kafka
    transaction (``WindowWriter``): begin; produce every record, without
-   delivery callbacks; flush; send each bucket's checkpoint as the region
+   delivery callbacks; flush, taking into the transaction the window
+   accepted while its records are acknowledged (the first records of a
+   transaction wait until the coordinator has written the markers of the
+   previous one, so concurrent requests share a transaction rather than
+   queueing one behind the other); send each bucket's checkpoint as the region
    consumer group's offset of its changelog partition, with the group
    metadata of the generation that assigned the buckets
    (``send_offsets_to_transaction``, KIP-447); commit.
