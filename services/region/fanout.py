@@ -238,7 +238,6 @@ class RecordBuilder:
     def __init__(self, codec: Codec, changelog_topics: dict[str, str], targets: dict[str, list[QueueTarget]],
                  frames: Frames | None = None) -> None:
         self._changelog_topics = changelog_topics
-        self._targets = targets
         frames = frames or Frames(codec)
         # The site's own header per topic (core/framing.py): another site's event body is written
         # under it as it came, whichever framing that site uses.  Confluent ids are registered here, on start.
@@ -562,18 +561,29 @@ class WindowWriter:
                delivered: Callable[[Slot], Callable[[KafkaError | None, Any], None]],
                absorb: Callable[[Window], Window | None] | None, began: float) -> int:
         """Wait until every record produced is acknowledged (or the deadline); the records it leaves.
-        Meanwhile, for ``ABSORB_FOR_S`` from ``began``, the window accepted since is taken in."""
+
+        Meanwhile, for ``ABSORB_FOR_S`` from ``began``, the window accepted since is taken in: the
+        flush runs in the writer's calling thread, one call for the whole wait (a flush keeps the
+        producer sending at once, without its linger), while this thread looks for later windows every
+        ``ABSORB_POLL_S`` and produces their records, which that flush waits for too.  A last flush here
+        covers records produced just as it returned."""
         producer = self.producer
         if absorb is not None:
+            flushing = self._calls.submit(producer.flush, max(0.0, deadline - time.monotonic()))
             absorb_until = min(began + ABSORB_FOR_S, deadline)
             while time.monotonic() < absorb_until:
-                if not producer.flush(ABSORB_POLL_S):
-                    return 0
+                concurrent.futures.wait([flushing], timeout=ABSORB_POLL_S)
+                if flushing.done():
+                    break
                 later = absorb(window)
                 if later is not None:
                     start = len(window.records)
                     window.absorb(later)
                     self._produce_from(window, start, skip, deadline, delivered)
+            concurrent.futures.wait([flushing], timeout=max(0.0, deadline - time.monotonic()) + CALL_GRACE_S)
+            if not flushing.done():
+                raise _Wedged(f"flush did not return {CALL_GRACE_S:g} s after its timeout of {self._timeout_s:.1f} s")
+            flushing.result()  # raises what the flush raised
         return producer.flush(max(0.0, deadline - time.monotonic()))
 
     def _produce(self, record: Record, deadline: float,
