@@ -69,7 +69,6 @@ import httpx
 
 from ..core.errors import (
     BrokerUnavailable,
-    BucketUnavailable,
     InvalidRequest,
     MemberRefused,
     NotOwner,
