@@ -89,6 +89,9 @@ class ServiceProcess:
 
     #: The start of the line the service prints on stdout once it runs.
     banner = ""
+    #: Whether the running service prints every thread's stack to its log on SIGUSR1
+    #: (``sluice region|dispatcher|sender|receiver|subscriptions`` register it before their banner).
+    dumps_stacks = False
 
     def __init__(self, args: Sequence[str], log_path: Path, *, start_timeout_s: float = 60.0,
                  extra_path: Sequence[str] = (), env: dict[str, str] | None = None, wait: bool = True) -> None:
@@ -189,9 +192,23 @@ class ServiceProcess:
     def resume(self) -> None:
         self.proc.send_signal(signal.SIGCONT)
 
+    def dump_stacks(self, settle_s: float = 0.5) -> bool:
+        """Have the running service print every thread's stack to its log (SIGUSR1); False if it cannot."""
+        if not (self.dumps_stacks and self.announcement) or self.proc.poll() is not None:
+            return False
+        self.proc.send_signal(signal.SIGCONT)
+        self.proc.send_signal(signal.SIGUSR1)
+        time.sleep(settle_s)
+        return True
+
     def stop(self, timeout_s: float = 30.0) -> int | None:
-        """SIGTERM (the service leaves its group and flushes), SIGKILL after ``timeout_s``.  Idempotent."""
+        """SIGTERM (the service leaves its group and flushes), SIGKILL after ``timeout_s``.  Idempotent.
+
+        Stopped while an exception propagates (a test's ``finally`` after a failed check), the
+        service first prints its threads' stacks to its log, so a hang can be read afterwards."""
         if self.proc.poll() is None:
+            if sys.exc_info()[0] is not None:
+                self.dump_stacks()
             self.proc.send_signal(signal.SIGCONT)
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -231,6 +248,7 @@ class RegionProcess(ServiceProcess):
     listens."""
 
     banner = "region service "
+    dumps_stacks = True
 
     def __init__(self, config_path: Path, log_path: Path, *, port: int = 0, store_dir: Path | None = None,
                  **kwargs: Any) -> None:
@@ -265,6 +283,7 @@ class DispatcherProcess(ServiceProcess):
     """``sluice dispatcher -c FILE --queue ID``; ``member_id`` is its group member name."""
 
     banner = "dispatcher "
+    dumps_stacks = True
 
     def __init__(self, config_path: Path, queue_id: str, log_path: Path, **kwargs: Any) -> None:
         self.member_id = ""
@@ -278,6 +297,7 @@ class ReceiverProcess(ServiceProcess):
     """``sluice receiver -c FILE``."""
 
     banner = "receiver "
+    dumps_stacks = True
 
     def __init__(self, config_path: Path, log_path: Path, **kwargs: Any) -> None:
         self.member_id = ""
@@ -291,6 +311,7 @@ class SenderProcess(ServiceProcess):
     """``sluice parallel-sender|serial-sender -c FILE --sender ID``."""
 
     banner = "sender "
+    dumps_stacks = True
 
     def __init__(self, config_path: Path, sender_id: str, log_path: Path, *, parallel: bool = True,
                  **kwargs: Any) -> None:
@@ -306,6 +327,7 @@ class SubscriptionsProcess(ServiceProcess):
     """``sluice subscriptions -c FILE``."""
 
     banner = "subscriptions "
+    dumps_stacks = True
 
     def __init__(self, config_path: Path, log_path: Path, **kwargs: Any) -> None:
         self.member_id = ""

@@ -184,6 +184,21 @@ def test_openapi_document_lists_every_operation(region):
         assert path in paths, path
 
 
+def test_a_service_stopped_while_a_check_fails_leaves_its_stacks_in_its_log(region):
+    """A test's ``finally`` that stops a service after a failed check first has it print its threads'
+    stacks (SIGUSR1, faulthandler) to its log, so a service that stopped answering can be read afterwards."""
+    _, proc, _ = region
+    before = proc.log_tail(10_000_000)
+    assert "Current thread" not in before and "most recent call first" not in before
+    try:
+        raise AssertionError("a check failed")
+    except AssertionError:
+        proc.stop()
+    log = proc.log_tail(10_000_000)
+    assert "most recent call first" in log, log[-2000:]
+    assert "Thread 0x" in log or "Current thread 0x" in log, log[-2000:]
+
+
 def test_changelog_records_are_single_object_avro(region):
     """The changelog holds EntryEvents framed in Avro single-object encoding, keyed by the entry key."""
     cfg, proc, site = region
