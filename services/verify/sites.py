@@ -357,6 +357,11 @@ class TwoSites:
         return [f"{s.label} (exit {s.proc.proc.poll()})" for s in self.services
                 if s.proc is not None and not s.ended_on_purpose and s.proc.proc.poll() is not None]
 
+    def dump_stacks(self) -> list[str]:
+        """Have every running service print its threads' stacks to its log (SIGUSR1): after a failed run,
+        the log of a service that stopped answering shows where it waits.  The labels of those that did."""
+        return [s.label for s in self.services if s.proc is not None and s.proc.dump_stacks(settle_s=0.0)]
+
     def stop_services(self) -> None:
         """SIGTERM every service process, side by side, and wait for them (idempotent)."""
         procs = list(self.processes())
