@@ -140,7 +140,8 @@ def test_kafka_defaults_and_settings() -> None:
     cfg = parse_config(minimal())
     assert cfg.kafka.topic_prefix == "sluice."
     assert cfg.kafka.replication_factor == 1
-    assert cfg.kafka.client_settings() == {"bootstrap.servers": "127.0.0.1:9092", "security.protocol": "PLAINTEXT"}
+    assert cfg.kafka.client_settings() == {"bootstrap.servers": "127.0.0.1:9092", "security.protocol": "PLAINTEXT",
+                                           "metadata.recovery.rebootstrap.trigger.ms": 10_000}
     assert cfg.kafka.group_settings() == {
         "session.timeout.ms": 6000,
         "heartbeat.interval.ms": 1000,

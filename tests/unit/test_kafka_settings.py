@@ -16,6 +16,7 @@ import yaml
 
 from sluice.core import kafka as core_kafka
 from sluice.core.config import SiteConfig, load_config, parse_config
+from sluice.core.config.models.kafka import REBOOTSTRAP_TRIGGER_MS
 from sluice.core.errors import ConfigError
 from sluice.core.queueloop import QueuePrimary
 from sluice.core.topics import apply_topics, plan_topics
@@ -63,12 +64,24 @@ def test_every_connection_setting_reaches_librdkafka_under_its_kafka_name(tmp_pa
         "security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-256", "sasl.username": "sluice",
         "sasl.password": "sasl-secret", "ssl.ca.location": str(tmp_path / "ca.pem"),
         "ssl.certificate.location": str(tmp_path / "client.crt"), "ssl.key.location": str(tmp_path / "client.key"),
-        "ssl.key.password": "key-secret",
+        "ssl.key.password": "key-secret", "metadata.recovery.rebootstrap.trigger.ms": REBOOTSTRAP_TRIGGER_MS,
     }
     assert cfg.kafka.client_settings() == {"bootstrap.servers": "k1:9093,k2:9093", **expected}
     remote = cfg.sender("to-b").remote
     assert remote is not None
     assert remote.client_settings() == {"bootstrap.servers": "r1:9094", **expected}
+
+
+def test_every_client_re_bootstraps_after_10_s_without_metadata_unless_the_passthrough_says_otherwise(
+        tmp_path: Path) -> None:
+    """librdkafka forgets a broker a metadata response leaves out (a fenced single-node KRaft broker after a
+    pause); with all of them forgotten a group member and a transactional producer wait for the re-bootstrap,
+    which Sluice starts after 10 s instead of librdkafka's 300 s.  A site that wants another figure says so."""
+    cfg = write(tmp_path, site(tmp_path))
+    assert REBOOTSTRAP_TRIGGER_MS == 10_000
+    assert cfg.kafka.client_settings()["metadata.recovery.rebootstrap.trigger.ms"] == 10_000
+    own = write(tmp_path, site(tmp_path, librdkafka={"metadata.recovery.rebootstrap.trigger.ms": 60_000}))
+    assert own.kafka.client_settings()["metadata.recovery.rebootstrap.trigger.ms"] == 60_000
 
 
 @pytest.mark.parametrize("section", ["kafka", "remote"])

@@ -46,6 +46,17 @@ _OAUTHBEARER_FIELDS = ("sasl_oauthbearer_method", *_OIDC_FIELDS, "sasl_oauthbear
 _KERBEROS_FIELDS = ("sasl_kerberos_service_name", "sasl_kerberos_principal", "sasl_kerberos_keytab",
                     "sasl_kerberos_kinit_cmd")
 #: RFC 7628 §3.1: an extension's key is letters only, and "auth" is the token's own.
+#: librdkafka's ``metadata.recovery.rebootstrap.trigger.ms`` on every client, unless the connection's
+#: ``librdkafka:`` passthrough sets it: after this long with no metadata from any broker, the client
+#: starts again from ``bootstrap.servers``.  librdkafka forgets a broker that a metadata response leaves
+#: out, as a broker of a single-node KRaft cluster is while fenced after a pause; with every broker
+#: forgotten, a group member then looks for its coordinator among no brokers, and a transactional
+#: producer's ``send_offsets_to_transaction`` waits for a coordinator it no longer connects to
+#: (confluentinc/librdkafka#5511), until the re-bootstrap, 300 s by default.  Measured on the paused
+#: broker gateway test: a receiver left out of its group for good in 2 of 12 runs at 300 s; at 10 s
+#: every member is back within seconds of the broker.
+REBOOTSTRAP_TRIGGER_MS = 10_000
+
 _EXTENSION_KEY = re.compile(r"^[A-Za-z]+$")
 _URL = re.compile(r"^https?://[^\s/?#]+[^\s]*$")
 #: AWS's region names: us-east-1, eu-central-2, us-gov-west-1, cn-north-1, ap-southeast-4 …
@@ -215,6 +226,7 @@ class KafkaConnection(_Model):
         settings: dict[str, Any] = {
             "bootstrap.servers": self.bootstrap_servers,
             "security.protocol": self.security_protocol,
+            "metadata.recovery.rebootstrap.trigger.ms": REBOOTSTRAP_TRIGGER_MS,
         }
         if self.sasl_mechanism is not None:
             settings["sasl.mechanism"] = self.sasl_mechanism
@@ -241,7 +253,7 @@ class KafkaConnection(_Model):
         ssl_key_password = self._secret("ssl_key_password")
         if ssl_key_password is not None:
             settings["ssl.key.password"] = ssl_key_password
-        # Last, though no key can collide: the passthrough refuses every property set above.
+        # Last: the passthrough refuses every property set above but the re-bootstrap trigger, a default.
         settings.update(revealed(self.librdkafka))
         return settings
 
