@@ -154,7 +154,8 @@ class KafkaConnection(_Model):
         default_factory=dict, description="other librdkafka properties for every client of this connection "
         "(name: value), e.g. ssl.endpoint.identification.algorithm or compression.type; an unknown name, a value "
         "librdkafka would refuse, and a property Sluice sets itself are errors (docs/kafka-logins.md); "
-        "producer-only properties reach producers only, consumer-only ones consumers only")
+        "producer-only properties reach producers only, consumer-only ones consumers only; "
+        "metadata.recovery.rebootstrap.trigger.ms is 10000 unless set here")
 
     @field_validator("bootstrap_servers")
     @classmethod
