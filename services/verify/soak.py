@@ -315,9 +315,8 @@ def run_soak(*, seed: int, minutes: float, faults: list[str], interval_s: float,
     finally:
         if client is not None and not client.closed:
             client.close()
-        if not ok:
-            dumped = sites.dump_stacks()
-            time.sleep(0.5 if dumped else 0.0)
+        if not ok and sites.dump_stacks():
+            time.sleep(0.5)  # the stacks reach the logs before the services stop
         sites.stop()
         if own_dir and ok:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -45,11 +45,10 @@ _OIDC_FIELDS = ("sasl_oauthbearer_client_id", "sasl_oauthbearer_client_secret",
 _OAUTHBEARER_FIELDS = ("sasl_oauthbearer_method", *_OIDC_FIELDS, "sasl_oauthbearer_config", "aws_region")
 _KERBEROS_FIELDS = ("sasl_kerberos_service_name", "sasl_kerberos_principal", "sasl_kerberos_keytab",
                     "sasl_kerberos_kinit_cmd")
-#: RFC 7628 §3.1: an extension's key is letters only, and "auth" is the token's own.
 #: librdkafka's ``metadata.recovery.rebootstrap.trigger.ms`` on every client, unless the connection's
 #: ``librdkafka:`` passthrough sets it: after this long with no metadata from any broker, the client
 #: starts again from ``bootstrap.servers``.  librdkafka forgets a broker that a metadata response leaves
-#: out, as a broker of a single-node KRaft cluster is while fenced after a pause; with every broker
+#: out, as the only broker of a single-node cluster can be right after a pause; with every broker
 #: forgotten, a group member then looks for its coordinator among no brokers, and a transactional
 #: producer's ``send_offsets_to_transaction`` waits for a coordinator it no longer connects to
 #: (confluentinc/librdkafka#5511), until the re-bootstrap, 300 s by default.  Measured on the paused
@@ -57,6 +56,7 @@ _KERBEROS_FIELDS = ("sasl_kerberos_service_name", "sasl_kerberos_principal", "sa
 #: every member is back within seconds of the broker.
 REBOOTSTRAP_TRIGGER_MS = 10_000
 
+#: RFC 7628 §3.1: an extension's key is letters only, and "auth" is the token's own.
 _EXTENSION_KEY = re.compile(r"^[A-Za-z]+$")
 _URL = re.compile(r"^https?://[^\s/?#]+[^\s]*$")
 #: AWS's region names: us-east-1, eu-central-2, us-gov-west-1, cn-north-1, ap-southeast-4 …
