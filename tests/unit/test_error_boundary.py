@@ -299,9 +299,9 @@ def test_the_receiver_refuses_an_event_failing_for_good_instead_of_retrying_it_f
     an exception of the ack; the others applied.  Before, every SluiceError was retried: the lane wedged."""
     from test_remote_batch import event, handed, keys_in
 
-    from sluice.receiver import service as receiver_module
+    from sluice.receiver import routing as routing_module
 
-    monkeypatch.setattr(receiver_module, "APPLY_BACKOFF_FIRST_S", 0.0)
+    monkeypatch.setattr(routing_module, "APPLY_BACKOFF_FIRST_S", 0.0)
     keys = keys_in("http://x", 3)
     requests: list[list[str]] = []
 

@@ -30,6 +30,7 @@ from sluice.receiver.protocol import (
     ReceiverProtocol,
     failure_action,
 )
+from sluice.receiver.routing import OwnerRouting
 from sluice.receiver.service import ReceiverService
 
 TOPIC = "b.gateway.inbound"
@@ -301,25 +302,28 @@ class _Client:
         raise self.error
 
 
-def _receiver(tmp_path: Any, client: _Client) -> ReceiverService:
+def _routing(tmp_path: Any, client: _Client) -> OwnerRouting:
+    """A receiver's routing (routing.py) of a site file's receiver section, its requests ``client``'s."""
     from test_lifecycle import _site
 
     from sluice.core.config import load_config
 
-    receiver = ReceiverService(load_config(_site(tmp_path)))
-    receiver._client = client  # type: ignore[assignment]
-    receiver._record = lambda batch, value, part, traces: bytes(len(part))  # type: ignore[method-assign]
-    return receiver
+    cfg = load_config(_site(tmp_path))
+    receiver = ReceiverService(cfg)
+    routing = OwnerRouting(cfg, client, None, None,  # type: ignore[arg-type]
+                           refresh=lambda: None, count=receiver._count, alert_unauthorized=receiver._alert_unauthorized)
+    routing._record = lambda batch, value, part, traces: bytes(len(part))  # type: ignore[method-assign]
+    return routing
 
 
 def test_applying_a_batch_does_not_retry_an_error_that_is_not_retriable(tmp_path: Any) -> None:
     """``_settle``: the request is halved until each event stands alone, each refused; none sent twice."""
     client = _Client(KafkaFatal("the record cannot be written"))
-    receiver = _receiver(tmp_path, client)
+    routing = _routing(tmp_path, client)
     batch = SimpleNamespace(batch_id=1, source_dsid=1, bodies=[b"?", b"?"])
     applied = Applied()
     buckets: list[tuple[str, int] | None] = [("orders", 0)] * 2
-    receiver._settle(batch, b"", "http://owner", [0, 1], buckets, [None, None], applied,  # type: ignore[arg-type]
+    routing._settle(batch, b"", "http://owner", [0, 1], buckets, [None, None], applied,  # type: ignore[arg-type]
                      threading.Event())
     assert client.calls == [2, 1, 1] and sorted(applied.exceptions) == [0, 1]
     assert {e["exception_class"] for e in applied.exceptions.values()} == {"KafkaFatal"}
@@ -328,20 +332,19 @@ def test_applying_a_batch_does_not_retry_an_error_that_is_not_retriable(tmp_path
 def test_applying_a_batch_retries_a_retriable_error(tmp_path: Any) -> None:
     """The same events go again (until stopped), noted as possibly applied unanswered."""
     client = _Client(BrokerUnavailable("the owner is away"))
-    receiver = _receiver(tmp_path, client)
+    routing = _routing(tmp_path, client)
     batch = SimpleNamespace(batch_id=1, source_dsid=1, bodies=[b"?", b"?"])
     applied = Applied()
     stop = threading.Event()
-    receiver._refresh_directory = lambda: None  # type: ignore[method-assign]
 
     def owners(batch: Any, indexes: list[int], buckets: Any, stop_: threading.Event) -> dict[str, list[int]]:
         stop.set()  # routed again for the next attempt (a retry decided): then stopped
         return {"http://owner": indexes}
 
-    receiver._owners = owners  # type: ignore[method-assign]
+    routing._owners = owners  # type: ignore[method-assign]
     with pytest.raises(Stopping):
         buckets: list[tuple[str, int] | None] = [("orders", 0)] * 2
-        receiver._settle(batch, b"", "http://owner", [0, 1], buckets, [None, None], applied,  # type: ignore[arg-type]
+        routing._settle(batch, b"", "http://owner", [0, 1], buckets, [None, None], applied,  # type: ignore[arg-type]
                          stop)
     assert client.calls == [2] and applied.unanswered == {0, 1} and applied.exceptions == {}
 

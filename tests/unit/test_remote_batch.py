@@ -27,7 +27,8 @@ from sluice.core.errors import InvalidRequest, NotOwner, SluiceError
 from sluice.core.events import EntryEvent, EventID, Operation, VersionTag
 from sluice.core.eventwire import entry_event_body, gateway_batch, gateway_batch_v2, read_gateway_batch
 from sluice.core.kafka import partition_for_key
-from sluice.receiver import service as receiver_module
+from sluice.receiver import routing as routing_module
+from sluice.receiver.routing import OwnerRouting
 from sluice.receiver.service import ReceiverService
 from sluice.region.engine import OpResult
 from sluice.region.engine import Operation as EngineOperation
@@ -309,18 +310,21 @@ def handed(events: list[EntryEvent], owners: dict[int, str], answer: Any,
     receiver = ReceiverService(RECEIVING, member_id="b-receiver-test")
     directory = Owners(dict(owners))
     owner = Owner(answer)
-    receiver._client = owner  # type: ignore[assignment]
-    receiver._directory = directory  # type: ignore[assignment]
-    if moves:
-        receiver._refresh_directory = lambda: directory.table.update(moves)  # type: ignore[method-assign]
+    routing = routing_of(receiver, owner, directory, refresh=lambda: directory.table.update(moves or {}))
     value = batch(events)
     view = read_gateway_batch(get_codec(), value)
-    return receiver._apply(view, value, threading.Event(), [None] * len(events)), owner, receiver, value
+    return routing.apply(view, value, threading.Event(), [None] * len(events)), owner, receiver, value
+
+
+def routing_of(receiver: ReceiverService, owner: "Owner", directory: "Owners", refresh: Any = lambda: None) -> Any:
+    """The receiver's routing (as ``ReceiverService.start`` makes it) with ``owner`` for its client."""
+    return OwnerRouting(RECEIVING, owner, directory, get_codec().header("GatewayBatch"),  # type: ignore[arg-type]
+                        refresh=refresh, count=receiver._count, alert_unauthorized=receiver._alert_unauthorized)
 
 
 @pytest.fixture(autouse=True)
 def no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(receiver_module, "APPLY_BACKOFF_FIRST_S", 0.0)
+    monkeypatch.setattr(routing_module, "APPLY_BACKOFF_FIRST_S", 0.0)
 
 
 def keys_in(owner_url: str, n: int) -> list[str]:
@@ -404,10 +408,9 @@ def test_events_the_receiver_cannot_route_are_exceptions_without_a_request() -> 
     bodies = [entry_event_body(event(good, 0)), entry_event_body(event("k", 1, region="nowhere")), b"\x02"]
     receiver = ReceiverService(RECEIVING, member_id="b-receiver-test")
     owner = Owner(lambda url, keys: {})
-    receiver._client = owner  # type: ignore[assignment]
-    receiver._directory = Owners({b: "http://x" for b in range(8)})  # type: ignore[assignment]
+    routing = routing_of(receiver, owner, Owners({b: "http://x" for b in range(8)}))
     value = batch([], bodies=bodies)
-    applied = receiver._apply(read_gateway_batch(get_codec(), value), value, threading.Event(), [None] * 3)
+    applied = routing.apply(read_gateway_batch(get_codec(), value), value, threading.Event(), [None] * 3)
     assert {i: e["exception_class"] for i, e in applied.exceptions.items()} == {1: "UnknownRegion",
                                                                                2: "MalformedRecord"}
     assert applied.exceptions[1]["event_id"]["sequence_id"] == 1
