@@ -68,7 +68,6 @@ import argparse
 import collections
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
@@ -77,7 +76,6 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-import uvicorn
 from fastapi import FastAPI, Path as PathParam, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
@@ -88,7 +86,8 @@ from ..core.errors import ConfigError, InvalidRequest, SluiceError
 from ..core.kafka import make_admin
 from ..core.webguard import bearer_matches, digest, forgery_problem, host_and_port, is_loopback
 from ..core.health import liveness
-from ..core.lifecycle import Service, ServiceState
+from ..core.servicecli import serve_http
+from ..core.lifecycle import Service
 from ..core.statusread import kind_of
 from . import statusdoc
 from .clean import NotStopped, issuer, plan_clean
@@ -502,36 +501,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"sluice admin serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
     host, port = sock.getsockname()[:2]
-    server = uvicorn.Server(uvicorn.Config(create_app(sampler, token, loopback_only=loopback_only), log_level="warning",
-                                           access_log=False, lifespan="off", timeout_graceful_shutdown=5))
 
-    def on_signal(signum: int, _frame: Any) -> None:
-        server.should_exit = True
+    def announce() -> None:
+        shown = f"[{host}]" if ":" in host else host
+        print(f"admin page on http://{shown}:{port}/ (site {cfg.site}, dsid {cfg.dsid}; "
+              f"{'bearer token required' if token else 'no token'})", flush=True)
+        if token is None and not loopback_only:
+            log.warning("serving on %s with no token (--allow-unauthenticated): anyone who reaches it can pause or "
+                        "stop the site's queues", args.host)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
-    # Our handlers route both signals to should_exit; uvicorn must not replace them.
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-
-    def watch_crash() -> None:
-        # The sampler's stop flag is set by its crash (and by the stop below, when the server has ended).
-        sampler.stopping.wait()
-        if sampler.state is ServiceState.CRASHED:
-            server.should_exit = True
-
-    sampler.start()
-    shown = f"[{host}]" if ":" in host else host
-    print(f"admin page on http://{shown}:{port}/ (site {cfg.site}, dsid {cfg.dsid}; "
-          f"{'bearer token required' if token else 'no token'})", flush=True)
-    if token is None and not loopback_only:
-        log.warning("serving on %s with no token (--allow-unauthenticated): anyone who reaches it can pause or "
-                    "stop the site's queues", args.host)
-    threading.Thread(target=watch_crash, name="crash-watch", daemon=True).start()
-    try:
-        server.run(sockets=[sock])
-    finally:
-        sampler.stop()
-    if sampler.state is ServiceState.CRASHED:
-        print(f"sluice admin serve: crashed: {sampler.crash!r}", file=sys.stderr)
-        return 1
-    return 0
+    return serve_http("admin serve", sampler, create_app(sampler, token, loopback_only=loopback_only), sock, announce)

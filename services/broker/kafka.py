@@ -198,7 +198,7 @@ class BrokerProcess:
         self,
         site: str,
         port: int,
-        data_dir: Path,
+        data_dir: Path | str | None,
         *,
         start_timeout_s: float,
         stop_timeout_s: float,
@@ -206,7 +206,9 @@ class BrokerProcess:
     ) -> None:
         self.site = check_site_name(site)
         self.port = port if port else free_ports(1)[0]
-        self.data_dir = data_dir.expanduser().resolve()
+        #: None: the engine's folder under the site's (``default_data_dir``).
+        chosen = Path(data_dir) if data_dir is not None else default_data_dir(self.site, self.engine)
+        self.data_dir = chosen.expanduser().resolve()
         #: Broker stdout and stderr, appended across restarts.
         self.log_path = self.data_dir.parent / f"{self.data_dir.name}.log"
         self.start_timeout_s = start_timeout_s
@@ -487,15 +489,8 @@ class EmbeddedKafka(BrokerProcess):
         stop_timeout_s: float = 15.0,
         die_with_parent: bool = True,
     ) -> None:
-        chosen = Path(data_dir) if data_dir is not None else default_data_dir(check_site_name(site), "kafka")
-        super().__init__(
-            site,
-            port,
-            chosen,
-            start_timeout_s=start_timeout_s,
-            stop_timeout_s=stop_timeout_s,
-            die_with_parent=die_with_parent,
-        )
+        super().__init__(site, port, data_dir, start_timeout_s=start_timeout_s, stop_timeout_s=stop_timeout_s,
+                         die_with_parent=die_with_parent)
         if controller_port:
             self.controller_port = controller_port
         else:

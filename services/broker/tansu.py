@@ -27,7 +27,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from sluice.broker.kafka import BrokerProcess, check_site_name, default_data_dir
+from sluice.broker.kafka import BrokerProcess
 from sluice.core.errors import BrokerStartError
 
 MEMORY_STORAGE = "memory://tansu/"
@@ -94,15 +94,8 @@ class EmbeddedTansu(BrokerProcess):
         stop_timeout_s: float = 10.0,
         die_with_parent: bool = True,
     ) -> None:
-        chosen = Path(data_dir) if data_dir is not None else default_data_dir(check_site_name(site), "tansu")
-        super().__init__(
-            site,
-            port,
-            chosen,
-            start_timeout_s=start_timeout_s,
-            stop_timeout_s=stop_timeout_s,
-            die_with_parent=die_with_parent,
-        )
+        super().__init__(site, port, data_dir, start_timeout_s=start_timeout_s, stop_timeout_s=stop_timeout_s,
+                         die_with_parent=die_with_parent)
         self.binary = find_tansu_binary(binary)
         self.cluster_id = cluster_id or f"sluice-{site}"
         self.storage_engine = storage_engine

@@ -8,7 +8,9 @@ import faulthandler
 import gc
 import os
 import signal
+import socket
 import sys
+import threading
 from typing import Any, Callable
 
 from . import telemetry
@@ -27,6 +29,26 @@ def add_service_parser(subparsers: Any, command: str, *, help: str, description:
     )
     add_site_options(parser)
     return parser
+
+
+def add_loop_service(subparsers: Any, command: str, build: Callable[[SiteConfig, argparse.Namespace], Any],
+                     banner: Callable[[Any, SiteConfig, argparse.Namespace], str], **texts: str) -> argparse.ArgumentParser:
+    """A loop service's command (``add_service_parser`` with ``texts``: help, description, example),
+    run by ``run_loop_service``: ``build(cfg, args)`` makes the service, ``banner(service, cfg, args)``
+    is the line that says it started.  The caller adds the command's own options to the parser."""
+    parser = add_service_parser(subparsers, command, **texts)
+
+    def run(args: argparse.Namespace) -> int:
+        return run_loop_service(command, args, lambda cfg: build(cfg, args),
+                                lambda service, cfg: banner(service, cfg, args))
+
+    parser.set_defaults(func=run)
+    return parser
+
+
+def member_banner(kind: str) -> Callable[[Any, SiteConfig, argparse.Namespace], str]:
+    """The started line of a service known by its member id: ``receiver ID of site a (dsid 1)``."""
+    return lambda service, cfg, args: f"{kind} {service.member_id} of site {cfg.site} (dsid {cfg.dsid})"
 
 
 def add_site_options(parser: argparse.ArgumentParser) -> None:
@@ -111,8 +133,15 @@ def load_site(args: argparse.Namespace) -> SiteConfig:
 def run_loop_service(command: str, args: argparse.Namespace, build: Callable[[SiteConfig], Any],
                      banner: Callable[[Any, SiteConfig], str]) -> int:
     """Start a loop service (``start()``, ``run()``, ``stop()``), announce it with one line on
-    stdout, and run it until SIGTERM or Ctrl-C.  Exit status: 0 stopped, 1 crashed or could not
-    start, 2 bad configuration.
+    stdout, and run it until SIGTERM or Ctrl-C (``run_service``)."""
+    return run_service(command, args, build, lambda service, cfg: _run_started(command, service, cfg, banner))
+
+
+def run_service(command: str, args: argparse.Namespace, build: Callable[[SiteConfig], Any],
+                serve: Callable[[Any, SiteConfig], int]) -> int:
+    """A service command: logging and telemetry from the flags, the site file, the service
+    ``build(cfg)`` makes, then ``serve(service, cfg)``'s exit status.  Exit status: 0 stopped,
+    1 crashed or could not start, 2 bad configuration (or flags).
 
     /healthz, /readyz and /metrics are served (``serve_health``) from before
     ``start()``, so probes see a starting service as alive and not ready."""
@@ -138,9 +167,51 @@ def run_loop_service(command: str, args: argparse.Namespace, build: Callable[[Si
         print(f"sluice {command}: cannot serve /metrics on port {port}: {exc}", file=sys.stderr)
         return 2
     try:
-        return _run_started(command, service, cfg, banner)
+        return serve(service, cfg)
     finally:
         stop_telemetry(health)
+
+
+def serve_http(command: str, service: Any, app: Any, sock: socket.socket, announce: Callable[[], None]) -> int:
+    """Start ``service``, serve ``app`` on the bound ``sock`` (uvicorn, in this thread) and stop the
+    service when the server ends: on SIGTERM or Ctrl-C, or once the service stops on its own (its
+    crash sets its stop flag, core/lifecycle.py).  ``announce()`` prints its banner once it started.
+    Exit status: 0 stopped, 1 could not start or crashed."""
+    import uvicorn  # only the HTTP services need it
+
+    # log_config=None: uvicorn's loggers go through the root handler, in text or JSON as the others.
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                           timeout_graceful_shutdown=5, log_config=None))
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        server.should_exit = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    # `kill -USR1 PID` prints every thread's stack to stderr, for operators.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # Our handlers route both signals to should_exit; uvicorn must not replace them in serve().
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+
+    def watch_crash() -> None:
+        service.stopping.wait()
+        server.should_exit = True
+
+    try:
+        service.start()
+    except SluiceError as exc:
+        print(f"sluice {command}: cannot start: {exc}", file=sys.stderr)
+        return 1
+    announce()
+    threading.Thread(target=watch_crash, name="crash-watch", daemon=True).start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        service.stop()
+    if service.state.value == "crashed":
+        print(f"sluice {command}: crashed: {service.crash!r}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _run_started(command: str, service: Any, cfg: SiteConfig, banner: Callable[[Any, SiteConfig], str]) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.config import SiteConfig
-from ..core.servicecli import add_service_parser, run_loop_service
+from ..core.servicecli import add_loop_service
 from .service import DispatcherService
 
 EXAMPLE = """\
@@ -22,26 +22,19 @@ primary, and the other takes over when a primary dies.
 
 
 def add_parser(subparsers: Any) -> None:
-    p = add_service_parser(
-        subparsers, "dispatcher",
-        help="run a dispatcher of an async event queue (batches to its listener)",
-        description="Deliver the events of an async event queue in batches to its listener; a batch leaves "
-        "the queue only when the listener accepts it.",
-        example=EXAMPLE,
-    )
+    p = add_loop_service(subparsers, "dispatcher", _build, _banner, example=EXAMPLE,
+                         help="run a dispatcher of an async event queue (batches to its listener)",
+                         description="Deliver the events of an async event queue in batches to its listener; a "
+                         "batch leaves the queue only when the listener accepts it.")
     p.add_argument("--queue", required=True, metavar="ID", help="async event queue id from the site file")
-    p.set_defaults(func=run)
 
 
 #: Young objects between two collections of the youngest generation (Python's default: 700).
 GC_YOUNG_THRESHOLD = 10_000
 
 
-def run(args: argparse.Namespace) -> int:
-    return run_loop_service(
-        "dispatcher", args, lambda cfg: _build(cfg, args),
-        lambda service, cfg: f"dispatcher {service.member_id} of queue {args.queue} (site {cfg.site})",
-    )
+def _banner(service: DispatcherService, cfg: SiteConfig, args: argparse.Namespace) -> str:
+    return f"dispatcher {service.member_id} of queue {args.queue} (site {cfg.site})"
 
 
 def _build(cfg: SiteConfig, args: argparse.Namespace) -> DispatcherService:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
-from ..core.servicecli import add_service_parser, run_loop_service
+from ..core.servicecli import add_loop_service, member_banner
 from .service import ReceiverService
 
 EXAMPLE = """\
@@ -20,18 +19,9 @@ topic's partitions through a consumer group.
 
 
 def add_parser(subparsers: Any) -> None:
-    p = add_service_parser(
-        subparsers, "receiver",
-        help="run a gateway receiver (applies batches from remote sites)",
-        description="Apply gateway batches from remote sites through the local region service and acknowledge "
-        "them: duplicates discarded, WAN conflicts resolved, per-event exceptions reported.",
-        example=EXAMPLE,
-    )
-    p.set_defaults(func=run)
+    add_loop_service(subparsers, "receiver", lambda cfg, args: ReceiverService(cfg), member_banner("receiver"),
+                     example=EXAMPLE,
+                     help="run a gateway receiver (applies batches from remote sites)",
+                     description="Apply gateway batches from remote sites through the local region service and "
+                     "acknowledge them: duplicates discarded, WAN conflicts resolved, per-event exceptions reported.")
 
-
-def run(args: argparse.Namespace) -> int:
-    return run_loop_service(
-        "receiver", args, ReceiverService,
-        lambda service, cfg: f"receiver {service.member_id} of site {cfg.site} (dsid {cfg.dsid})",
-    )

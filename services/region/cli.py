@@ -3,29 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import faulthandler
-import signal
-import socket
-import sys
-import threading
 from typing import Any
 
-import uvicorn
-
 from ..core.config import SiteConfig
-from ..core.servicecli import (
-    add_service_parser,
-    install_telemetry,
-    load_site,
-    serve_health,
-    setup_logging,
-    stop_telemetry,
-    telemetry_options,
-    tune_gc,
-)
-from ..core.errors import ConfigError, SluiceError
+from ..core.errors import InvalidRequest
+from ..core.servicecli import add_service_parser, run_service, serve_http
 from .http import create_app
-from .service import RegionService, ServiceState
+from .service import RegionService
 
 EXAMPLE = """\
 example:
@@ -65,71 +49,23 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    options = telemetry_options("region", args)
-    if options is None:
-        return 2
-    fmt, metrics_port = options
-    setup_logging(args.log_level, fmt)
-    tune_gc()
-    try:
-        cfg = load_site(args)
-    except ConfigError as exc:
-        print(f"sluice region: {exc}", file=sys.stderr)
-        return 2
-    install_telemetry("region", cfg)
+    return run_service("region", args, lambda cfg: _build(cfg, args), _serve)
+
+
+def _build(cfg: SiteConfig, args: argparse.Namespace) -> RegionService:
+    """The instance, its socket bound (so its URL is known before it starts)."""
     service = RegionService(cfg, host=args.host, port=args.port, store_dir=args.store_dir)
     try:
-        sock = service.bind()
+        service.bind()
     except OSError as exc:
-        print(f"sluice region: cannot listen on {service.host}:{args.port}: {exc}", file=sys.stderr)
-        return 2
-    except ConfigError as exc:
-        print(f"sluice region: {exc}", file=sys.stderr)
-        return 2
-    try:
-        health = serve_health("region", service, cfg, metrics_port)
-    except OSError as exc:
-        print(f"sluice region: cannot serve /metrics on port {metrics_port}: {exc}", file=sys.stderr)
-        return 2
-    try:
-        return _serve(service, sock, cfg)
-    finally:
-        stop_telemetry(health)
+        port = args.port if args.port is not None else cfg.region_service.port
+        raise InvalidRequest("--port", port, f"cannot listen on {service.host}: {exc}") from exc
+    return service
 
 
-def _serve(service: RegionService, sock: socket.socket, cfg: SiteConfig) -> int:
-    # log_config=None: uvicorn's loggers go through the root handler, in text or JSON as the others.
-    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning", access_log=False,
-                                           lifespan="off", timeout_graceful_shutdown=5, log_config=None))
+def _serve(service: RegionService, cfg: SiteConfig) -> int:
+    def announce() -> None:
+        print(f"region service {service.instance_id} on {service.url} (site {cfg.site}, dsid {cfg.dsid})",
+              flush=True)
 
-    def on_signal(signum: int, _frame: Any) -> None:
-        server.should_exit = True
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
-    # `kill -USR1 PID` prints every thread's stack to stderr, for operators.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    # uvicorn installs its own handlers in serve(); ours stay because we run
-    # the server in this thread with signals already routed to should_exit.
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-
-    def watch_crash() -> None:
-        # A crash sets the service's stop flag (core/lifecycle.py), as a stop does: either ends the server.
-        service.stopping.wait()
-        server.should_exit = True
-
-    try:
-        service.start()
-    except SluiceError as exc:
-        print(f"sluice region: cannot start: {exc}", file=sys.stderr)
-        return 1
-    print(f"region service {service.instance_id} on {service.url} (site {cfg.site}, dsid {cfg.dsid})", flush=True)
-    threading.Thread(target=watch_crash, name="crash-watch", daemon=True).start()
-    try:
-        server.run(sockets=[sock])
-    finally:
-        service.stop()
-    if service.state is ServiceState.CRASHED:
-        print(f"sluice region: crashed: {service.crash!r}", file=sys.stderr)
-        return 1
-    return 0
+    return serve_http("region", service, create_app(service), service.bind(), announce)

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..core.config import SiteConfig
 from ..core.errors import InvalidRequest
-from ..core.servicecli import add_service_parser, run_loop_service
+from ..core.servicecli import add_loop_service
 from .service import GatewaySenderService
 
 EXAMPLE = """\
@@ -25,27 +25,24 @@ def add_parser(subparsers: Any) -> None:
         ("parallel-sender", True, "orders-to-site-b", "one primary per bucket"),
         ("serial-sender", False, "customers-to-site-b", "one primary per dispatcher thread's partition"),
     ):
-        p = add_service_parser(
-            subparsers, command,
+        p = add_loop_service(
+            subparsers, command, _build, _banner, example=EXAMPLE.format(command=command, sender=sender, what=what),
             help=f"run a {'parallel' if parallel else 'serial'} gateway sender (batches to a remote site)",
             description="Send a gateway sender's queue in batches to the remote site's receiver, through Kafka, "
             "and remove each batch once the remote site acknowledged it.",
-            example=EXAMPLE.format(command=command, sender=sender, what=what),
         )
         p.add_argument("--sender", required=True, metavar="ID", help="gateway sender id from the site file")
-        p.set_defaults(func=run, parallel=parallel, command=command)
+        p.set_defaults(parallel=parallel)
 
 
-def run(args: argparse.Namespace) -> int:
-    def build(cfg: SiteConfig) -> GatewaySenderService:
-        sender = cfg.sender(args.sender)
-        if sender.parallel is not args.parallel:
-            kind = "parallel" if sender.parallel else "serial"
-            raise InvalidRequest("--sender", args.sender, f"is a {kind} sender: run it with `sluice {kind}-sender`")
-        return GatewaySenderService(cfg, args.sender)
+def _build(cfg: SiteConfig, args: argparse.Namespace) -> GatewaySenderService:
+    sender = cfg.sender(args.sender)
+    if sender.parallel is not args.parallel:
+        kind = "parallel" if sender.parallel else "serial"
+        raise InvalidRequest("--sender", args.sender, f"is a {kind} sender: run it with `sluice {kind}-sender`")
+    return GatewaySenderService(cfg, args.sender)
 
-    return run_loop_service(
-        args.command, args, build,
-        lambda service, cfg: f"sender {service.member_id} of gateway sender {args.sender} to dsid "
-                             f"{service.remote_dsid} (site {cfg.site})",
-    )
+
+def _banner(service: GatewaySenderService, cfg: SiteConfig, args: argparse.Namespace) -> str:
+    return (f"sender {service.member_id} of gateway sender {args.sender} to dsid {service.remote_dsid} "
+            f"(site {cfg.site})")

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
-from ..core.servicecli import add_service_parser, run_loop_service
+from ..core.servicecli import add_loop_service, member_banner
 from .service import SubscriptionService
 
 EXAMPLE = """\
@@ -22,18 +21,9 @@ clients when it dies.  `sluice admin -c FILE status` lists the clients.
 
 
 def add_parser(subparsers: Any) -> None:
-    p = add_service_parser(
-        subparsers, "subscriptions",
-        help="run a subscription-service instance (client interest, durable and HA client queues)",
-        description="Feed subscribed clients: per-client queues in Kafka filled from the region changelogs by "
-        "interest, durable clients kept across disconnects, failover between instances.",
-        example=EXAMPLE,
-    )
-    p.set_defaults(func=run)
+    add_loop_service(subparsers, "subscriptions", lambda cfg, args: SubscriptionService(cfg), member_banner("subscriptions"),
+                     example=EXAMPLE,
+                     help="run a subscription-service instance (client interest, durable and HA client queues)",
+                     description="Feed subscribed clients: per-client queues in Kafka filled from the region "
+                     "changelogs by interest, durable clients kept across disconnects, failover between instances.")
 
-
-def run(args: argparse.Namespace) -> int:
-    return run_loop_service(
-        "subscriptions", args, SubscriptionService,
-        lambda service, cfg: f"subscriptions {service.member_id} of site {cfg.site} (dsid {cfg.dsid})",
-    )
