@@ -566,7 +566,7 @@ def read_to_end(consumer: Consumer, topic: str, partition: int = 0, deadline_s: 
     be whole.
     """
     tp = TopicPartition(topic, partition)
-    low, high = consumer.get_watermark_offsets(tp, timeout=10)
+    low, high = watermarks(consumer, tp)
     if start is not None:
         low = max(low, start)
     if high <= low:
@@ -587,6 +587,29 @@ def read_to_end(consumer: Consumer, topic: str, partition: int = 0, deadline_s: 
             position = max(position, consumed_position(consumer, tp))
     finally:
         consumer.unassign()
+
+
+#: watermarks: how long one request may take, how long a retriable refusal is asked again, the pause between.
+WATERMARKS_REQUEST_S = 10.0
+WATERMARKS_RETRY_DEADLINE_S = 10.0
+WATERMARKS_RETRY_PAUSE_S = 0.1
+
+
+def watermarks(consumer: Consumer, tp: TopicPartition) -> tuple[int, int]:
+    """``tp``'s low and high watermarks, asked again for ``WATERMARKS_RETRY_DEADLINE_S`` while the
+    broker refuses retriably: a topic created a moment ago whose partition has no leader yet ('Not
+    leader for partition'), a leader moving.  Any other failure, or one past the deadline, raises."""
+    deadline = time.monotonic() + WATERMARKS_RETRY_DEADLINE_S
+    while True:
+        try:
+            low, high = consumer.get_watermark_offsets(tp, timeout=WATERMARKS_REQUEST_S)
+            return int(low), int(high)
+        except KafkaException as exc:
+            refusal = translate(exc, f"{tp.topic}[{tp.partition}] watermarks")
+            if not refusal.retriable or time.monotonic() >= deadline:
+                raise
+            log.info("%s; asking again", refusal)
+            time.sleep(WATERMARKS_RETRY_PAUSE_S)
 
 
 def consumed_position(consumer: Consumer, tp: TopicPartition) -> int:
