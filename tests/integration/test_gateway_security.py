@@ -33,7 +33,7 @@ from sluice.client import RegionClient
 from sluice.core import sitekeys
 from sluice.core.codec import MARKER, get_codec, schema_dir
 from sluice.core.config import load_config
-from sluice.core.kafka import partition_for_key
+from sluice.core.kafka import consumed_position, partition_for_key
 from sluice.core.processes import ReceiverProcess, RegionProcess, SenderProcess
 from sluice.core.signing import SIGNATURE_HEADER, SIGNER_HEADER, Signer, Verifier, sign
 from sluice.core.topics import apply_topics
@@ -117,13 +117,15 @@ def _read(bootstrap: str, topic: str, partitions: int) -> list[Record]:
             low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
             if high <= low:
                 continue
-            consumer.assign([TopicPartition(topic, p, low)])
-            last, end = low - 1, time.monotonic() + 30
-            while last < high - 1 and time.monotonic() < end:
+            tp = TopicPartition(topic, p, low)
+            consumer.assign([tp])
+            # Up to the end by the consumer's position, not the last record's offset: a transaction's
+            # commit marker (the region's changelog) takes the last offset and is never delivered.
+            end = time.monotonic() + 30
+            while consumed_position(consumer, tp) < high and time.monotonic() < end:
                 for msg in consumer.consume(1000, 0.05):
                     if msg.error() is None:
                         out.append((p, msg.value(), msg.headers() or []))
-                        last = msg.offset()
             consumer.unassign()
     finally:
         consumer.close()
