@@ -217,6 +217,12 @@ def read_topic(bootstrap: str, topic: str, partitions: int,
                isolation_level: str = "read_committed") -> list[tuple[int, int, bytes | None]]:
     """Every record of a topic: (partition, offset, value), partition by partition; committed records
     only unless ``isolation_level`` is read_uncommitted."""
+    return [(p, offset, value) for p, offset, value, _ in read_records(bootstrap, topic, partitions, isolation_level)]
+
+
+def read_records(bootstrap: str, topic: str, partitions: int, isolation_level: str = "read_committed",
+                 ) -> list[tuple[int, int, bytes | None, list[tuple[str, bytes]]]]:
+    """``read_topic`` with each record's headers: (partition, offset, value, headers)."""
     consumer = Consumer({
         "bootstrap.servers": bootstrap,
         "group.id": "sluice-test-reader",
@@ -225,7 +231,7 @@ def read_topic(bootstrap: str, topic: str, partitions: int,
         "auto.offset.reset": "earliest",
         "isolation.level": isolation_level,
     })
-    out: list[tuple[int, int, bytes | None]] = []
+    out: list[tuple[int, int, bytes | None, list[tuple[str, bytes]]]] = []
     try:
         for p in range(partitions):
             low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
@@ -240,7 +246,7 @@ def read_topic(bootstrap: str, topic: str, partitions: int,
                 # consume() waits its whole timeout for a partial batch: keep it short.
                 for msg in consumer.consume(1000, 0.05):
                     if msg.error() is None:
-                        out.append((p, msg.offset(), msg.value()))
+                        out.append((p, msg.offset(), msg.value(), msg.headers() or []))
                         position = max(position, msg.offset() + 1)
                 position = max(position, consumed_position(consumer, TopicPartition(topic, p)))
             assert position >= high, f"{topic}[{p}]: read to {position} of {high} in 60 s"

@@ -26,19 +26,19 @@ import fastavro
 import httpx
 import pytest
 import yaml
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Producer
 from fastavro.schema import fingerprint, to_parsing_canonical_form
 
 from sluice.client import RegionClient
 from sluice.core import sitekeys
 from sluice.core.codec import MARKER, get_codec, schema_dir
 from sluice.core.config import load_config
-from sluice.core.kafka import consumed_position, partition_for_key
+from sluice.core.kafka import partition_for_key
 from sluice.core.processes import ReceiverProcess, RegionProcess, SenderProcess
 from sluice.core.signing import SIGNATURE_HEADER, SIGNER_HEADER, Signer, Verifier, sign
 from sluice.core.topics import apply_topics
 
-from regionkit import remote, write_two_sites
+from regionkit import read_records, remote, write_two_sites
 from waiting import wait_for
 
 pytestmark = pytest.mark.timeout(240)
@@ -108,28 +108,8 @@ def _produce(bootstrap: str, topic: str,
 
 
 def _read(bootstrap: str, topic: str, partitions: int) -> list[Record]:
-    """(partition, value, headers) of every record of a topic."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "sluice-test-reader",
-                         "enable.auto.commit": False, "fetch.wait.max.ms": 10})
-    out: list[Record] = []
-    try:
-        for p in range(partitions):
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
-            if high <= low:
-                continue
-            tp = TopicPartition(topic, p, low)
-            consumer.assign([tp])
-            # Up to the end by the consumer's position, not the last record's offset: a transaction's
-            # commit marker (the region's changelog) takes the last offset and is never delivered.
-            end = time.monotonic() + 30
-            while consumed_position(consumer, tp) < high and time.monotonic() < end:
-                for msg in consumer.consume(1000, 0.05):
-                    if msg.error() is None:
-                        out.append((p, msg.value(), msg.headers() or []))
-            consumer.unassign()
-    finally:
-        consumer.close()
-    return out
+    """(partition, value, headers) of every record of a topic (committed ones: the changelog is transactional)."""
+    return [(p, value, headers) for p, _, value, headers in read_records(bootstrap, topic, partitions)]
 
 
 def _wait(what: str, check: Callable[[], Any], timeout_s: float = 60) -> Any:
