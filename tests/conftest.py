@@ -281,9 +281,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
 #: ``site_b``: the few tests that need a second Kafka cluster run on one worker, so that one worker starts it
 #: (about 4.5 CPU-seconds to format and start, ~210 MB and 3 % of a core while idle), not every worker (issue 21);
 #: tests/pipelines' reconciliation, in the ``spark`` group, starts one more there.  ``registry``: one Apicurio
-#: Registry (a JVM, 7-16 s to start on a busy machine) for test_schema_registry and test_site_framing.
+#: Registry (a JVM, 7-16 s to start on a busy machine) for test_schema_registry and test_site_framing; it goes
+#: before ``site_b``, so the one test taking both starts a second cluster there rather than a second registry.
 XDIST_GROUP_BY_FOLDER = {"pipelines": "spark", "helm": "helm"}
-XDIST_GROUP_BY_FIXTURE = {"postgres": "postgres", "site_b": "site_b", "registry": "registry"}
+XDIST_GROUP_BY_FIXTURE = {"postgres": "postgres", "registry": "registry", "site_b": "site_b"}
 TESTS_ROOT = Path(__file__).resolve().parent
 
 
