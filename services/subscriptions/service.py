@@ -54,8 +54,8 @@ A primary's loop, one thread:
 The primary's decisions (whose clients, where each partition fills from,
 which client gets which event, when a client is answered, marked or
 unregistered, what a checkpoint says) are ``protocol.py``'s, a pure protocol
-with no Kafka, thread or clock; this module reads the tables, writes and
-deletes as it says.
+with no Kafka, thread or clock; this module (with tables.py, which reads
+the tables) writes and deletes as it says.
 
 Trust (issue 17).  The registry and the acks are written by clients, so no
 record of them is acted on before it passes the checks of
@@ -95,17 +95,10 @@ from typing import Any, Callable
 from ..core import telemetry
 from ..core.clientregistry import (
     MAXIMUM_MESSAGE_COUNT,
-    RESTORED,
     UNREGISTERED,
     bearer,
-    check_ack,
-    check_authorized,
-    check_checkpoint,
-    check_key,
-    check_registration,
     configured_token,
     create_queue,
-    header_value,
     is_client_queue,
     queue_topic_problem,
     registry_partition,
@@ -115,11 +108,9 @@ from ..core.framing import frames_for
 from ..core.config import SiteConfig
 from ..core.errors import (
     CodecError,
-    InvalidRequest,
     KafkaCallFailed,
     RegistryUnavailable,
     SluiceError,
-    TablesBehind,
     TopicMissing,
 )
 from ..core.events import REGION_OPERATIONS, EntryEvent, Operation
@@ -146,6 +137,7 @@ from ..core.kafka import (
 from ..core.lifecycle import Service, ServiceState
 from ..core.loop import PartitionLoop
 from .protocol import Client, SubscriptionProtocol, Unregister
+from .tables import SubscriptionTables
 
 log = logging.getLogger("sluice.subscriptions")
 
@@ -174,20 +166,9 @@ TURN_SEND_WAIT_S = 0.005
 QUEUE_MISSING = TOPIC_MISSING
 #: The longest a registration's answer waits for the fill to reach the changelogs' ends.
 CATCH_UP_S = 10.0
-#: How many refusals the service remembers having answered (so each is answered once).
-REFUSALS_REMEMBERED = 4096
-#: How long a refusal waits to be answered: for the client's queue topic to be seen (the client
-#: creates it just before it registers), or for this instance to become its partition's primary.
-REFUSAL_ANSWER_WAIT_S = 60.0
 #: How long the producer may take to deliver what it holds at shutdown.
 FLUSH_DEADLINE_S = 10.0
-#: How long reading the registry, acks and fill tables may take (at start: their partitions' leaders
-#: may still be moving, a retriable failure tried again within it), and the pause between tries.
-READ_TABLES_S = 30.0
-READ_TABLES_RETRY_S = 0.2
-#: How long one read of the subscription tables waits for records while it reads them to their end.
-READ_TABLES_WAIT_S = 0.05
-#: How long asking the broker for one partition's end offset may take: a changelog's or a table's.
+#: How long asking the broker for one changelog partition's end offset may take.
 END_OFFSET_DEADLINE_S = 10.0
 #: The same for a client queue's end (its bound, its size in an alert): best effort, so shorter.
 QUEUE_END_DEADLINE_S = 5.0
@@ -218,7 +199,6 @@ TRIM_DEADLINE_S = 5.0
 #: The hot path's boundary: a write to a client's queue that fails goes on through ``_produce_to``.
 _WRITING_QUEUE = kafka_errors("writing to a client queue")
 _READING_CHANGELOGS = kafka_errors("reading the region changelogs")
-_READING_TABLES = kafka_errors("reading the subscription tables")
 
 
 #: The protocol's client, under the name the service's tests know.
@@ -250,9 +230,6 @@ class SubscriptionService(Service):
         #: Reads changelog records of either framing (core/framing.py): the site's serializer may be confluent.
         self._frames = frames_for(cfg)
         self._message_header = self._codec.header("ClientMessage")
-        # Tables (every instance reads them whole; the fill checkpoints are the protocol's).
-        self.registry: dict[str, dict[str, Any]] = {}
-        self.acks: dict[str, dict[str, Any]] = {}
         self._reposition = False
         self._delivery_failed: str | None = None
         self._missing_queues: set[str] = set()
@@ -266,10 +243,14 @@ class SubscriptionService(Service):
         #: The primary's decisions (protocol.py): clients, interest, positions, checkpoints.
         self.protocol = SubscriptionProtocol(self.member_id, self.partitions, self.sub.maximum_message_count,
                                              self.sub.maximum_time_between_pings_ms, self.stats)
-        self._refusals_answered: dict[tuple[str, str, int], None] = {}  # (client, session, version), oldest first
-        #: Refusals not answered yet, by (client, session, version): (registry partition, record, reason,
-        #: give-up time), oldest first; answered by ``_answer_refusals``.
-        self._refusals_waiting: dict[tuple[str, str, int], tuple[int, dict[str, Any], str, float]] = {}
+        #: The registry, acks and fill tables (every instance reads them whole), and the trust rules their
+        #: records pass (tables.py); the fill checkpoints are the protocol's.
+        #: (Its callbacks look the service's methods up when called: the service's own tests replace some.)
+        self.tables = SubscriptionTables(
+            cfg, self.protocol, self.stats, member_id=self.member_id, token=self.token, stopping=self._stopping,
+            consumer=lambda: self._tables, produce=lambda *write: self._produce_to(*write),
+            drop_client=lambda client_id: self._drop_client(client_id),
+            topic_exists=lambda topic: self._topic_exists(topic), message=lambda fields: self._encode(fields))
         self._group: Consumer | None = None
         self._tables: Consumer | None = None
         self._changelog: Consumer | None = None
@@ -280,6 +261,14 @@ class SubscriptionService(Service):
         self._instrument()
 
     # The protocol's state, under the names the rest of the service (and its tests) use.
+
+    @property
+    def registry(self) -> dict[str, dict[str, Any]]:
+        return self.tables.registry
+
+    @property
+    def acks(self) -> dict[str, dict[str, Any]]:
+        return self.tables.acks
 
     @property
     def owned(self) -> set[int]:
@@ -527,190 +516,10 @@ class SubscriptionService(Service):
                 return
             self._fill()
 
-    # --- tables ------------------------------------------------------------------------------
-
-    def _table_end(self, tp: TopicPartition, deadline: float) -> int:
-        """The end offset of a table partition; a retriable failure (a leader moving) is tried again
-        until ``deadline``, any other raised at once."""
-        assert self._tables is not None
-        while True:
-            try:
-                with kafka_errors(f"reading the end of {tp.topic}"):
-                    return self._tables.get_watermark_offsets(tp, timeout=END_OFFSET_DEADLINE_S)[1]
-            except SluiceError as exc:
-                if not exc.retriable or time.monotonic() >= deadline:
-                    raise
-                log.info("subscriptions %s: %s; trying again", self.member_id, exc)
-                if self.stopping.wait(READ_TABLES_RETRY_S):
-                    raise
-
     def _read_tables(self, to_end: bool = False) -> None:
-        assert self._tables is not None
-        deadline = time.monotonic() + READ_TABLES_S
-        ends: dict[tuple[str, int], int] = {}
-        if to_end:
-            for topic in (self.registry_topic, self.acks_topic, self.fill_topic):
-                for p in range(self.partitions):
-                    high = self._table_end(TopicPartition(topic, p), deadline)
-                    if high > 0:
-                        ends[(topic, p)] = high
-        while True:
-            with _READING_TABLES:
-                msgs = self._tables.consume(1000, READ_TABLES_WAIT_S if ends else 0)
-                for msg in msgs:
-                    if msg.error() is None:
-                        self._table_record(msg)
-                if ends:
-                    for tp in self._tables.position([TopicPartition(t, p) for t, p in ends]):
-                        if tp.offset >= ends[(tp.topic, tp.partition)]:
-                            del ends[(tp.topic, tp.partition)]
-            if ends and time.monotonic() > deadline:
-                raise TablesBehind(f"the subscription tables were not read to their end in {READ_TABLES_S:.0f} s "
-                                   f"({len(ends)} partitions behind)")
-            if not ends and len(msgs) < 1000:
-                return
-
-    def _table_record(self, msg: Any) -> None:
-        """One record of the registry, acks or fill topic, taken only once it passes its checks
-        (module docstring, "Trust"); else refused, and nothing changes."""
-        topic, partition, value = msg.topic(), msg.partition(), msg.value()
-        name = (msg.key() or b"").decode("utf-8", "replace")
-        headers = msg.headers()
-        if topic == self.registry_topic:
-            what, schema = ("registration" if value is not None else "registry tombstone"), "ClientRegistration"
-        elif topic == self.acks_topic:
-            what, schema = ("ack" if value is not None else "ack tombstone"), "ClientAck"
-        else:
-            what, schema = "fill checkpoint", "FillCheckpoint"
-        record: dict[str, Any] | None = None
-        try:
-            if value is not None:
-                record = self._codec.decode_as(schema, value)
-            if topic == self.fill_topic:
-                if record is not None:
-                    check_checkpoint(self.cfg, partition, record)
-                    self._take_checkpoint(record)
-                return
-            check_key(self.cfg, name, partition)
-            check_authorized(headers, self.token, what)
-            restored = header_value(headers, RESTORED) is not None
-            if topic == self.registry_topic:
-                if record is not None:
-                    check_registration(self.cfg, name, partition, record)
-                self._take_registration(partition, name, record, restored)
-            else:
-                if record is not None:
-                    check_ack(self.cfg, name, partition, record)
-                self._take_ack(partition, name, record, restored)
-        except (CodecError, InvalidRequest) as exc:
-            self._refuse(msg, name, what, record, exc)
-
-    def _take_registration(self, partition: int, name: str, record: dict[str, Any] | None, restored: bool) -> None:
-        current = self.registry.get(name)
-        if restored and current is not None:
-            if record != current:
-                # Written again after a forgery, but this client has written since: its newer record
-                # is written again in turn, so that compaction keeps the newest.
-                self._restore(self.registry_topic, partition, name)
-            return
-        if record is None:
-            self.registry.pop(name, None)
-            self._drop_client(name)
-            return
-        self.registry[name] = record
-        if partition in self.owned:
-            self.protocol.registration(partition, record)
-
-    def _take_ack(self, partition: int, name: str, record: dict[str, Any] | None, restored: bool) -> None:
-        current = self.acks.get(name)
-        if restored and current is not None:
-            if record != current:
-                self._restore(self.acks_topic, partition, name)
-            return
-        if record is None:
-            self.acks.pop(name, None)
-        else:
-            self.acks[name] = record
-            self.protocol.acked(name, record)
-
-    def _take_checkpoint(self, record: dict[str, Any]) -> None:
-        self.protocol.take_checkpoint(record)
-
-    def _refuse(self, msg: Any, name: str, what: str, record: dict[str, Any] | None, exc: SluiceError) -> None:
-        """A table record that cannot be read or fails a check changes nothing.  The primary of its
-        partition (one instance, not every reader) counts it, logs it, dead-letters it with the
-        reason, tells the client why where that is safe, and writes the client's record in force
-        again so that compaction keeps it rather than the refused one."""
-        topic, partition = msg.topic(), msg.partition()
-        if partition not in self.owned:
-            if topic == self.registry_topic and record is not None:
-                # Its client waits for an answer: the instance that becomes the primary gives it.
-                self._wait_refusal(partition, name, record, f"registration refused: {_refusal_reason(exc)}")
-            return
-        why = _refusal_reason(exc)
-        reason = f"{what} refused: {why}" if not isinstance(exc, CodecError) else f"{what} cannot be read: {why}"
-        self.stats["undecodable" if isinstance(exc, CodecError) else "refused"] += 1
-        log.warning("subscriptions %s: client %r: %s (%s[%d]@%d)", self.member_id, name, reason, topic, partition,
-                    msg.offset(), extra={"refused": what, "client_id": name, "reason": reason})
-        self._dead_letter(msg, reason, type(exc).__name__)
-        if topic == self.registry_topic and record is not None:
-            self._wait_refusal(partition, name, record, reason)
-            self._answer_refusals()
-        if topic in (self.registry_topic, self.acks_topic):
-            self._restore(topic, partition, name)
-
-    def _wait_refusal(self, partition: int, name: str, record: dict[str, Any], reason: str) -> None:
-        answer = (name, record["session"], record["version"])
-        if answer in self._refusals_answered or answer in self._refusals_waiting:
-            return
-        self._refusals_waiting[answer] = (partition, record, reason, time.monotonic() + REFUSAL_ANSWER_WAIT_S)
-        while len(self._refusals_waiting) > REFUSALS_REMEMBERED:
-            del self._refusals_waiting[next(iter(self._refusals_waiting))]
-
-    def _answer_refusals(self) -> None:
-        """REFUSED, on the client's queue, once per (session, version), by its partition's primary, and
-        only where that is safe: the queue is this client's by the queue rule and exists, and the record
-        is of the session in force (or of a client not registered yet), so a forgery cannot fill another
-        topic or client.  A queue not seen yet (the client created it a moment ago) is looked for again
-        on the next turns, for ``REFUSAL_ANSWER_WAIT_S``."""
-        now = time.monotonic()
-        for answer, (partition, record, reason, give_up) in list(self._refusals_waiting.items()):
-            name = answer[0]
-            current = self.registry.get(name)
-            topic = record["queue_topic"]
-            if (now > give_up or (current is not None and current["session"] != record["session"])
-                    or queue_topic_problem(self.cfg, name, topic) is not None):
-                del self._refusals_waiting[answer]
-                continue
-            if partition not in self.owned or not self._topic_exists(topic):
-                continue
-            del self._refusals_waiting[answer]
-            self._refusals_answered[answer] = None
-            while len(self._refusals_answered) > REFUSALS_REMEMBERED:
-                del self._refusals_answered[next(iter(self._refusals_answered))]
-            self._produce_to(topic, self._encode({"kind": "REFUSED", "session": record["session"],
-                                                  "version": record["version"], "reason": reason}), None, 0)
-
-    def _restore(self, topic: str, partition: int, name: str) -> None:
-        """Write a client's registry (or ack) record in force again after a refused one for its key, in
-        its partition, so that compaction, which keeps a key's newest record, keeps the client's."""
-        if partition != registry_partition(name, self.partitions) or partition not in self.owned:
-            return
-        current = (self.registry if topic == self.registry_topic else self.acks).get(name)
-        if current is None:
-            return
-        schema = "ClientRegistration" if topic == self.registry_topic else "ClientAck"
-        self._produce_to(topic, self._codec.encode(schema, current), name.encode(), partition,
-                         (bearer(self.token) or []) + [(RESTORED, b"1")])
-        self.stats["restored"] += 1
-
-    def _dead_letter(self, msg: Any, reason: str, error_class: str) -> None:
-        """The record as it was, with why, on the subscriptions dead-letter topic."""
-        record = {"source_topic": msg.topic(), "source_partition": msg.partition(), "source_offset": msg.offset(),
-                  "key": msg.key(), "value": msg.value(), "reason": reason, "error_class": error_class,
-                  "event": None, "service": f"subscriptions {self.member_id}", "failed_at": int(time.time() * 1000)}
-        self._produce_to(self.dead_letter_topic, self._codec.encode("DeadLetter", record), msg.key(), 0)
-        self.stats["dead_lettered"] += 1
+        """What the tables gained since the last read (to their ends: ``to_end``), each record taken or
+        refused (tables.py)."""
+        self.tables.read(to_end)
 
     def _topic_exists(self, topic: str) -> bool:
         assert self._admin is not None
@@ -724,8 +533,8 @@ class SubscriptionService(Service):
     # --- clients -------------------------------------------------------------------------------
 
     def _tend_clients(self) -> None:
-        if self._refusals_waiting:
-            self._answer_refusals()
+        if self.tables.refusals_waiting:
+            self.tables.answer_refusals()
         now_ms = int(time.time() * 1000)
         self._read_queue_ends()
         for client in list(self._clients.values()):
@@ -939,7 +748,7 @@ class SubscriptionService(Service):
                 self.stats["undecodable"] += 1
                 log.error("subscriptions %s: %s[%d]@%d cannot be read and is dead-lettered: %s",
                           self.member_id, msg.topic(), msg.partition(), offset, exc)
-                self._dead_letter(msg, f"changelog record cannot be read: {exc}", type(exc).__name__)
+                self.tables.dead_letter(msg, f"changelog record cannot be read: {exc}", type(exc).__name__)
             return 0
         operation = event.operation
         if operation not in FORWARDED:
@@ -1162,14 +971,6 @@ class SubscriptionService(Service):
     def describe(self) -> dict[str, Any]:
         return {"member": self.member_id, "owned": sorted(self.owned), "clients": sorted(self._clients),
                 **self.stats}
-
-
-def _refusal_reason(exc: SluiceError) -> str:
-    """Why a record was refused, as the log, the dead letter and the client are told: for a token,
-    only whether there was one, never the token given."""
-    if isinstance(exc, InvalidRequest) and exc.field == "authorization":
-        return exc.reason
-    return str(exc)
 
 
 __all__ = ["FORWARDED", "SubscriptionService"]

@@ -140,7 +140,7 @@ def test_an_acknowledgement_makes_room_again(cfg: SiteConfig) -> None:
     client.full_since_ms, client.not_queued = None, 0  # as if not yet dropped
     service.acks["c-1"] = {"client_id": "c-1", "session": "s1", "queue_topic": queue, "next_offset": 3,
                            "received": 3, "repeats": 0, "at": 1}
-    service._take_ack(0, "c-1", service.acks["c-1"], restored=False)
+    service.tables._take_ack(0, "c-1", service.acks["c-1"], restored=False)
     _fill(service, 1, 4)
     assert len(producer.to(queue)) == 3 and service.stats["events_not_queued"] == 2
 
@@ -172,7 +172,7 @@ def test_a_new_queue_of_the_client_is_bounded_from_its_own_end(cfg: SiteConfig) 
     _fill(service, 0, 1)
     assert client.full_since_ms is not None
     renamed = dict(client.record, queue_topic=cfg.topics.client_queue("c-1", "89abcdef"), session="s2", version=2)
-    service._take_registration(0, "c-1", renamed, restored=False)
+    service.tables._take_registration(0, "c-1", renamed, restored=False)
     assert not client.end_known and client.full_since_ms is None and client.not_queued == 0 and client.acked == 0
 
 

@@ -11,7 +11,7 @@ from confluent_kafka import KafkaError, KafkaException
 
 from sluice.core.errors import BrokerUnavailable
 from sluice.core.kafka import TopicPartition
-from sluice.subscriptions import service as service_module
+from sluice.subscriptions import tables as tables_module
 from sluice.subscriptions.service import SubscriptionService
 from test_subscription_settings import site
 
@@ -36,22 +36,22 @@ def service_with(tables: Tables) -> SubscriptionService:
 
 
 def test_a_leader_moving_is_tried_again_until_the_end_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(service_module, "READ_TABLES_RETRY_S", 0.001)
+    monkeypatch.setattr(tables_module, "READ_TABLES_RETRY_S", 0.001)
     tables = Tables(KafkaError.NOT_LEADER_FOR_PARTITION, failures=3)
-    end = service_with(tables)._table_end(TopicPartition("t", 0), time.monotonic() + 30)
+    end = service_with(tables).tables.end(TopicPartition("t", 0), time.monotonic() + 30)
     assert (end, tables.calls) == (42, 4)
 
 
 def test_a_non_retriable_failure_is_raised_at_once() -> None:
     tables = Tables(KafkaError.TOPIC_AUTHORIZATION_FAILED, failures=1)
     with pytest.raises(BrokerUnavailable) as raised:
-        service_with(tables)._table_end(TopicPartition("t", 0), time.monotonic() + 30)
+        service_with(tables).tables.end(TopicPartition("t", 0), time.monotonic() + 30)
     assert not raised.value.retriable and tables.calls == 1
 
 
 def test_a_retriable_failure_past_the_deadline_is_raised(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(service_module, "READ_TABLES_RETRY_S", 0.001)
+    monkeypatch.setattr(tables_module, "READ_TABLES_RETRY_S", 0.001)
     tables = Tables(KafkaError.LEADER_NOT_AVAILABLE, failures=10**6)
     with pytest.raises(BrokerUnavailable) as raised:
-        service_with(tables)._table_end(TopicPartition("t", 0), time.monotonic() + 0.05)
+        service_with(tables).tables.end(TopicPartition("t", 0), time.monotonic() + 0.05)
     assert raised.value.retriable and tables.calls > 1

@@ -249,7 +249,7 @@ def service(cfg: SiteConfig) -> tuple[SubscriptionService, FakeProducer]:
 def feed(service: SubscriptionService, topic: str, key: str, value: bytes | None, headers: Any = None,
          partition: int | None = None, offset: int = 7) -> None:
     p = registry_partition(key, 2) if partition is None else partition
-    service._table_record(FakeMessage(topic, p, offset, key.encode(), value, headers))
+    service.tables.take(FakeMessage(topic, p, offset, key.encode(), value, headers))
 
 
 def test_a_registration_with_an_unbalanced_regex_is_refused_answered_and_dead_lettered(

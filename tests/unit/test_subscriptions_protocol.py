@@ -18,6 +18,7 @@ from sluice.core.config import SiteConfig, parse_config
 from sluice.core.errors import BrokerUnavailable, KafkaCallFailed, KafkaFatal
 from sluice.core.kafka import KafkaError, TopicPartition
 from sluice.subscriptions import service as service_module
+from sluice.subscriptions import tables as tables_module
 from sluice.subscriptions.protocol import Client, SubscriptionProtocol, Unregister
 from sluice.subscriptions.service import SubscriptionService
 
@@ -322,16 +323,16 @@ def test_reading_a_table_end_does_not_retry_an_error_that_is_not_retriable() -> 
     service = SubscriptionService(site_cfg(), member_id="unit")
     service._tables = _Tables(KafkaFatal("fatal"))  # type: ignore[assignment]
     with pytest.raises(KafkaFatal):
-        service._table_end(TopicPartition(service.registry_topic, 0), deadline=float("inf"))
+        service.tables.end(TopicPartition(service.registry_topic, 0), deadline=float("inf"))
     assert service._tables.calls == 1  # type: ignore[attr-defined]
 
 
 def test_reading_a_table_end_retries_a_retriable_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """A retriable error reading a table's end is tried again."""
-    monkeypatch.setattr(service_module, "READ_TABLES_RETRY_S", 0.0)
+    monkeypatch.setattr(tables_module, "READ_TABLES_RETRY_S", 0.0)
     service = SubscriptionService(site_cfg(), member_id="unit")
     service._tables = _Tables(BrokerUnavailable("the leader moved"))  # type: ignore[assignment]
-    assert service._table_end(TopicPartition(service.registry_topic, 0), deadline=float("inf")) == 5
+    assert service.tables.end(TopicPartition(service.registry_topic, 0), deadline=float("inf")) == 5
     assert service._tables.calls == 2  # type: ignore[attr-defined]
 
 
