@@ -100,7 +100,7 @@ TOPIC_CHECK_S = 5.0
 #: How long a bucket may be owned by no instance before the instances stop saying they are ready.
 UNOWNED_GRACE_S = 30.0
 #: transaction.timeout.ms of the instances' write transactions: the backstop that ends a transaction a
-#: dead owner left open when the directory cannot name the owner to fence (engine.py says the choice).
+#: dead owner left open when the directory cannot name the owner to fence (loading.py says the choice).
 TRANSACTION_TIMEOUT_MS = 10_000
 #: How often the directory thread reads the owners' claims, places standbys and heartbeats.
 DIRECTORY_REFRESH_S = 0.5

@@ -28,7 +28,7 @@ an instance that starts again resumes its copies from their stores.
 A copy costs what an owned bucket costs: its entries in memory, and the CPU
 of decoding and applying each changelog record once more per copy.  A
 record a standby cannot read is kept with the copy and dead-lettered by the
-load that promotes it (the owner's dead-lettering path, engine.py).
+load that promotes it (the owner's dead-lettering path, loading.py).
 
 Threads: the keeper's own (its consumer and every copy), and callers of
 ``want``, ``take``, ``offer`` and ``status``, under the keeper's lock.

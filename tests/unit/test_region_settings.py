@@ -22,6 +22,7 @@ from sluice.core.config import SiteConfig, parse_config
 from sluice.core.errors import BrokerUnavailable
 from sluice.core.events import EventID
 from sluice.region import engine as engine_module
+from sluice.region import loading as loading_module
 from sluice.region import service as service_module
 from sluice.region.engine import Operation, OwnedBucket, RegionEngine
 from sluice.region.service import RegionService
@@ -270,8 +271,8 @@ def test_load_timeout_is_how_long_a_load_waits_for_an_open_transaction(monkeypat
     """A bucket whose changelog keeps a transaction open is given up after load_timeout_s (2 s here),
     with an error naming it, to be tried again."""
     clock = Clock()
-    monkeypatch.setattr(engine_module, "time", clock)
-    monkeypatch.setattr(engine_module, "partition_end", lambda *_, **__: (0, 3, 5))  # open from offset 3
+    monkeypatch.setattr(loading_module, "time", clock)
+    monkeypatch.setattr(loading_module, "partition_end", lambda *_, **__: (0, 3, 5))  # open from offset 3
     region = engine(load_timeout_s=2.0)
     region._committed = lambda topic, bucket, timeout_s: (3, True)  # type: ignore[method-assign]
     region._owned[("orders", 0)] = OwnedBucket("orders", 0, epoch=1)
