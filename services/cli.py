@@ -6,6 +6,7 @@ Every sub-command has ``--help`` with an example.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from typing import Callable
 
@@ -24,19 +25,30 @@ examples:
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from . import demo
-    from .admin import cli as admin_cli
-    from .broker import cli as broker_cli
-    from .core import configcli
-    from .dispatcher import cli as dispatcher_cli
-    from .pipelines import cli as pipeline_cli
-    from .receiver import cli as receiver_cli
-    from .sender import cli as sender_cli
-    from .region import cli as region_cli
-    from .subscriptions import cli as subscriptions_cli
-    from .verify import soak
+#: The module that adds each sub-command (``add_parser``, or ``add_parsers`` for several), in the order
+#: ``sluice --help`` lists them.  A command that runs imports only its own module: a receiver process
+#: does not pay for the region's HTTP stack, the demo or the admin page (about 0.4 s of CPU at each
+#: start, and the tests and the demo start hundreds of service processes).
+COMMANDS: dict[str, str] = {
+    "broker": "broker.cli",
+    "config": "core.configcli",
+    "keys": "core.configcli",
+    "topics": "core.configcli",
+    "region": "region.cli",
+    "dispatcher": "dispatcher.cli",
+    "receiver": "receiver.cli",
+    "parallel-sender": "sender.cli",
+    "serial-sender": "sender.cli",
+    "subscriptions": "subscriptions.cli",
+    "admin": "admin.cli",
+    "pipeline": "pipelines.cli",
+    "demo": "demo",
+    "soak": "verify.soak",
+}
 
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``sluice`` parser: every sub-command, or only ``command``'s (the one about to run)."""
     parser = argparse.ArgumentParser(
         prog="sluice",
         description="Sluice: Apache Geode's event distribution (async event queues, gateway senders and "
@@ -46,22 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"sluice {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    broker_cli.add_parser(sub)
-    configcli.add_parsers(sub)
-    region_cli.add_parser(sub)
-    dispatcher_cli.add_parser(sub)
-    receiver_cli.add_parser(sub)
-    sender_cli.add_parser(sub)
-    subscriptions_cli.add_parser(sub)
-    admin_cli.add_parser(sub)
-    pipeline_cli.add_parser(sub)
-    demo.add_parser(sub)
-    soak.add_parser(sub)
+    modules = [COMMANDS[command]] if command in COMMANDS else list(dict.fromkeys(COMMANDS.values()))
+    for name in modules:
+        module = importlib.import_module(f".{name}", __package__)
+        add = getattr(module, "add_parsers", None) or module.add_parser
+        add(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] | None = getattr(args, "func", None) or getattr(args, "run", None)
     if func is None:
