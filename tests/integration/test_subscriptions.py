@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import yaml
@@ -80,13 +81,20 @@ def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
     _wait_for(predicate, timeout_s=timeout_s, what=what, poll_s=0.05)
 
 
-@pytest.fixture
-def site(tmp_path: Path, site_a: Any, unique_prefix: str) -> Any:
+@contextlib.contextmanager
+def running_site(tmp_path: Path, site_a: Any, unique_prefix: str, **subscriptions: Any) -> Iterator[Any]:
+    """(site config, site file, its running region service); ``subscriptions``: that section's settings."""
     path = tmp_path / "site-b.yaml"
-    cfg = _site(path, site_a.bootstrap, unique_prefix)
+    cfg = _site(path, site_a.bootstrap, unique_prefix, **subscriptions)
     with RegionProcess(path, tmp_path / "region.log") as region:
         region.wait_ready()
         yield cfg, path, region
+
+
+@pytest.fixture
+def site(tmp_path: Path, site_a: Any, unique_prefix: str) -> Any:
+    with running_site(tmp_path, site_a, unique_prefix) as running:
+        yield running
 
 
 def test_smoke_register_write_receive(site: Any, tmp_path: Path) -> None:

@@ -18,19 +18,9 @@ from sluice.core.codec import get_codec
 from sluice.core.errors import InvalidRequest, NoServersAvailable
 from sluice.core.processes import SubscriptionsProcess
 
-from regionkit import RegionProcess
-from test_subscriptions import Recorder, _site, wait_for
+from test_subscriptions import Recorder, running_site, site, wait_for  # noqa: F401 - site: a fixture
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture
-def site(tmp_path: Path, site_a: Any, unique_prefix: str) -> Any:
-    path = tmp_path / "site-b.yaml"
-    cfg = _site(path, site_a.bootstrap, unique_prefix)
-    with RegionProcess(path, tmp_path / "region.log") as region:
-        region.wait_ready()
-        yield cfg, path, region
 
 
 # --- ready_for_events: synchronous, as Geode's readyForEvents ------------------------------------
@@ -230,11 +220,8 @@ class QueueReader:
 
 @pytest.fixture
 def bounded_site(tmp_path: Path, site_a: Any, unique_prefix: str) -> Any:
-    path = tmp_path / "site-b.yaml"
-    cfg = _site(path, site_a.bootstrap, unique_prefix, maximum_message_count=50)
-    with RegionProcess(path, tmp_path / "region.log") as region:
-        region.wait_ready()
-        yield cfg, path, region
+    with running_site(tmp_path, site_a, unique_prefix, maximum_message_count=50) as running:
+        yield running
 
 
 def test_a_queue_at_maximum_message_count_takes_no_more_and_its_client_resynchronises(
