@@ -138,7 +138,7 @@ def test_the_check_sees_the_imports_it_judges() -> None:
     assert ("client", "core.regionclient") in found  # the public API shows core's RegionClient
     assert ("verify.checks", "core.statusread") in found  # imported inside a function
     assert ("broker.kafka", "core.processes") in found  # spelled ``from sluice.core.processes import``
-    assert ("cli", "region.cli") in found  # ``from .region import cli as region_cli``: the module region.cli
+    assert ("receiver.cli", "receiver.service") in found  # ``from .service import``: a module of its package
     assert ("cli", "") in found  # ``from . import __version__``: the root package
 
 
