@@ -5,7 +5,7 @@ keyed ``<source dsid>/<sender id>/<queue partition>``; receivers share its
 partitions through a consumer group (HA, scaled by partition).  The story of
 one batch, step by step:
 
-0. Each inbound partition this instance is assigned has a lane: a thread
+0. Each inbound partition this instance is assigned has a lane (lanes.py): a thread
    that handles its batches one after another, in order, while the lanes of
    other partitions work at the same time (a sender partition always writes
    to the same inbound partition, so per-key order holds).  A lane more than
@@ -68,9 +68,7 @@ is reported not connected (``ReceiverService``).
 
 from __future__ import annotations
 
-import collections
 import logging
-import queue
 import threading
 import time
 import uuid
@@ -92,7 +90,6 @@ from ..core.errors import (
     RejectedBatch,
     SluiceError,
     StaleBatch,
-    Stopping,
 )
 from ..core.eventwire import (
     BATCH_VERSIONS_READ,
@@ -114,15 +111,15 @@ from ..core.kafka import (
     make_consumer,
     make_producer,
     produce_durably,
-    read_to_end,
 )
 from .protocol import (
     Ack,
     Duplicate,
-    InboundPartition,
     ReceiverProtocol,
     batch_problem,
 )
+from .acks import read_own_acks, read_published_figures
+from .lanes import LANE_DEPTH, LANE_RESUME, RECEIVE_MAX_RECORDS, Lane
 from .routing import OwnerRouting, event_id_of
 
 log = logging.getLogger("sluice.receiver")
@@ -130,102 +127,21 @@ log = logging.getLogger("sluice.receiver")
 
 #: The pause before reading the acks on assignment again.
 READ_RETRY_BACKOFF_S = 1.0
-#: How long reading one inbound partition's acks on assignment may take before it is tried again.
-ACKS_READ_DEADLINE_S = 30.0
 #: An alert that goes on is logged again this often (and counted each time).
 ALERT_REPEAT_S = 30.0
-#: How many of an inbound partition's last acks a new owner keeps to find the newest figures that verify.
-ACKS_WITH_FIGURES_KEPT = 16
 #: How often the receiver's directory thread reads the claims published since its last read.
 DIRECTORY_REFRESH_S = 0.5
-#: Inbound records read per turn of the loop at most, and how long a turn waits for the first.
-RECEIVE_MAX_RECORDS = 100
+#: How long a turn of the loop waits for the first inbound record (``lanes.RECEIVE_MAX_RECORDS`` at most).
 RECEIVE_WAIT_S = 0.1
-#: A lane this many batches behind pauses its partition; it resumes at ``LANE_RESUME`` or fewer.
-LANE_DEPTH = 8
-LANE_RESUME = 2
-#: A lane's inbox holds at most this many records: the loop pauses the partition at ``LANE_DEPTH``,
-#: after a turn that may have brought ``RECEIVE_MAX_RECORDS`` more, so a put never waits.
-LANE_QUEUE_MAX = LANE_DEPTH + RECEIVE_MAX_RECORDS
-#: How long a put into a full lane waits before it looks again whether the lane is still alive.
-LANE_PUT_WAIT_S = 0.1
-#: Shutdown deadlines: the producer's flush, a helper thread's join, a lane finishing its batch.
+#: Shutdown deadlines: the producer's flush, a helper thread's join.
 FLUSH_DEADLINE_S = 10.0
 THREAD_JOIN_DEADLINE_S = 5.0
-LANE_CLOSE_DEADLINE_S = 30.0
 
 
 def region_service_urls(cfg: SiteConfig) -> list[str]:
     """URLs of the live region-service instances, from the records they publish (``sluice.core.directory``)."""
     with kafka_errors("reading the region-service instances"):
         return live_urls(read_instances(cfg))
-
-
-class _Lane:
-    """The batches of one inbound partition, handled in order by one thread.
-
-    ``part`` is the partition's state in the protocol (protocol.py) for this ownership: its figures are
-    replaced whole, under the protocol's lock, once what they count is durable; the main thread only
-    reads them."""
-
-    def __init__(self, partition: int, receiver: "ReceiverService", part: InboundPartition) -> None:
-        self.partition = partition
-        self.queue: queue.Queue[Message | None] = queue.Queue(maxsize=LANE_QUEUE_MAX + 1)  # + the closing None
-        self.stop = threading.Event()  # set on revoke or shutdown
-        self.paused = False
-        self.error: BaseException | None = None
-        self.handled_yet = False  # a batch of this partition was handled since the lane began
-        self.part = part
-        self.thread = threading.Thread(target=self._run, args=(receiver,), daemon=True,
-                                       name=f"receiver-lane-{partition}")
-        self.thread.start()
-
-    def _run(self, receiver: "ReceiverService") -> None:
-        try:
-            while not self.stop.is_set():
-                msg = self.queue.get()
-                if msg is None or self.stop.is_set():
-                    return
-                receiver._handle(msg, self)
-                if not self.handled_yet:
-                    # The end of a failover, as an operator (and `sluice soak`) measures it.
-                    self.handled_yet = True
-                    log.info("receiver %s: first batch handled on inbound partition %d since taking it",
-                             receiver.member_id, self.partition)
-        except Stopping:
-            return  # in the middle of a batch: it is neither acked nor committed
-        except BaseException as exc:  # top of a thread: the service's loop re-raises it
-            self.error = exc
-
-    def put(self, msg: Message) -> None:
-        """Loop thread: hand the lane a record.  Full only when the broker handed over more than
-        ``LANE_QUEUE_MAX`` at once: wait for room, unless the lane stopped or died meanwhile (the
-        record is then dropped uncommitted: whoever handles the partition next reads it)."""
-        while True:
-            try:
-                self.queue.put(msg, timeout=LANE_PUT_WAIT_S)
-                return
-            except queue.Full:
-                if self.stop.is_set() or self.error is not None or not self.thread.is_alive():
-                    return
-
-    def close(self, timeout_s: float = LANE_CLOSE_DEADLINE_S) -> None:
-        """Stop after the batch in hand (its retries cut short); what is queued is dropped, not committed."""
-        self.stop.set()
-        _drop_queued(self.queue)
-        self.queue.put(None)
-        self.thread.join(timeout_s)
-        if self.thread.is_alive():
-            log.warning("receiver lane %d still busy after %.0f s", self.partition, timeout_s)
-
-
-def _drop_queued(inbox: "queue.Queue[Message | None]") -> None:
-    """Empty a stopped lane's inbox, so the closing ``None`` always fits."""
-    while True:
-        try:
-            inbox.get_nowait()
-        except queue.Empty:
-            return
 
 
 @dataclass
@@ -293,7 +209,7 @@ class ReceiverService(Service):
         self._directory_thread: threading.Thread | None = None
         #: Step 3, from start(): routing each batch's events to their owners (routing.py).
         self._routing: OwnerRouting | None = None
-        self._lanes: dict[int, _Lane] = {}
+        self._lanes: dict[int, Lane] = {}
         #: The receiver's decisions (protocol.py): lanes and the loop call it under ``_protocol_lock``.
         self._protocol = ReceiverProtocol(self.inbound, cfg.dsid, self.member_id)
         self._protocol_lock = threading.Lock()
@@ -617,7 +533,7 @@ class ReceiverService(Service):
             tracked = len(self._protocol.last_batch)
         for part in parts:
             self._published.pop(part.partition, None)
-            self._lanes[part.partition] = _Lane(part.partition, self, part)
+            self._lanes[part.partition] = Lane(part.partition, self, part)
             if part.figures.carried_from or part.figures.offset >= 0:
                 log.info("receiver %s: inbound partition %d continues from the figures of %s (up to offset %d: "
                          "%d batches, %d events applied)", self.member_id, part.partition,
@@ -628,43 +544,8 @@ class ReceiverService(Service):
         self.assigned = True
 
     def _read_acks(self, partitions: list[TopicPartition]) -> tuple[dict[str, int], dict[int, PartitionTotals]]:
-        """The highest batch id applied per sender partition, from the acks this site wrote; and the
-        figures the last of them carries, per partition (receivertotals.py).  An ack not signed with this site's
-        key is left out: whoever else can write the acks topic must not make the receiver take a sender
-        partition's next batches for repeats and drop them."""
-        reader = make_consumer(self.cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 10})
-        unverified = 0
-        acked: dict[str, int] = {}
-        carried: dict[int, PartitionTotals] = {}
-        try:
-            with kafka_errors(f"reading {self.acks}"):
-                for tp in partitions:
-                    # The headers of the partition's last few acks: the newest figures among them that verify
-                    # count, so not every ack's figures are decoded and verified.
-                    latest: collections.deque[Headers] = collections.deque(maxlen=ACKS_WITH_FIGURES_KEPT)
-                    for msg in read_to_end(reader, self.acks, tp.partition, deadline_s=ACKS_READ_DEADLINE_S):
-                        if self._own_acks is not None:
-                            try:
-                                self._own_acks.signer(msg.value(), msg.headers())
-                            except BadSignature:
-                                unverified += 1
-                                continue
-                        latest.append(msg.headers())
-                        try:
-                            ack = self._codec.decode_as("GatewayAck", msg.value())
-                        except CodecError:
-                            continue
-                        if ack["receiver_dsid"] != self.cfg.dsid:
-                            continue
-                        # The key from the signed record, not the record key, which nobody signed.
-                        key = f"{ack['source_dsid']}/{ack['sender_id']}/{ack['queue_partition']}"
-                        acked[key] = max(acked.get(key, -1), ack["batch_id"])
-                    found = [figures_of.from_ack(headers, self.cfg.dsid, self._own_acks) for headers in latest]
-                    best = figures_of.newest(f for f in found if f is not None and f.partition == tp.partition)
-                    if best is not None:
-                        carried[tp.partition] = best
-        finally:
-            reader.close()
+        """What the acks this site wrote say of ``partitions`` (acks.py), the unsigned ones counted and left out."""
+        acked, carried, unverified = read_own_acks(self.cfg, self.acks, partitions, self._own_acks)
         if unverified:
             self._count("acks_unverified", unverified)
             log.warning("receiver %s: %d records of %s not signed with this site's key were left out of the "
@@ -672,14 +553,7 @@ class ReceiverService(Service):
         return acked, carried
 
     def _read_published_figures(self) -> dict[int, PartitionTotals]:
-        """The inbound partitions' figures in the status topic (written there after a batch refused
-        without an ack, and every few seconds), signed with this site's key when it signs."""
-        reader = make_consumer(self.cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 10})
-        try:
-            with kafka_errors(f"reading {self.cfg.topics.status()}"):
-                return figures_of.read_status_totals(self.cfg, reader, self._own_acks)
-        finally:
-            reader.close()
+        return read_published_figures(self.cfg, self._own_acks)
 
     # --- one batch -----------------------------------------------------------------------
 
@@ -712,7 +586,7 @@ class ReceiverService(Service):
         with self._stats_lock:
             self.stats[name] += n
 
-    def _handle(self, msg: Message, lane: _Lane) -> None:
+    def _handle(self, msg: Message, lane: Lane) -> None:
         """One batch, on its partition's lane; ``lane.stop`` cuts retries short (revoke, shutdown).
 
         The lane's figures count the batch only when it lies past the offset they cover (a batch read
@@ -763,7 +637,7 @@ class ReceiverService(Service):
         self._ack(msg, batch, ack, stop)
         self._count("batches")
 
-    def _refused_whole(self, msg: Message, lane: _Lane, **more: int) -> None:
+    def _refused_whole(self, msg: Message, lane: Lane, **more: int) -> None:
         """A batch refused without an ack (its dead letter durable): the figures counting it are written
         to the status topic, durably, before its offset is done (receivertotals.py, step 2)."""
         with self._protocol_lock:
@@ -807,7 +681,7 @@ class ReceiverService(Service):
         return batch_problem(batch, signer, now_ms, dsid=self.cfg.dsid, accepted=self.accepted,
                              batch_max_age_ms=self._batch_max_age_ms, clock_skew_ms=self._clock_skew_ms)
 
-    def _reject(self, msg: Message, problem: InvalidRequest, lane: _Lane, batch: BatchView | None = None) -> None:
+    def _reject(self, msg: Message, problem: InvalidRequest, lane: Lane, batch: BatchView | None = None) -> None:
         """Counted, logged, dead-lettered, never applied nor acknowledged."""
         kind = {"bad_signatures": 1} if isinstance(problem, BadSignature) else \
             {"stale_batches": 1} if isinstance(problem, StaleBatch) else {}

@@ -57,31 +57,8 @@ unregistered, what a checkpoint says) are ``protocol.py``'s, a pure protocol
 with no Kafka, thread or clock; this module (with tables.py, which reads
 the tables) writes and deletes as it says.
 
-Trust (issue 17).  The registry and the acks are written by clients, so no
-record of them is acted on before it passes the checks of
-``sluice.core.clientregistry`` (the rules its clients hold too): its key is a
-client id in that client's partition; a registration or ack names its own
-client and a queue of that client
-(``<prefix>subscription.<client_id>.<8 lowercase hex digits>``), never
-another topic; its interest regexes compile with RE2; and, with
-``subscriptions.token`` set, it carries ``authorization: Bearer <token>``
-(tombstones and acks too).  Fill checkpoints must name the site's
-changelogs and client queues.  A record that cannot be read or fails a check
-changes nothing: the primary of its partition counts it, logs it, writes it
-to the dead-letter topic with the reason, tells the client why (REFUSED, on
-a queue that passes the check and exists) and, for a registry or ack record,
-writes the client's record in force again (header ``sluice-restored``), so
-that compaction keeps it rather than the forgery; the loop goes on.  An
-undecodable changelog record is dead-lettered by the primary of registry
-partition ``changelog partition mod registry partitions``, the one instance
-that fills it for that partition, not by every instance reading it.
-
-Which principal may write what (Kafka ACLs enforce it; the checks above are
-what holds when they are wider): clients write the registry and the acks,
-and create and delete topics under their own ``subscription.<client_id>.``
-prefix; the subscription service writes the fill, dead-letter and client
-queue topics, creates and deletes client queues, and deletes records from
-them; no one else writes any of these.
+Trust (issue 17): no record of the registry, acks or fill tables is acted on
+before it passes its checks, and which principal may write what: tables.py.
 """
 
 from __future__ import annotations

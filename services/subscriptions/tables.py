@@ -1,11 +1,32 @@
 """The subscription tables as every instance reads them: the registry and the acks (written by clients,
 keyed by client id) and the fill checkpoints (the primaries'), and the trust rules a record of them must
-pass before anything is taken from it (service.py's story, "Trust").
+pass before anything is taken from it.
 
-A record that cannot be read or fails a check changes nothing.  The primary of its partition counts it,
-logs it, dead-letters it with the reason, answers its client REFUSED where that is safe, and writes the
-client's record in force again (header ``sluice-restored``) so that compaction keeps it rather than the
-refused one; a standby only remembers that a registration's client waits for an answer.
+Trust (issue 17).  The registry and the acks are written by clients, so no
+record of them is acted on before it passes the checks of
+``sluice.core.clientregistry`` (the rules its clients hold too): its key is a
+client id in that client's partition; a registration or ack names its own
+client and a queue of that client
+(``<prefix>subscription.<client_id>.<8 lowercase hex digits>``), never
+another topic; its interest regexes compile with RE2; and, with
+``subscriptions.token`` set, it carries ``authorization: Bearer <token>``
+(tombstones and acks too).  Fill checkpoints must name the site's
+changelogs and client queues.  A record that cannot be read or fails a check
+changes nothing: the primary of its partition counts it, logs it, writes it
+to the dead-letter topic with the reason, tells the client why (REFUSED, on
+a queue that passes the check and exists) and, for a registry or ack record,
+writes the client's record in force again (header ``sluice-restored``), so
+that compaction keeps it rather than the forgery; the loop goes on.  An
+undecodable changelog record is dead-lettered by the primary of registry
+partition ``changelog partition mod registry partitions``, the one instance
+that fills it for that partition, not by every instance reading it.
+
+Which principal may write what (Kafka ACLs enforce it; the checks above are
+what holds when they are wider): clients write the registry and the acks,
+and create and delete topics under their own ``subscription.<client_id>.``
+prefix; the subscription service writes the fill, dead-letter and client
+queue topics, creates and deletes client queues, and deletes records from
+them; no one else writes any of these.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 from sluice.core.kafka import TopicPartition
-from sluice.receiver import service as receiver_module
-from sluice.receiver.service import LANE_QUEUE_MAX, ReceiverService, _Lane
+from sluice.receiver import lanes as lanes_module
+from sluice.receiver.lanes import LANE_QUEUE_MAX, Lane
+from sluice.receiver.service import ReceiverService
 
 DEADLINE_S = 10.0
 
@@ -31,9 +32,9 @@ class _Receiver:
 
 
 def test_a_lane_inbox_is_bounded_and_a_stopped_lane_takes_no_more(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(receiver_module, "LANE_PUT_WAIT_S", 0.01)
+    monkeypatch.setattr(lanes_module, "LANE_PUT_WAIT_S", 0.01)
     receiver = _Receiver()
-    lane = _Lane(0, receiver, None)  # type: ignore[arg-type]
+    lane = Lane(0, receiver, None)  # type: ignore[arg-type]
     assert lane.queue.maxsize == LANE_QUEUE_MAX + 1
     for i in range(LANE_QUEUE_MAX + 2):  # one in hand, the rest queued up to the bound
         if lane.queue.full():
