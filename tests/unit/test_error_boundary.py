@@ -687,39 +687,29 @@ def test_a_client_queue_write_refused_on_the_hot_path_goes_through_the_slow_one(
         _fill(service, 0, 1)
 
 
-class _Watermarks:
-    """A consumer whose watermark requests fail with ``failures``, one each, then answer (3, 9)."""
-
-    def __init__(self, *failures: int) -> None:
-        self.failures = list(failures)
-        self.asked = 0
-
-    def get_watermark_offsets(self, tp: Any, timeout: float) -> tuple[int, int]:
-        self.asked += 1
-        if self.failures:
-            raise KafkaException(KafkaError(self.failures.pop(0)))
-        return 3, 9
-
-
 def test_watermarks_ask_again_while_a_new_partition_has_no_leader_and_not_past_a_refusal_for_good(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A topic created a moment ago answers 'Not leader for partition' until its leader is elected: asked
-    again (it failed an admin page's request once); an unknown topic is raised at once; a leader that never
+    again (it failed an admin page's request once); a topic it may not read is raised at once; a leader that never
     comes is raised at the deadline."""
     from confluent_kafka import TopicPartition
+    from test_subscriptions_protocol import _Tables as Watermarks  # fails with the errors given, then (0, 5)
+
+    def refused(*codes: int) -> list[KafkaException]:
+        return [KafkaException(KafkaError(code)) for code in codes]
 
     monkeypatch.setattr(kafka, "WATERMARKS_RETRY_PAUSE_S", 0.0)
     tp = TopicPartition("t", 0)
-    consumer = _Watermarks(KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE)
-    assert kafka.watermarks(consumer, tp) == (3, 9) and consumer.asked == 3  # type: ignore[arg-type]
+    consumer = Watermarks(*refused(KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE))
+    assert kafka.watermarks(consumer, tp) == (0, 5) and consumer.calls == 3  # type: ignore[arg-type]
 
-    refused = _Watermarks(KafkaError.TOPIC_AUTHORIZATION_FAILED)
+    forbidden = Watermarks(*refused(KafkaError.TOPIC_AUTHORIZATION_FAILED))
     with pytest.raises(KafkaException):
-        kafka.watermarks(refused, tp)  # type: ignore[arg-type]
-    assert refused.asked == 1
+        kafka.watermarks(forbidden, tp)  # type: ignore[arg-type]
+    assert forbidden.calls == 1
 
     monkeypatch.setattr(kafka, "WATERMARKS_RETRY_DEADLINE_S", 0.0)
-    never = _Watermarks(*[KafkaError.NOT_LEADER_FOR_PARTITION] * 5)
+    never = Watermarks(*refused(*[KafkaError.NOT_LEADER_FOR_PARTITION] * 5))
     with pytest.raises(KafkaException):
         kafka.watermarks(never, tp)  # type: ignore[arg-type]
-    assert never.asked == 1
+    assert never.calls == 1
