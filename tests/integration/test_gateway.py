@@ -222,7 +222,8 @@ TOPOLOGIES = {
 DSIDS = {"a": 1, "b": 2, "c": 3}
 
 
-@pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
+@pytest.mark.parametrize("topology", [pytest.param(t, marks=pytest.mark.slow) if t == "ring" else t
+                                      for t in sorted(TOPOLOGIES)])  # ring: the long tier (tests/README.md)
 def test_three_sites_apply_every_event_once_and_nothing_circulates(topology, site_a, unique_prefix, tmp_path: Path):
     """Mesh A↔B↔C↔A, ring A→B→C→A, hub A with spokes B and C: every site ends with every write, each
     applied exactly once, and no event is ever sent back to a site that already had it."""
