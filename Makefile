@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 .PHONY: demo test test-long bench soak install jars bytecode clean help helm helm-package promtool docs lock
 
 help:
-	@echo "make demo | make test [WORKERS=4] | make test-long | make bench [ONLY=name] | make soak [SEED=1] [MINUTES=10] | make helm | make helm-package | make promtool | make docs | make lock | make clean"
+	@echo "make demo | make test [WORKERS=3] | make test-long | make bench [ONLY=name] | make soak [SEED=1] [MINUTES=10] | make helm | make helm-package | make promtool | make docs | make lock | make clean"
 
 # The compiled codec is built by the same install (its build backend compiles services/core/_eventwire.pyx).
 # uv installs the same pinned versions as pip in about half the time on a fresh clone here; where uv
@@ -88,11 +88,12 @@ promtool:
 demo: jars bytecode
 	$(PY) -m sluice.cli demo
 
-# The suite runs on WORKERS pytest-xdist workers: its tests mostly wait on brokers and service processes, so
-# four overlap well on two cores.  Tests that share a costly session resource (PostgreSQL, Spark, helm, a
+# The suite runs on WORKERS pytest-xdist workers.  Its tests wait on brokers and service processes, but
+# with three or more workers the two cores are saturated (load average 7-9): on 2026-11-28 the parallel
+# part took 504 s on three workers and 523 s on four, so three.  Tests that share a costly session resource (PostgreSQL, Spark, helm, a
 # module's services) carry an xdist_group and run on one worker (tests/conftest.py).  The few tests with a
 # timing bound (marked `serial`) run afterwards, alone.  WORKERS=0 runs everything serially.
-WORKERS ?= 4
+WORKERS ?= 3
 XDIST   := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadgroup)
 
 test: jars bytecode
