@@ -52,7 +52,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from .core import telemetry
-from .verify.checks import check_client_cache, converge, verify_sites
+from .verify.checks import Convergence, check_client_cache, converge, verify_sites
 from .verify.sites import SESSION_TIMEOUT_MS, Layout, TwoSites
 from .verify.workload import Budget, Written, write_site
 
@@ -131,10 +131,10 @@ def queue_table(sites: TwoSites, previous: dict[tuple[str, int], tuple[float, in
 # --- verification ----------------------------------------------------------------------------
 
 
-def verify(console: Console, sites: TwoSites, written: Written, client: Any, converged_s: float | None,
+def verify(console: Console, sites: TwoSites, written: Written, client: Any, converged: Convergence,
            failover: str) -> bool:
     """The summary, computed by reading regions, changelogs, the SQLite table and the client's cache."""
-    v = verify_sites(sites, written, converged_s=converged_s)
+    v = verify_sites(sites, written, converged=converged)
     check_client_cache(v, sites, client, DURABLE_PATTERN)
     v.show(console, failed="DIVERGED", extra=[
         ("duplicates discarded (receivers' repeats, the client's repeats)",

@@ -592,14 +592,17 @@ class RegionService(Service):
             self._http = httpx.AsyncClient(timeout=self.request_timeout_s, headers=headers)
         return self._http
 
-    async def _to_member(self, url: str, path: str, body: dict[str, Any]) -> httpx.Response:
-        """POST ``body`` to another instance; a URL the directory would not believe is never sent
-        anything (ConnectError: certainly not applied)."""
+    async def _to_member(self, url: str, path: str, body: dict[str, Any], *,
+                         deadline: float | None = None) -> httpx.Response:
+        """POST ``body`` to another instance, answered by ``deadline`` (monotonic; the client's timeout
+        without one); a URL the directory would not believe is never sent anything (ConnectError:
+        certainly not applied)."""
         assert self.directory is not None
         problem = self.directory.trust.url_problem(url)
         if problem is not None:
             raise httpx.ConnectError(f"not sending to {url}: {problem}")
-        return await self.http_client().post(f"{url_join(url)}{path}", content=orjson.dumps(body))
+        timeout = httpx.USE_CLIENT_DEFAULT if deadline is None else max(0.05, deadline - time.monotonic())
+        return await self.http_client().post(f"{url_join(url)}{path}", content=orjson.dumps(body), timeout=timeout)
 
     async def execute(self, ops: list[Operation], forwarded: bool) -> list[Outcome]:
         """Apply ``ops`` wherever their buckets are owned; one outcome per op, in order.
@@ -814,15 +817,15 @@ class RegionService(Service):
         engine = self.engine
         assert engine is not None
         buckets = range(self.region_config(region).buckets) if bucket is None else [bucket]
+        deadline = time.monotonic() + self.request_timeout_s  # one for the request, not one per bucket
         out: list[str] = []
         for b in buckets:
-            out.extend(await self._bucket_keys(region, b, forwarded))
+            out.extend(await self._bucket_keys(region, b, forwarded, deadline))
         return out
 
-    async def _bucket_keys(self, region: str, bucket: int, forwarded: bool) -> list[str]:
+    async def _bucket_keys(self, region: str, bucket: int, forwarded: bool, deadline: float) -> list[str]:
         engine = self.engine
         assert engine is not None
-        deadline = time.monotonic() + self.request_timeout_s
         delay = 0.02
         while True:
             if engine.owns(region, bucket):
@@ -843,7 +846,8 @@ class RegionService(Service):
                 owner = self.directory.owner(region, bucket)
                 if owner is not None and owner != self.url:
                     try:
-                        resp = await self._to_member(owner, "/internal/keys", {"region": region, "bucket": bucket})
+                        resp = await self._to_member(owner, "/internal/keys", {"region": region, "bucket": bucket},
+                                                     deadline=deadline)
                         if resp.status_code == 200:
                             return list(resp.json()["keys"])
                     except httpx.HTTPError:

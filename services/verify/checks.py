@@ -77,26 +77,50 @@ def dead_letters(cfg: Any) -> list[dict[str, Any]]:
     return found
 
 
-def queues_empty(sites: TwoSites) -> bool:
+def queue_backlog(sites: TwoSites) -> dict[str, int]:
+    """Events held by each attached queue that is not empty, as ``site:queue`` → count."""
     from ..core.statusread import queue_status
 
-    return all(sum(r.size for r in queue_status(cfg, q.id)) == 0
-               for cfg in sites.cfgs.values() for q in cfg.all_attached_queues())
+    sizes = {f"{site}:{q.id}": sum(r.size for r in queue_status(cfg, q.id))
+             for site, cfg in sites.cfgs.items() for q in cfg.all_attached_queues()}
+    return {name: size for name, size in sizes.items() if size}
 
 
-def converge(sites: TwoSites, timeout_s: float) -> float | None:
-    """Seconds until every queue is empty and both sites hold the same entries; None after ``timeout_s``."""
+@dataclass(frozen=True)
+class Convergence:
+    """How a wait for the sites to agree ended: after ``seconds``, or not in time (None) with what it last
+    saw unsettled (a queue's backlog, keys that differ, or a site that did not answer)."""
+
+    seconds: float | None
+    waiting_on: str = ""
+
+
+def converge(sites: TwoSites, timeout_s: float) -> Convergence:
+    """Wait until every queue is empty and both sites hold the same entries, at most ``timeout_s``."""
     started = time.monotonic()
+    waiting_on = "nothing read yet"
     while time.monotonic() - started < timeout_s:
         try:
-            if queues_empty(sites) and all(region_state(sites.urls("a"), r, sites.token("a"))
-                                           == region_state(sites.urls("b"), r, sites.token("b"))
-                                           for r in REGIONS):
-                return time.monotonic() - started
-        except Exception:  # noqa: BLE001 - a service still coming back: keep trying until the deadline
-            pass
+            waiting_on = _unsettled(sites)
+            if not waiting_on:
+                return Convergence(time.monotonic() - started)
+        except Exception as exc:  # noqa: BLE001 - a service still coming back: keep trying until the deadline
+            waiting_on = f"{type(exc).__name__}: {exc}"
         time.sleep(1.0)
-    return None
+    return Convergence(None, waiting_on)
+
+
+def _unsettled(sites: TwoSites) -> str:
+    """What keeps the sites from agreeing now: '' when nothing does."""
+    backlog = queue_backlog(sites)
+    if backlog:
+        return "queues not empty: " + ", ".join(f"{name} {size:,}" for name, size in sorted(backlog.items()))
+    for region in REGIONS:
+        a, b = (region_state(sites.urls(site), region, sites.token(site)) for site in ("a", "b"))
+        differ = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+        if differ:
+            return f"{region}: {len(differ)} keys differ between a and b (first {differ[0]!r})"
+    return ""
 
 
 @dataclass
@@ -149,7 +173,7 @@ class Verification:
         console.print(table)
 
 
-def verify_sites(sites: TwoSites, written: Written, *, converged_s: float | None) -> Verification:
+def verify_sites(sites: TwoSites, written: Written, *, converged: Convergence) -> Verification:
     """Read both sites and judge the run (see the module docstring)."""
     from ..core.statusread import receiver_status
 
@@ -209,8 +233,9 @@ def verify_sites(sites: TwoSites, written: Written, *, converged_s: float | None
             v.dead_letter_records.append(dl)
             v.dead_lettered[(site, dl["error_class"])] += 1
             v.dead_letter_reasons.setdefault((site, dl["error_class"]), f"{dl['topic']}: {dl['reason']}")
-    v.row("time to converge after the last write", "never" if converged_s is None else f"{converged_s:.1f}s",
-          converged_s is not None)
+    v.row("time to converge after the last write",
+          f"never (last seen: {converged.waiting_on})" if converged.seconds is None else f"{converged.seconds:.1f}s",
+          converged.seconds is not None)
     return v
 
 

@@ -45,6 +45,8 @@ KILLS = {
     "kill-subscriptions": ("subscriptions", None),
 }
 DURABLE_PATTERN = r"order-00\d\d"  # the durable client's 100 keys
+#: How long the sites get, after the last write, to empty their queues and agree.
+CONVERGE_S = 180
 
 FAULT_HELP = {
     "kill-region": "kill -9 a region-service instance that owns buckets (a region owner), start it again",
@@ -303,9 +305,16 @@ def run_soak(*, seed: int, minutes: float, faults: list[str], interval_s: float,
             for _, fault in todo:  # a plan longer than the writing: what is left still runs
                 harness.inject(fault)
         with console.status("waiting for the queues to drain and the sites to agree…"):
-            converged = converge(sites, 180)
+            converged = converge(sites, CONVERGE_S)
+        if converged.seconds is None:
+            console.log(f"[red]the sites did not agree within {CONVERGE_S} s[/]; last seen: {converged.waiting_on}")
         with console.status("reading both sites and checking every key's history…"):
-            verification = verify_sites(sites, written, converged_s=converged)
+            try:
+                verification = verify_sites(sites, written, converged=converged)
+            except Exception as exc:
+                if converged.seconds is None:
+                    exc.add_note(f"the sites had not agreed within {CONVERGE_S} s; last seen: {converged.waiting_on}")
+                raise
             check_client_cache(verification, sites, client, DURABLE_PATTERN)
         failovers = harness.failovers()
         report = build_report(report, harness, written, verification, failovers, client, sites)
@@ -317,6 +326,10 @@ def run_soak(*, seed: int, minutes: float, faults: list[str], interval_s: float,
             client.close()
         if not ok and sites.dump_stacks():
             time.sleep(0.5)  # the stacks reach the logs before the services stop
+            for service in sites.of("region"):  # where a region that stopped answering waits
+                if service.proc is not None:
+                    console.print(f"--- the end of {service.label}'s log ---\n{service.proc.log_tail(4000)}",
+                                  markup=False, highlight=False)
         sites.stop()
         if own_dir and ok:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -326,3 +326,23 @@ def test_request_timeout_is_how_long_a_write_waits_for_its_acknowledgement(monke
     assert isinstance(unanswered.error, BrokerUnavailable) and unanswered.error.retriable
     assert "not acknowledged by Kafka in time" in str(unanswered.error)
     assert answered.error is None
+
+
+def test_request_timeout_bounds_a_keys_request_over_every_bucket_not_each_bucket() -> None:
+    """Keys of a whole region (8 buckets, none with a ready owner) are refused as BucketUnavailable within
+    one region_service.request_timeout_s, not one per bucket (which outlasted the clients' own timeout)."""
+    from sluice.core.errors import BucketUnavailable
+
+    cfg = parse_config({"site": "a", "dsid": 1, "kafka": {"bootstrap_servers": "127.0.0.1:9"},
+                        "regions": [{"name": "orders", "buckets": 8}], "region_service": {"request_timeout_s": 0.4}})
+    service = RegionService(cfg)
+
+    class Ownerless:
+        def owns(self, region: str, bucket: int) -> bool:
+            return False
+
+    service.engine = Ownerless()  # type: ignore[assignment]
+    started = time.monotonic()
+    with pytest.raises(BucketUnavailable, match="no ready owner in time"):
+        asyncio.run(service.keys("orders", None, False))
+    assert time.monotonic() - started < 1.2  # 8 × 0.4 s before
