@@ -329,20 +329,35 @@ def test_request_timeout_is_how_long_a_write_waits_for_its_acknowledgement(monke
 
 
 def test_request_timeout_bounds_a_keys_request_over_every_bucket_not_each_bucket() -> None:
-    """Keys of a whole region (8 buckets, none with a ready owner) are refused as BucketUnavailable within
-    one region_service.request_timeout_s, not one per bucket (which outlasted the clients' own timeout)."""
+    """Keys of a whole region whose 8 buckets are owned by another instance that answers each forward in
+    0.3 s are refused as BucketUnavailable once region_service.request_timeout_s (0.4 s) is spent, not
+    answered after 8 × 0.3 s: one deadline for the request, forwards included."""
+    import httpx
+
     from sluice.core.errors import BucketUnavailable
 
     cfg = parse_config({"site": "a", "dsid": 1, "kafka": {"bootstrap_servers": "127.0.0.1:9"},
                         "regions": [{"name": "orders", "buckets": 8}], "region_service": {"request_timeout_s": 0.4}})
     service = RegionService(cfg)
+    forwards: list[int] = []
 
     class Ownerless:
         def owns(self, region: str, bucket: int) -> bool:
             return False
 
+    async def slow_owner(url: str, path: str, body: dict[str, Any], *, deadline: float | None = None) -> Any:
+        forwards.append(body["bucket"])
+        wait = 0.3 if deadline is None else min(0.3, deadline - time.monotonic())
+        await asyncio.sleep(max(wait, 0))
+        if wait < 0.3:
+            raise httpx.ReadTimeout("no answer by the deadline")
+        return httpx.Response(200, json={"keys": [f"k{body['bucket']}"]})
+
     service.engine = Ownerless()  # type: ignore[assignment]
+    service.directory = SimpleNamespace(owner=lambda region, bucket: "http://127.0.0.1:2")  # type: ignore[assignment]
+    service._to_member = slow_owner  # type: ignore[method-assign]
     started = time.monotonic()
     with pytest.raises(BucketUnavailable, match="no ready owner in time"):
         asyncio.run(service.keys("orders", None, False))
-    assert time.monotonic() - started < 1.2  # 8 × 0.4 s before
+    assert time.monotonic() - started < 0.8
+    assert forwards[:2] == [0, 1]
