@@ -50,12 +50,15 @@ import copy
 import importlib
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from . import jsonvalue
 from .errors import ConfigError, MalformedRecord
 from .events import UPDATES, EntryEvent, EventID, Operation, VersionTag
 from .eventwire import decode_entry, entry_event_body, entry_event_id, entry_operation, entry_region_key
+
+if TYPE_CHECKING:
+    from .batching import Batch
 
 LISTENER_ENTRY_POINT_GROUP = "sluice.listeners"
 
@@ -308,6 +311,13 @@ def possible_duplicates(events: list[AsyncEvent]) -> list[AsyncEvent]:
     if all(e._duplicate for e in events):
         return events
     return [e.as_possible_duplicate() for e in events]
+
+
+def flag_possible_duplicates(batch: Batch[AsyncEvent]) -> None:
+    """Every event of ``batch`` possibleDuplicate from now on: the batch (the same object, offered
+    again) holds flagged copies, in one reference swap, as ``Batch.drop`` does, since the loop
+    thread may be reading the old list."""
+    batch.events = possible_duplicates(batch.events)
 
 
 def undecodable(events: list[AsyncEvent]) -> list[AsyncEvent]:

@@ -589,6 +589,11 @@ def read_to_end(consumer: Consumer, topic: str, partition: int = 0, deadline_s: 
         consumer.unassign()
 
 
+#: How long a producer may take to deliver what it holds when a service waits for it (a queue's clean
+#: or revoke, any service's shutdown).
+FLUSH_DEADLINE_S = 10.0
+#: How long one request for a committed offset or a partition's watermarks may take (asked again after).
+OFFSETS_REQUEST_DEADLINE_S = 10.0
 #: watermarks: how long one request may take, how long a retriable refusal is asked again, the pause between.
 WATERMARKS_REQUEST_S = 10.0
 WATERMARKS_RETRY_DEADLINE_S = 10.0

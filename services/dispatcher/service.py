@@ -28,7 +28,7 @@ from typing import Any, Callable
 from opentelemetry.trace import SpanKind, StatusCode
 
 from ..core import telemetry
-from ..core.asyncevent import Accepted, AsyncEvent, DeadLetter, load_listener_class
+from ..core.asyncevent import Accepted, AsyncEvent, DeadLetter, flag_possible_duplicates, load_listener_class
 from ..core.batching import Batch
 from ..core.config import SiteConfig
 from ..core.errors import InvalidRequest, SluiceError
@@ -38,7 +38,6 @@ from ..core.queueloop import (
     QueuePartition,
     QueuePrimary,
     event_traceparent,
-    flag_possible_duplicates,
 )
 
 log = logging.getLogger("sluice.dispatcher")

@@ -103,6 +103,7 @@ from ..core.receivertotals import PartitionTotals
 from ..core.regionclient import BatchClient, RegionError
 from ..core.signing import Headers, Signer, Verifier, site_signer, site_verifier
 from ..core.kafka import (
+    FLUSH_DEADLINE_S,
     Consumer,
     Message,
     TopicPartition,
@@ -133,8 +134,7 @@ ALERT_REPEAT_S = 30.0
 DIRECTORY_REFRESH_S = 0.5
 #: How long a turn of the loop waits for the first inbound record (``lanes.RECEIVE_MAX_RECORDS`` at most).
 RECEIVE_WAIT_S = 0.1
-#: Shutdown deadlines: the producer's flush, a helper thread's join.
-FLUSH_DEADLINE_S = 10.0
+#: Shutdown deadline: a helper thread's join.
 THREAD_JOIN_DEADLINE_S = 5.0
 
 

@@ -80,7 +80,7 @@ from typing import Any
 from opentelemetry.trace import SpanKind, StatusCode
 
 from ..core import telemetry
-from ..core.asyncevent import AsyncEvent
+from ..core.asyncevent import AsyncEvent, flag_possible_duplicates
 from ..core.batching import Batch
 from ..core.config import SiteConfig
 from ..core.errors import (
@@ -124,7 +124,6 @@ from ..core.queueloop import (
     QueuePartition,
     QueuePrimary,
     event_traceparent,
-    flag_possible_duplicates,
 )
 from ..core.topics import TopicNames
 

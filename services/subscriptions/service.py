@@ -98,6 +98,7 @@ from ..core.eventwire import (
 )
 from ..core.interest import RegionInterest
 from ..core.kafka import (
+    FLUSH_DEADLINE_S,
     Consumer,
     TOPIC_MISSING,
     KafkaError,
@@ -143,8 +144,6 @@ TURN_SEND_WAIT_S = 0.005
 QUEUE_MISSING = TOPIC_MISSING
 #: The longest a registration's answer waits for the fill to reach the changelogs' ends.
 CATCH_UP_S = 10.0
-#: How long the producer may take to deliver what it holds at shutdown.
-FLUSH_DEADLINE_S = 10.0
 #: How long asking the broker for one changelog partition's end offset may take.
 END_OFFSET_DEADLINE_S = 10.0
 #: The same for a client queue's end (its bound, its size in an alert): best effort, so shorter.
