@@ -3,8 +3,9 @@
 The command prints one line saying what runs where, then waits.  SIGTERM or
 SIGINT (Ctrl-C) stops the broker cleanly and the command exits 0; if the
 broker dies by itself the command exits 1 and prints the end of its log.
-``--fetch-only`` downloads the Apache Kafka jars and exits (``make`` uses it
-so that the first test run does not pay for Maven).
+``--fetch-only`` downloads the Apache Kafka jars, writes the broker JVM's
+class-data archive beside them, and exits (``make`` uses it so that the first
+test run pays for neither Maven nor the archive).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from types import FrameType
 from typing import Any
 
 from sluice.broker import ENGINES, resolve_engine
-from sluice.broker.jars import KAFKA_VERSION_DEFAULT, ensure_kafka_jars
-from sluice.broker.kafka import BrokerProcess, BrokerState, EmbeddedKafka
+from sluice.broker.jars import KAFKA_VERSION_DEFAULT, ensure_kafka_jars, usable_class_archive
+from sluice.broker.kafka import BrokerProcess, BrokerState, EmbeddedKafka, write_class_archive
 from sluice.broker.tansu import EmbeddedTansu
 from sluice.core.errors import BrokerStartError, InvalidRequest
 
@@ -33,7 +34,7 @@ examples:
   # a second site beside it, always Apache Kafka, data in ./data/tokyo
   sluice broker --site tokyo --port 9192 --engine kafka --data-dir ./data/tokyo
 
-  # only download the Apache Kafka jars into the cache (~/.cache/sluice)
+  # only download the Apache Kafka jars into the cache (~/.cache/sluice), with the class-data archive
   sluice broker --fetch-only
 
 Data lives in .sluice/sites/SITE/ENGINE unless --data-dir is given; the
@@ -63,7 +64,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--data-dir", help="data directory (default .sluice/sites/SITE/ENGINE)")
     parser.add_argument("--kafka-version", default=KAFKA_VERSION_DEFAULT, help=f"Apache Kafka version (default {KAFKA_VERSION_DEFAULT})")
     parser.add_argument("--heap", default="384m", help="JVM heap of the Apache Kafka broker (default 384m)")
-    parser.add_argument("--fetch-only", action="store_true", help="download the Apache Kafka jars and exit")
+    parser.add_argument("--fetch-only", action="store_true", help="download the Apache Kafka jars, write the broker JVM's class-data archive, and exit")
     parser.set_defaults(run=run)
     return parser
 
@@ -77,6 +78,16 @@ def run(args: argparse.Namespace) -> int:
             print(f"sluice broker: {exc}", file=sys.stderr)
             return 1
         print(f"Apache Kafka {args.kafka_version} jars in {libs}")
+        if not usable_class_archive(libs):
+            print("writing the broker JVM's class-data archive (once; each broker start then loads its classes "
+                  "from it)…", flush=True)
+        try:
+            archive = write_class_archive(args.kafka_version)
+        except BrokerStartError as exc:  # brokers still start, loading their classes themselves
+            print(f"sluice broker: no class-data archive: {exc}", file=sys.stderr)
+            return 0
+        print(f"class-data archive: {archive}" if archive is not None
+              else "class-data archive: this JVM wrote none (brokers load their classes themselves)")
         return 0
     if not args.site:
         print("sluice broker: --site is required (unless --fetch-only)", file=sys.stderr)

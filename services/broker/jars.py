@@ -149,6 +149,32 @@ def ensure_kafka_jars(version: str = KAFKA_VERSION_DEFAULT, cache_dir: Path | No
     return libs
 
 
+def class_archive(libs: Path) -> Path:
+    """Where the class-data archive of a JVM running the jars in ``libs`` is kept: beside them, one per
+    ``java`` on PATH (its resolved path and modification time), since an archive is only good for the JVM
+    build that wrote it."""
+    java = shutil.which("java")
+    resolved = os.path.realpath(java) if java is not None else "java"
+    try:
+        stamp = os.stat(resolved).st_mtime_ns
+    except OSError:
+        stamp = 0
+    key = hashlib.sha1(f"{resolved}:{stamp}".encode()).hexdigest()[:12]
+    return libs.parent / f"classes-{key}.jsa"
+
+
+def usable_class_archive(libs: Path) -> Path | None:
+    """``class_archive(libs)`` when it exists and is newer than every jar (a jar replaced since would make
+    the JVM refuse the archive, with a warning, and load every class itself); else None."""
+    archive = class_archive(libs)
+    try:
+        written = archive.stat().st_mtime
+        newest_jar = max((jar.stat().st_mtime for jar in libs.glob("*.jar")), default=0.0)
+    except OSError:
+        return None
+    return archive if written >= newest_jar else None
+
+
 def _fetch(version: str, pom: Path, libs: Path) -> None:
     """Copy the jars into a temporary sibling of ``libs``, then rename it in."""
     libs.parent.mkdir(parents=True, exist_ok=True)
