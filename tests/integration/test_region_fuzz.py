@@ -18,12 +18,12 @@ from typing import Any, Iterator
 import httpx
 import pytest
 import schemathesis
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import IsolationLevel, TopicPartition
+from confluent_kafka.admin import AdminClient, OffsetSpec
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from sluice.core.kafka import partition_end
 from sluice.region.guard import CLIENT, MEMBER, credential_of
 
 from regionkit import RegionProcess, write_site
@@ -81,18 +81,25 @@ class Observer:
         self.partitions = [TopicPartition(cfg.topics.region_changelog("orders"), p) for p in range(BUCKETS)]
         self.partitions += [TopicPartition(q.topic, p) for q in cfg.attached_queues("orders")
                             for p in range(q.partitions)]
-        self.committed = Consumer({"bootstrap.servers": bootstrap, "group.id": "sluice-fuzz-observer",
-                                   "isolation.level": "read_committed"})
-        self.uncommitted = Consumer({"bootstrap.servers": bootstrap, "group.id": "sluice-fuzz-observer",
-                                     "isolation.level": "read_uncommitted"})
+        self.admin = AdminClient({"bootstrap.servers": bootstrap})
         self.http = httpx.Client(headers=credential("/regions/orders/keys"), timeout=30)
+
+    def ends(self, isolation: IsolationLevel) -> list[int]:
+        """Every partition's end as a reader of ``isolation`` sees it, in one request: the last stable
+        offset (read_committed) or the high watermark."""
+        asked = self.admin.list_offsets({tp: OffsetSpec.latest() for tp in self.partitions},
+                                        isolation_level=isolation, request_timeout=10)
+        return [asked[tp].result(timeout=10).offset for tp in self.partitions]
+
+    def bounds(self) -> list[tuple[int, int]]:
+        """(last stable offset, high watermark) of each partition, asked in that order (as partition_end)."""
+        return list(zip(self.ends(IsolationLevel.READ_COMMITTED), self.ends(IsolationLevel.READ_UNCOMMITTED)))
 
     def state(self) -> tuple[list[str], list[int]]:
         keys = self.http.get(f"{self.url}/regions/orders/keys").json()["keys"]
-        bounds = read_until(lambda: [partition_end(self.committed, self.uncommitted, tp) for tp in self.partitions],
-                            lambda bounds: all(stable >= high for _, stable, high in bounds), timeout_s=10,
+        bounds = read_until(self.bounds, lambda bounds: all(stable >= high for stable, high in bounds), timeout_s=10,
                             poll_s=0.01)
-        return sorted(keys), [high for _, _, high in bounds]
+        return sorted(keys), [high for _, high in bounds]
 
     def stop_copies(self) -> None:
         """Cancel a wan-copy a generated request started (answered once it has stopped)."""
@@ -101,8 +108,6 @@ class Observer:
 
     def close(self) -> None:
         self.http.close()
-        self.committed.close()
-        self.uncommitted.close()
 
 
 def test_generated_requests_never_fail_the_server_nor_change_state_when_refused(region) -> None:
