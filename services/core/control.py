@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from .codec import get_codec
 from .errors import CodecError, SluiceError
-from .kafka import OFFSET_BEGINNING, TopicPartition, kafka_errors, make_consumer, make_producer
+from .kafka import FOLLOW_FETCH_WAIT_MS, OFFSET_BEGINNING, TopicPartition, kafka_errors, make_consumer, make_producer
 
 if TYPE_CHECKING:
     from .config import SiteConfig
@@ -44,10 +44,9 @@ CONTROL_WRITE_DEADLINE_S = 30.0
 #: How long asking the broker for the control topic's end offset may take when a follower starts.
 CONTROL_END_DEADLINE_S = 10.0
 #: How long one read of the control topic waits for records while a follower reads it to its end,
-#: how long that whole read may take, and how long the broker holds a follower's idle fetch.
+#: and how long that whole read may take.
 CONTROL_READ_WAIT_S = 0.05
 CONTROL_READ_DEADLINE_S = 15.0
-CONTROL_FETCH_WAIT_MS = 100
 
 
 def control_key(kind: str, target_id: str) -> bytes:
@@ -77,7 +76,7 @@ class ControlFollower:
         self.topic = cfg.topics.control()
         self._codec = get_codec()
         self._consumer = make_consumer(cfg.kafka.client_settings(), None,
-                                       **{"client.id": client_id, "fetch.wait.max.ms": CONTROL_FETCH_WAIT_MS})
+                                       **{"client.id": client_id, "fetch.wait.max.ms": FOLLOW_FETCH_WAIT_MS})
 
     def read_to_end(self, deadline_s: float = CONTROL_READ_DEADLINE_S) -> list[dict[str, Any]]:
         """The key's records from the start of the topic to its end as of now; the follower then

@@ -57,7 +57,7 @@ from urllib.parse import urlsplit
 
 from .codec import get_codec
 from .errors import CodecError, SluiceError
-from .kafka import OFFSET_BEGINNING, Consumer, TopicPartition, kafka_errors, make_consumer, read_to_end
+from .kafka import FOLLOW_FETCH_WAIT_MS, OFFSET_BEGINNING, Consumer, TopicPartition, kafka_errors, make_consumer, read_to_end
 
 if TYPE_CHECKING:
     from .config import SiteConfig
@@ -308,7 +308,8 @@ class OwnerDirectory:
         self.trust = trust or MemberTrust.from_config(cfg)
         self.ignored = _Ignored()
         self._topic = cfg.topics.status()
-        self._consumer: Consumer = make_consumer(cfg.kafka.client_settings(), None, **{"fetch.wait.max.ms": 50})
+        self._consumer: Consumer = make_consumer(cfg.kafka.client_settings(), None,
+                                                 **{"fetch.wait.max.ms": FOLLOW_FETCH_WAIT_MS})
         self._consumer.assign([TopicPartition(self._topic, 0, OFFSET_BEGINNING)])
         self._instances: dict[str, Instance] = {}
         self._owners: dict[tuple[str, int], str] = {}

@@ -91,6 +91,9 @@ __all__ = [
     "consumed_position",
     "consumer_group_generation",
     "connection_settings",
+    "FLUSH_DEADLINE_S",
+    "FOLLOW_FETCH_WAIT_MS",
+    "OFFSETS_REQUEST_DEADLINE_S",
     "fence_transactional_id",
     "TOPIC_MISSING",
     "error_from_kafka_error",
@@ -305,6 +308,13 @@ def make_consumer(base: dict[str, Any], group_id: str | None = None, **settings:
     with kafka_errors("creating a consumer"):
         return Consumer(conf)
 
+
+#: How long the broker holds an idle fetch of a consumer that follows a topic for as long as it runs (the
+#: owner directory, a control follower).  A record, or a transaction's commit marker, ends the wait at
+#: once (measured: produced → consumed p50 6.2 ms, max 9.5 ms, at 500 as at 50), so the wait costs no
+#: latency; it sets how often an idle follower asks, and each ask costs the broker (an idle region
+#: service's directory at 50 ms: 0.03 of a core of its broker).
+FOLLOW_FETCH_WAIT_MS = 500
 
 #: A transactional producer's ``retry.backoff.ms``.  The coordinator answers a
 #: transaction's first AddPartitionsToTxn with CONCURRENT_TRANSACTIONS while it
