@@ -558,12 +558,6 @@ class EmbeddedKafka(BrokerProcess):
             # no follower to tell it is alive: every 5 s, an idle broker uses 0.02 of a core instead of 0.037,
             # and a test run keeps up to a dozen of them.
             "metadata.max.idle.interval.ms": "5000",
-            # A node paused (SIGSTOP) past this finds, once it runs again, that its own controller fenced
-            # it: every partition loses its leader for a moment, and Kafka 4.4.0 then drops the markers
-            # of transactions it was completing, leaving them open for ever (docs/regions.md, "Hanging
-            # transactions").  The default 9 s is within the fault harness's 4–10 s pauses; 15 s is not.
-            # A node killed and started again waits this long for its previous incarnation's fence.
-            "broker.session.timeout.ms": "15000",
             # Two or three brokers share two cores: few threads.
             "num.network.threads": "2",
             "num.io.threads": "2",
