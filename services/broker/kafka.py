@@ -588,10 +588,10 @@ class EmbeddedKafka(BrokerProcess):
             "-Djava.awt.headless=true",
         ]
         # The classes a broker loads, mapped from the archive `sluice broker --fetch-only` (make jars)
-        # wrote: a start takes 1.9–2.0 s of CPU instead of 3.1–3.3 s, and answers in 1.3–1.4 s instead of
-        # 2.4–2.5 s, format included.  Without it, or with one the JVM refuses, classes load as usual.
-        archive = usable_class_archive(self.jars_dir)
-        if archive is not None and self._archive_to is None:
+        # wrote (the class docstring has the figures).  Without it, or with one the JVM refuses, classes
+        # load as usual; the broker writing the archive maps none.
+        archive = None if self._archive_to is not None else usable_class_archive(self.jars_dir)
+        if archive is not None:
             command.append(f"-XX:SharedArchiveFile={archive}")
         config = log4j_config()
         if config is not None:

@@ -86,6 +86,11 @@ def queue_backlog(sites: TwoSites) -> dict[str, int]:
     return {name: size for name, size in sizes.items() if size}
 
 
+def differing_keys(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """The keys whose entry differs between two sites' states (or that one of them lacks), sorted."""
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
 @dataclass(frozen=True)
 class Convergence:
     """How a wait for the sites to agree ended: after ``seconds``, or not in time (None) with what it last
@@ -117,7 +122,7 @@ def _unsettled(sites: TwoSites) -> str:
         return "queues not empty: " + ", ".join(f"{name} {size:,}" for name, size in sorted(backlog.items()))
     for region in REGIONS:
         a, b = (region_state(sites.urls(site), region, sites.token(site)) for site in ("a", "b"))
-        differ = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+        differ = differing_keys(a, b)
         if differ:
             return f"{region}: {len(differ)} keys differ between a and b (first {differ[0]!r})"
     return ""
@@ -182,7 +187,7 @@ def verify_sites(sites: TwoSites, written: Written, *, converged: Convergence) -
               for region in REGIONS}
     for region in REGIONS:
         a, b = finals[region]["a"], finals[region]["b"]
-        diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+        diff = differing_keys(a, b)
         v.divergent += len(diff)
         v.row(f"{region}: keys equal on a and b (value and version)", f"{len(a) - len(diff)} of {len(set(a) | set(b))}",
               not diff)
