@@ -82,11 +82,17 @@ def make_broker(
     port: int = 0,
     engine: str = "auto",
     data_dir: Path | str | None = None,
+    *,
+    separate_controller: bool = False,
 ) -> BrokerProcess:
-    """Build, but do not start, the broker of ``site`` (see :func:`start_broker`)."""
+    """Build, but do not start, the broker of ``site`` (see :func:`start_broker`).
+
+    ``separate_controller`` runs an Apache Kafka site's controller in a JVM of its own, so that killing or pausing
+    the broker leaves the controller running (see :class:`EmbeddedKafka`); Tansu has no controller.
+    """
     chosen = resolve_engine(engine)
     if chosen == "kafka":
-        return EmbeddedKafka(site, port, data_dir=data_dir)
+        return EmbeddedKafka(site, port, data_dir=data_dir, separate_controller=separate_controller)
     return EmbeddedTansu(site, port, data_dir=data_dir)
 
 
@@ -95,6 +101,8 @@ def start_broker(
     port: int = 0,
     engine: str = "auto",
     data_dir: Path | str | None = None,
+    *,
+    separate_controller: bool = False,
 ) -> BrokerProcess:
     """Start the broker of ``site`` on 127.0.0.1:``port`` (0 = a free port).
 
@@ -102,4 +110,4 @@ def start_broker(
     current directory.  Returns the running broker; the caller stops it.
     Raises :class:`~sluice.core.errors.BrokerStartError` if it cannot start.
     """
-    return make_broker(site, port, engine, data_dir).start()
+    return make_broker(site, port, engine, data_dir, separate_controller=separate_controller).start()

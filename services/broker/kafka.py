@@ -5,7 +5,9 @@ runs, each simulated site gets a broker of its own, started here as a child
 process on 127.0.0.1:
 
 1. ``EmbeddedKafka`` writes a ``server.properties`` for one KRaft node that is
-   both broker and controller (``process.roles=broker,controller``), tuned for
+   both broker and controller (``process.roles=broker,controller``), or with
+   ``separate_controller`` for a broker and a controller in JVMs of their own
+   (what the fault harness uses, see the class), tuned for
    tests: one replica for the internal topics, few partitions, no initial
    rebalance delay, a 500 ms minimum session timeout so fast group joins are
    allowed, no topic auto-creation (Sluice creates its topics on purpose).
@@ -60,6 +62,16 @@ LOG_TAIL_LINES = 25
 
 #: Opens each start's section of the broker log.
 _START_BANNER = "===== sluice: starting"
+
+#: The node id of the controller of ``EmbeddedKafka(separate_controller=True)``; its broker is node 1.
+CONTROLLER_NODE_ID = 3000
+
+#: ``broker.session.timeout.ms`` of a separate controller: longer than the fault harness's longest pause
+#: of a broker (10 s), so that a pause fences nothing; a killed broker is fenced this long after the kill.
+SEPARATE_SESSION_TIMEOUT_MS = 12_000
+
+#: What the controller logs when it fences a broker that stopped sending heartbeats.
+_FENCED_FOR_TIMEOUT = re.compile(rb"Fencing broker 1 at epoch \d+ because its session has timed out")
 
 
 class BrokerState(enum.Enum):
@@ -439,6 +451,11 @@ class BrokerProcess:
         return f"<{type(self).__name__} site={self.site!r} {self.bootstrap} {self.state.value} pid={self.pid}>"
 
 
+def _write_properties(path: Path, props: Mapping[str, str]) -> None:
+    body = "".join(f"{key}={value}\n" for key, value in props.items())
+    path.write_text("# Written by sluice on each start; edits are overwritten.\n" + body)
+
+
 def random_cluster_id() -> str:
     """A KRaft cluster id: a random UUID in unpadded base64url (22 chars).
 
@@ -464,6 +481,22 @@ def read_meta_properties(data_dir: Path) -> dict[str, str]:
 class EmbeddedKafka(BrokerProcess):
     """A single-node Apache Kafka 4.x (KRaft, broker and controller in one JVM).
 
+    With ``separate_controller`` the controller runs in a JVM of its own, as
+    Kafka advises for production, and ``kill()``, ``pause()`` and
+    ``resume()`` reach the broker only.  The fault harness needs that: Kafka
+    4.4.0 drops the transaction markers meant for a partition that has no
+    leader ("Couldn't find leader endpoint … likely deleted already"), so a
+    changelog partition keeps an open transaction for ever when its only
+    replica is fenced while the transaction coordinator completes a
+    transaction.  One JVM makes that happen on a ``kill -9``: the restarted
+    controller gives the killed incarnation a whole session before it fences
+    it, and meanwhile the restarted broker, following its old registration,
+    already completes transactions.  It also happens on a pause: the paused
+    controller fences its own broker once it runs again.  Apart, the
+    controller fences a killed broker while nothing runs, and ``start()``
+    waits for that (``broker.session.timeout.ms``, 12 s here, so that a pause
+    of up to 10 s fences nothing) before starting the broker again.
+
     Measured here (2 cores, OpenJDK 17, ``-Xmx384m``), with the class-data
     archive of ``write_class_archive``: format + first start answers Metadata
     in ~1.7 s (2.4 s of CPU), a restart on formatted storage in ~0.9 s (1.4 s
@@ -487,12 +520,22 @@ class EmbeddedKafka(BrokerProcess):
         group_min_session_timeout_ms: int = 500,
         group_max_session_timeout_ms: int | None = None,
         extra_config: Mapping[str, str] | None = None,
+        separate_controller: bool = False,
         start_timeout_s: float = 60.0,
         stop_timeout_s: float = 15.0,
         die_with_parent: bool = True,
     ) -> None:
         super().__init__(site, port, data_dir, start_timeout_s=start_timeout_s, stop_timeout_s=stop_timeout_s,
                          die_with_parent=die_with_parent)
+        self.separate_controller = separate_controller
+        #: The controller's own JVM (``separate_controller``); it outlives kills of the broker.
+        self._controller: subprocess.Popen[bytes] | None = None
+        self.controller_data_dir = self.data_dir.parent / f"{self.data_dir.name}-controller"
+        self.controller_log_path = self.data_dir.parent / f"{self.data_dir.name}-controller.log"
+        self.controller_properties_path = self.data_dir.parent / f"{self.data_dir.name}-controller.properties"
+        #: Where the controller's log ended when the broker was killed: the next start waits for the
+        #: controller to fence the killed incarnation, logged after that point.
+        self._killed_at_log_size: int | None = None
         if controller_port:
             self.controller_port = controller_port
         else:
@@ -523,13 +566,24 @@ class EmbeddedKafka(BrokerProcess):
 
     def server_properties(self) -> dict[str, str]:
         """The broker configuration, written to ``properties_path`` on each start."""
-        props = {
+        if self.separate_controller:
+            # A broker-only node, its controller a voter of its own.
+            roles = {
+                "process.roles": "broker",
+                "node.id": "1",
+                "controller.quorum.voters": f"{CONTROLLER_NODE_ID}@{HOST}:{self.controller_port}",
+                "listeners": f"PLAINTEXT://{HOST}:{self.port}",
+            }
+        else:
             # One KRaft node: broker and controller in one process, with a
             # static voter set (so the StorageTool must not get --standalone).
-            "process.roles": "broker,controller",
-            "node.id": "1",
-            "controller.quorum.voters": f"1@{HOST}:{self.controller_port}",
-            "listeners": f"PLAINTEXT://{HOST}:{self.port},CONTROLLER://{HOST}:{self.controller_port}",
+            roles = {
+                "process.roles": "broker,controller",
+                "node.id": "1",
+                "controller.quorum.voters": f"1@{HOST}:{self.controller_port}",
+                "listeners": f"PLAINTEXT://{HOST}:{self.port},CONTROLLER://{HOST}:{self.controller_port}",
+            }
+        props = roles | {
             "advertised.listeners": f"PLAINTEXT://{HOST}:{self.port}",
             "controller.listener.names": "CONTROLLER",
             "inter.broker.listener.name": "PLAINTEXT",
@@ -575,6 +629,24 @@ class EmbeddedKafka(BrokerProcess):
         props.update(self.extra_config)
         return props
 
+    def controller_properties(self) -> dict[str, str]:
+        """The configuration of the separate controller (``separate_controller``).
+
+        The broker's, less what only a broker reads, with the controller's
+        role, listener and data directory; topic defaults stay, since the
+        controller applies them to the topics it creates.
+        """
+        props = {key: value for key, value in self.server_properties().items()
+                 if key not in ("advertised.listeners", "inter.broker.listener.name")}
+        return props | {
+            "process.roles": "controller",
+            "node.id": str(CONTROLLER_NODE_ID),
+            "listeners": f"CONTROLLER://{HOST}:{self.controller_port}",
+            "listener.security.protocol.map": "CONTROLLER:PLAINTEXT",
+            "log.dirs": str(self.controller_data_dir),
+            "broker.session.timeout.ms": str(SEPARATE_SESSION_TIMEOUT_MS),
+        }
+
     def _java(self, heap: str) -> list[str]:
         assert self.jars_dir is not None
         command = [
@@ -601,30 +673,111 @@ class EmbeddedKafka(BrokerProcess):
     def _prepare(self) -> None:
         if self.jars_dir is None:
             self.jars_dir = ensure_kafka_jars(self.version)
-        body = "".join(f"{key}={value}\n" for key, value in self.server_properties().items())
-        self.properties_path.write_text("# Written by sluice on each start; edits are overwritten.\n" + body)
-        if not (self.data_dir / "meta.properties").is_file():
-            self._format()
+        _write_properties(self.properties_path, self.server_properties())
+        nodes = [(self.data_dir, self.properties_path)]
+        if self.separate_controller:
+            _write_properties(self.controller_properties_path, self.controller_properties())
+            nodes.append((self.controller_data_dir, self.controller_properties_path))
+        formatted = [read_meta_properties(d).get("cluster.id") for d, _ in nodes if (d / "meta.properties").is_file()]
+        cluster_id = formatted[0] if formatted and formatted[0] else random_cluster_id()
+        for data_dir, properties in nodes:
+            if not (data_dir / "meta.properties").is_file():
+                self._format(data_dir, properties, cluster_id)
         self._cluster_id = read_meta_properties(self.data_dir).get("cluster.id")
+        if self.separate_controller:
+            self._start_controller()
+            self._await_fence_of_killed()
 
-    def _format(self) -> None:
-        """Format the empty data directory (``kafka-storage.sh format``)."""
+    def _format(self, data_dir: Path, properties: Path, cluster_id: str) -> None:
+        """Format an empty data directory (``kafka-storage.sh format``)."""
         command = [
             *self._java("128m"),
             "kafka.tools.StorageTool",
             "format",
             "--cluster-id",
-            random_cluster_id(),
+            cluster_id,
             "--config",
-            str(self.properties_path),
+            str(properties),
         ]
         try:
             result = subprocess.run(command, capture_output=True, text=True, timeout=self.start_timeout_s, check=False)
         except subprocess.TimeoutExpired as exc:
-            raise BrokerStartError(f"formatting {self.data_dir} took over {self.start_timeout_s:.0f} s") from exc
-        if result.returncode != 0 or not (self.data_dir / "meta.properties").is_file():
+            raise BrokerStartError(f"formatting {data_dir} took over {self.start_timeout_s:.0f} s") from exc
+        if result.returncode != 0 or not (data_dir / "meta.properties").is_file():
             tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-LOG_TAIL_LINES:])
-            raise BrokerStartError(f"formatting the Kafka storage in {self.data_dir} failed (exit {result.returncode}):\n{tail}")
+            raise BrokerStartError(f"formatting the Kafka storage in {data_dir} failed (exit {result.returncode}):\n{tail}")
+
+    # -- the separate controller -------------------------------------------------
+
+    def _start_controller(self) -> None:
+        """Run the controller unless it runs; return once its listener takes connections."""
+        if self._controller is not None and self._controller.poll() is None:
+            return
+        command = [*self._java("192m"), "kafka.Kafka", str(self.controller_properties_path)]
+        with open(self.controller_log_path, "ab") as log:
+            log.write(f"\n{_START_BANNER} controller at {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(command)}\n"
+                      .encode())
+            log.flush()
+            self._controller = self._spawn(command, log)
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            code = self._controller.poll()
+            if code is not None:
+                raise BrokerStartError(f"the controller of site {self.site!r} exited with code {code} while "
+                                       f"starting; see {self.controller_log_path}")
+            try:
+                socket.create_connection((HOST, self.controller_port), timeout=1.0).close()
+                return
+            except OSError:
+                if time.monotonic() >= deadline:
+                    self._stop_controller()
+                    raise BrokerStartError(f"the controller of site {self.site!r} did not listen on "
+                                           f"{HOST}:{self.controller_port} within {self.start_timeout_s:.0f} s; "
+                                           f"see {self.controller_log_path}") from None
+                time.sleep(0.05)
+
+    def _await_fence_of_killed(self) -> None:
+        """After a kill, wait until the controller fenced the killed incarnation (see the class docstring).
+
+        Bounded by the session timeout and 5 s more: an incarnation killed
+        before it registered is never fenced.
+        """
+        mark, self._killed_at_log_size = self._killed_at_log_size, None
+        if mark is None:
+            return
+        deadline = time.monotonic() + SEPARATE_SESSION_TIMEOUT_MS / 1000 + 5
+        while time.monotonic() < deadline:
+            try:
+                with open(self.controller_log_path, "rb") as log:
+                    log.seek(mark)
+                    if _FENCED_FOR_TIMEOUT.search(log.read()):
+                        return
+            except OSError:
+                return
+            time.sleep(0.1)
+
+    def _stop_controller(self) -> None:
+        controller, self._controller = self._controller, None
+        if controller is not None and controller.poll() is None:
+            controller.send_signal(signal.SIGTERM)
+            try:
+                controller.wait(timeout=self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                controller.kill()
+                controller.wait()
+
+    def kill(self) -> None:
+        if self.separate_controller and self.pid is not None:
+            try:
+                self._killed_at_log_size = self.controller_log_path.stat().st_size
+            except OSError:
+                self._killed_at_log_size = 0
+        super().kill()
+
+    def stop(self) -> None:
+        """Stop the broker cleanly, then its separate controller, if any.  Idempotent."""
+        super().stop()
+        self._stop_controller()
 
     def _command(self) -> list[str]:
         command = self._java(self.heap)

@@ -228,11 +228,13 @@ class TwoSites:
 
     # --- starting ----------------------------------------------------------------------------
 
-    def start_brokers(self, engine: str) -> None:
+    def start_brokers(self, engine: str, *, separate_controllers: bool = False) -> None:
+        """Each site's broker; ``separate_controllers`` for runs that kill or pause brokers (see EmbeddedKafka)."""
         from ..broker import start_broker
 
         for name in ("a", "b"):
-            self.brokers[name] = start_broker(f"demo-{name}", 0, engine, data_dir=self.workdir / f"broker-{name}")
+            self.brokers[name] = start_broker(f"demo-{name}", 0, engine, data_dir=self.workdir / f"broker-{name}",
+                                              separate_controller=separate_controllers)
 
     @property
     def tansu(self) -> bool:
