@@ -66,8 +66,9 @@ _START_BANNER = "===== sluice: starting"
 #: The node id of the controller of ``EmbeddedKafka(separate_controller=True)``; its broker is node 1.
 CONTROLLER_NODE_ID = 3000
 
-#: ``broker.session.timeout.ms`` of a separate controller: longer than the fault harness's longest pause
-#: of a broker (10 s), so that a pause fences nothing; a killed broker is fenced this long after the kill.
+#: ``broker.session.timeout.ms`` of a separate controller by default: longer than the fault harness's
+#: longest pause of a broker (10 s), so that a pause fences nothing; a killed broker is fenced this long
+#: after the kill.
 SEPARATE_SESSION_TIMEOUT_MS = 12_000
 
 #: What the controller logs when it fences a broker that stopped sending heartbeats.
@@ -494,8 +495,8 @@ class EmbeddedKafka(BrokerProcess):
     already completes transactions.  It also happens on a pause: the paused
     controller fences its own broker once it runs again.  Apart, the
     controller fences a killed broker while nothing runs, and ``start()``
-    waits for that (``broker.session.timeout.ms``, 12 s here, so that a pause
-    of up to 10 s fences nothing) before starting the broker again.
+    waits for that (``broker_session_timeout_ms``, 12 s unless told, so that a
+    pause of up to 10 s fences nothing) before starting the broker again.
 
     Measured here (2 cores, OpenJDK 17, ``-Xmx384m``), with the class-data
     archive of ``write_class_archive``: format + first start answers Metadata
@@ -521,6 +522,7 @@ class EmbeddedKafka(BrokerProcess):
         group_max_session_timeout_ms: int | None = None,
         extra_config: Mapping[str, str] | None = None,
         separate_controller: bool = False,
+        broker_session_timeout_ms: int = SEPARATE_SESSION_TIMEOUT_MS,
         start_timeout_s: float = 60.0,
         stop_timeout_s: float = 15.0,
         die_with_parent: bool = True,
@@ -528,6 +530,9 @@ class EmbeddedKafka(BrokerProcess):
         super().__init__(site, port, data_dir, start_timeout_s=start_timeout_s, stop_timeout_s=stop_timeout_s,
                          die_with_parent=die_with_parent)
         self.separate_controller = separate_controller
+        #: How long a separate controller waits for the broker's heartbeat before it fences it: a pause of the
+        #: broker shorter than this fences nothing (one JVM keeps Kafka's 9 s, see the class docstring).
+        self.broker_session_timeout_ms = broker_session_timeout_ms
         #: The controller's own JVM (``separate_controller``); it outlives kills of the broker.
         self._controller: subprocess.Popen[bytes] | None = None
         self.controller_data_dir = self.data_dir.parent / f"{self.data_dir.name}-controller"
@@ -644,7 +649,7 @@ class EmbeddedKafka(BrokerProcess):
             "listeners": f"CONTROLLER://{HOST}:{self.controller_port}",
             "listener.security.protocol.map": "CONTROLLER:PLAINTEXT",
             "log.dirs": str(self.controller_data_dir),
-            "broker.session.timeout.ms": str(SEPARATE_SESSION_TIMEOUT_MS),
+            "broker.session.timeout.ms": str(self.broker_session_timeout_ms),
         }
 
     def _java(self, heap: str) -> list[str]:
@@ -745,7 +750,7 @@ class EmbeddedKafka(BrokerProcess):
         mark, self._killed_at_log_size = self._killed_at_log_size, None
         if mark is None:
             return
-        deadline = time.monotonic() + SEPARATE_SESSION_TIMEOUT_MS / 1000 + 5
+        deadline = time.monotonic() + self.broker_session_timeout_ms / 1000 + 5
         while time.monotonic() < deadline:
             try:
                 with open(self.controller_log_path, "rb") as log:

@@ -294,19 +294,25 @@ def test_three_sites_apply_every_event_once_and_nothing_circulates(topology, sit
 
 
 def test_a_paused_remote_broker_grows_the_queue_alerts_then_drains_losing_nothing(
-    site_a, site_b, unique_prefix, tmp_path: Path
+    site_a, broker_factory, unique_prefix, tmp_path: Path
 ):
     """B's broker SIGSTOPped for 30 s under load: A's queue grows and an alert is logged; after SIGCONT it
-    drains, B equals A, and the repeats B received are acknowledged, not applied twice."""
-    if site_b.broker is None or site_a.bootstrap == site_b.bootstrap:
-        pytest.skip("needs two embedded brokers (one per site) to pause one of them")
+    drains, B equals A, and the repeats B received are acknowledged, not applied twice.
+
+    B's broker is the test's own, its controller in a JVM of its own that waits longer than the pause
+    for a heartbeat: a single node paused past its session timeout fences itself once it runs again,
+    and Kafka 4.4.0 may then leave a transaction of B's region open for ever (docs/regions.md,
+    "Hanging transactions"), which is not what this test is about."""
     from sluice.admin.cli import queue_status
 
-    two = write_two_sites(tmp_path, site_a.bootstrap, unique_prefix, bootstrap_b=site_b.bootstrap, a={
+    broker_b = broker_factory("b", "kafka", separate_controller=True,
+                              broker_session_timeout_ms=int((OUTAGE_S + 30) * 1000))
+
+    two = write_two_sites(tmp_path, site_a.bootstrap, unique_prefix, bootstrap_b=broker_b.bootstrap, a={
         "regions": [{"name": "orders", "buckets": 4, "gateway_senders": ["to-b"]}],
         "gateway_senders": [{"id": "to-b", "remote_dsid": 2, "parallel": True, "batch_size": 50,
                              "batch_time_interval_ms": 20, "socket_read_timeout_ms": 5000, "alert_threshold_ms": 3000,
-                             "remote": remote(site_b.bootstrap, unique_prefix, "b")}],
+                             "remote": remote(broker_b.bootstrap, unique_prefix, "b")}],
     }, b={
         "regions": [{"name": "orders", "buckets": 4}],
         "receiver": {"inbound_partitions": 2, "accepted_dsids": [1]},
@@ -333,7 +339,7 @@ def test_a_paused_remote_broker_grows_the_queue_alerts_then_drains_losing_nothin
                 written[key] = {"n": n}
 
         write(0, 100)
-        site_b.broker.pause()
+        broker_b.pause()
         paused = True
         paused_at = time.monotonic()
         write(100, 300)
@@ -344,7 +350,7 @@ def test_a_paused_remote_broker_grows_the_queue_alerts_then_drains_losing_nothin
         # The outage lasts OUTAGE_S in all; meanwhile no service falls over.
         holds_for(lambda: all(proc.proc.poll() is None for proc in procs),
                   window_s=max(0.0, OUTAGE_S - (time.monotonic() - paused_at)), what="every service up", poll_s=1.0)
-        site_b.broker.resume()
+        broker_b.resume()
         paused = False
         write(400, 100)
 
@@ -362,16 +368,16 @@ def test_a_paused_remote_broker_grows_the_queue_alerts_then_drains_losing_nothin
         assert "ALERT gateway-sender to-b" in sender.log_tail(2_000_000)
         codec = get_codec()
         acks = [codec.decode_as("GatewayAck", v) for _, _, v in
-                read_topic(site_b.bootstrap, cfgs["b"].topics.gateway_acks(), 2)]
+                read_topic(broker_b.bootstrap, cfgs["b"].topics.gateway_acks(), 2)]
         repeats = sum(1 for a in acks if a["duplicate_batch"])
         records = [codec.decode_as("EntryEvent", v) for _, _, v in
-                   read_topic(site_b.bootstrap, cfgs["b"].topics.region_changelog("orders"), 4)]
+                   read_topic(broker_b.bootstrap, cfgs["b"].topics.region_changelog("orders"), 4)]
         ids = [tuple(r["event_id"].values()) for r in records]
         assert len(ids) == len(set(ids)) == 500, f"{len(ids)} applications on B for 500 writes"
         print(f"\nqueue grew to {size_paused} while B was paused; drained; {repeats} repeated batches acked, "
               f"{region_b.stats()['duplicates']} repeated events discarded by B's region, none applied twice")
     finally:
         if paused:
-            site_b.broker.resume()
+            broker_b.resume()
         for proc in reversed(procs):
             proc.stop()
