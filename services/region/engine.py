@@ -351,7 +351,7 @@ class RegionEngine(BucketLoading, Service):
                       "window_records": 0, "producers_rebuilt": 0, "producers_wedged": 0, "owners_fenced": 0,
                       "hanging_transactions": 0, "loads_skipped": 0,
                       "loads_from_standby": 0, "loads_from_store": 0, "records_replayed": 0,
-                      "buckets_revoked": 0, "windows_rewritten": 0, "wan_copied": 0}
+                      "buckets_revoked": 0, "windows_rewritten": 0, "windows_absorbed": 0, "wan_copied": 0}
         #: Records of committed windows by topic: a queue topic's count is its events queued (metrics).
         self.records_written: collections.Counter[str] = collections.Counter()
         #: Standby copies of buckets other instances own (a region with redundant_copies; standby.py).
@@ -570,9 +570,10 @@ class RegionEngine(BucketLoading, Service):
         with self._lock:
             window = self._window
             was_empty = window.empty()
+            owned = self._owned
             for op, result in zip(ops, results):
                 bucket = op.bucket if op.bucket >= 0 else self.bucket_of(op.region, op.key)
-                ob = self._owned.get((op.region, bucket))
+                ob = owned.get((op.region, bucket))
                 if ob is None or ob.status is BucketStatus.REVOKING:
                     result.error = NotOwner(op.region, bucket)
                     continue
@@ -829,7 +830,7 @@ class RegionEngine(BucketLoading, Service):
             return WindowOutcome(error=BrokerUnavailable("the owner is rebuilding its Kafka producer"))
         self._writing_since = time.monotonic()
         try:
-            outcome = writer.write(window, skip, membership)
+            outcome = writer.write(window, skip, membership, lambda w: self._absorb(w, membership))
         finally:
             self._writing_since = None
         self.stats["windows"] += 1
@@ -837,6 +838,25 @@ class RegionEngine(BucketLoading, Service):
         if outcome.producer_broken:
             self._rebuild_producer(outcome.error, wedged=outcome.producer_wedged)
         return outcome
+
+    def _absorb(self, writing: Window, membership: bytes | None) -> Window | None:
+        """The window accepted since ``writing`` was taken, handed to the committer to join the
+        transaction being written (``WindowWriter.write``); None when it is empty, when any of its
+        ownerships has ended or the generation changed since ``writing`` was taken (it waits for a
+        transaction of its own, which checks those), or when both together pass the records a
+        window may hold."""
+        with self._lock:
+            window = self._window
+            if window.empty() or self._committer_stopping or self._ownership.membership != membership:
+                return None
+            if len(writing.records) + len(window.records) > self._window_records_max:
+                return None
+            if self._ownership.stale(window.checkpoints):
+                return None
+            self._window = Window()
+            self._windows_taken += 1
+            self.stats["windows_absorbed"] += 1
+            return window
 
     def _rebuild_producer(self, why: SluiceError | None, wedged: bool = False) -> None:
         """A fatal producer (fenced, or its transaction timed out at the coordinator): a new one
@@ -876,7 +896,7 @@ class RegionEngine(BucketLoading, Service):
                 self._ownership.window_failed(failed)
             else:
                 self._ownership.window_committed(outcome.committed, outcome.last_offsets)
-            self._windows_done += 1
+            self._windows_done += 1 + window.absorbed
             self._window_changed.notify_all()
         if outcome.committed is not None:  # outside the lock: the callers' writes need it
             telemetry.count_topics(self.records_written, window.records, skip)

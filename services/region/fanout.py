@@ -15,7 +15,11 @@ The story of one write, step by step:
    it is committed (group commit: whatever arrived while a transaction was
    being committed goes into the next one) and writes it as one Kafka
    transaction (``WindowWriter``): begin; produce every record, without
-   delivery callbacks; flush; send each bucket's checkpoint as the region
+   delivery callbacks; flush, taking into the transaction the window
+   accepted while its records are acknowledged (the first records of a
+   transaction wait until the coordinator has written the markers of the
+   previous one, so concurrent requests share a transaction rather than
+   queueing one behind the other); send each bucket's checkpoint as the region
    consumer group's offset of its changelog partition, with the group
    metadata of the generation that assigned the buckets
    (``send_offsets_to_transaction``, KIP-447); commit.
@@ -113,6 +117,11 @@ TRANSACTIONAL_CHECKPOINT = "sluice:transactional"
 CALL_GRACE_S = 5.0
 #: One record to produce: topic, partition, key, value, headers.
 Record = tuple[str, int, bytes, bytes, "list[tuple[str, bytes]] | None"]
+#: While a window's records are being acknowledged, how often the writer looks for records accepted
+#: since it was closed, to write them in the same transaction (``WindowWriter.write``).
+ABSORB_POLL_S = 0.002
+#: How long after its start a transaction still takes in records accepted since its window was closed.
+ABSORB_FOR_S = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +238,6 @@ class RecordBuilder:
     def __init__(self, codec: Codec, changelog_topics: dict[str, str], targets: dict[str, list[QueueTarget]],
                  frames: Frames | None = None) -> None:
         self._changelog_topics = changelog_topics
-        self._targets = targets
         frames = frames or Frames(codec)
         # The site's own header per topic (core/framing.py): another site's event body is written
         # under it as it came, whichever framing that site uses.  Confluent ids are registered here, on start.
@@ -237,6 +245,10 @@ class RecordBuilder:
         frames.check_writes({"EntryEvent": changelog_topics.values(), "QueuedEvent": queue_topics})
         self._entry_headers = {topic: frames.header("EntryEvent", topic) for topic in changelog_topics.values()}
         self._queued_headers = {topic: frames.header("QueuedEvent", topic) for topic in queue_topics}
+        #: Region → each attached queue with the operations it takes (``QueueTarget.accepts``, asked once
+        #: per operation here rather than once per event) and whether it is a gateway sender's.
+        self._routes = {region: [(t, frozenset(op for op in Operation if t.accepts(op)), t.kind == "gateway-sender")
+                                 for t in ts] for region, ts in targets.items()}
 
     def records(self, event: EntryEvent, headers: list[tuple[str, bytes]] | None = None,
                 body: bytes | None = None, generate_callbacks: bool = True) -> tuple[Record, list[Record]]:
@@ -273,15 +285,16 @@ class RecordBuilder:
     def _queued(self, event: EntryEvent, key: bytes, body: bytes, offset: int,
                 headers: list[tuple[str, bytes]] | None) -> list[Record]:
         out: list[Record] = []
-        targets = self._targets.get(event.region)
-        if not targets:
+        routes = self._routes.get(event.region)
+        if not routes:
             return out
         now_ms = int(time.time() * 1000)
         flags = FLAG_POSSIBLE_DUPLICATE if event.possible_duplicate else 0
-        for target in targets:
-            if not target.accepts(event.operation):
+        operation = event.operation
+        for target, takes, gateway in routes:
+            if operation not in takes:
                 continue
-            if target.kind == "gateway-sender" and target.loops_back(event):
+            if gateway and target.loops_back(event):
                 continue
             record = self._record(target, event, key, body, flags, offset, now_ms, headers)
             if record is not None:
@@ -324,6 +337,8 @@ class Window:
     #: Slot → the index in ``records`` of its last changelog record (``WindowOutcome.last_offsets``).
     last_changelog: dict[Slot, int] = field(default_factory=dict)
     opened_at: float = 0.0
+    #: Windows taken into this one while it was being written (``absorb``).
+    absorbed: int = 0
 
     def empty(self) -> bool:
         return not self.checkpoints and not self.waiting
@@ -339,6 +354,17 @@ class Window:
             records.append((changelog, slot))
         for record in queued:
             records.append((record, slot))
+
+    def absorb(self, later: "Window") -> None:
+        """Take ``later``'s records (after this window's, in their order), checkpoints and waiting
+        requests: one window, written as one transaction."""
+        base = len(self.records)
+        self.records.extend(later.records)
+        self.checkpoints.update(later.checkpoints)
+        for slot, i in later.last_changelog.items():
+            self.last_changelog[slot] = base + i
+        self.waiting.extend(later.waiting)
+        self.absorbed += 1 + later.absorbed
 
 
 @dataclass(frozen=True, slots=True)
@@ -441,33 +467,43 @@ class WindowWriter:
             raise _Wedged(f"{getattr(call, '__name__', 'a transactional call')} did not return "
                           f"{CALL_GRACE_S:g} s after its timeout of {timeout_s:.1f} s") from None
 
-    def write(self, window: Window, skip: set[Slot], group_metadata: bytes | None) -> WindowOutcome:
+    def write(self, window: Window, skip: set[Slot], group_metadata: bytes | None,
+              absorb: Callable[[Window], Window | None] | None = None) -> WindowOutcome:
         """Write the window's records of every slot but those in ``skip`` (ownerships that ended
         since they were prepared), their checkpoints as the offsets of ``group_metadata``'s group.
+
+        While the records are being acknowledged (the first of a transaction
+        wait for the coordinator to register their partitions, which it does
+        only once the markers of the previous transaction are written), the
+        writer asks ``absorb(window)`` for the window accepted since this one
+        was closed, for ``ABSORB_FOR_S`` at most: what it answers joins this
+        window (``Window.absorb``) and this transaction, rather than waiting
+        for a transaction of its own.  ``absorb`` answers only records
+        prepared under the same generation, of ownerships that are current.
 
         Never raises for Kafka's reasons: a failed window is aborted here and
         its outcome says why (``error``) and whether the producer must be
         rebuilt.
         """
-        slots = [slot for slot in window.checkpoints if slot not in skip]
-        if not slots:
+        if not any(slot not in skip for slot in window.checkpoints):
             return WindowOutcome(committed={})
         generation, member = consumer_group_generation(group_metadata) if group_metadata is not None else (-1, "")
         if generation < 0 or not member:
             # Offsets without a generation are not checked against the group
             # (KIP-447 keeps that for old clients): never write without one.
             return WindowOutcome(error=OwnershipUnconfirmed("this instance holds no generation of the group"))
-        deadline = time.monotonic() + self._timeout_s
+        began = time.monotonic()
+        deadline = began + self._timeout_s
         producer = self.producer
         started = False
         # The last changelog record of each slot is produced with a delivery callback: its offset says
         # where the bucket's changelog ends once the window's marker follows it (engine.Parked).
-        last_of = {i: slot for slot, i in window.last_changelog.items() if slot not in skip}
         last_offsets: dict[Slot, int] = {}
 
         def delivered(slot: Slot) -> Callable[[KafkaError | None, Any], None]:
             def report(error: KafkaError | None, msg: Any) -> None:
-                if error is None:
+                # An absorbed window's last record of a slot comes after the one reported before it.
+                if error is None and msg.offset() > last_offsets.get(slot, -1):
                     last_offsets[slot] = msg.offset()
             return report
 
@@ -475,18 +511,14 @@ class WindowWriter:
             with self._writing:
                 producer.begin_transaction()
                 started = True
-                produce = self._produce
-                for i, (record, slot) in enumerate(window.records):
-                    if slot not in skip:
-                        at = last_of.get(i)
-                        produce(record, deadline, None if at is None else delivered(at))
+                self._produce_from(window, 0, skip, deadline, delivered)
                 # Every record acknowledged before the offsets go: send_offsets_to_transaction with records
                 # still in flight after a broker restart was seen to wait far past its timeout.
-                remaining = producer.flush(max(0.0, deadline - time.monotonic()))
+                remaining = self._flush(window, skip, deadline, delivered, absorb, began)
                 if remaining:
                     return self._abort(BrokerUnavailable(
                         f"{remaining} records of the window not acknowledged in {self._timeout_s:g} s"))
-                committed = {slot: window.checkpoints[slot] for slot in slots}
+                committed = {slot: checkpoint for slot, checkpoint in window.checkpoints.items() if slot not in skip}
                 offsets = [TopicPartition(self._changelog_topics[region], bucket, checkpoint,
                                           metadata=TRANSACTIONAL_CHECKPOINT)
                            for (region, bucket, _), checkpoint in committed.items()]
@@ -512,6 +544,47 @@ class WindowWriter:
                 return WindowOutcome(error=error, producer_broken=True)
             outcome = self._abort(error)
             return replace(outcome, stale_generation=group_fenced)
+
+    def _produce_from(self, window: Window, start: int, skip: set[Slot], deadline: float,
+                      delivered: Callable[[Slot], Callable[[KafkaError | None, Any], None]]) -> None:
+        """Produce the window's records from index ``start`` on, but those of a slot in ``skip``."""
+        last_of = {i: slot for slot, i in window.last_changelog.items() if i >= start and slot not in skip}
+        produce = self._produce
+        records = window.records
+        for i in range(start, len(records)):
+            record, slot = records[i]
+            if slot not in skip:
+                at = last_of.get(i)
+                produce(record, deadline, None if at is None else delivered(at))
+
+    def _flush(self, window: Window, skip: set[Slot], deadline: float,
+               delivered: Callable[[Slot], Callable[[KafkaError | None, Any], None]],
+               absorb: Callable[[Window], Window | None] | None, began: float) -> int:
+        """Wait until every record produced is acknowledged (or the deadline); the records it leaves.
+
+        Meanwhile, for ``ABSORB_FOR_S`` from ``began``, the window accepted since is taken in: the
+        flush runs in the writer's calling thread, one call for the whole wait (a flush keeps the
+        producer sending at once, without its linger), while this thread looks for later windows every
+        ``ABSORB_POLL_S`` and produces their records, which that flush waits for too.  A last flush here
+        covers records produced just as it returned."""
+        producer = self.producer
+        if absorb is not None:
+            flushing = self._calls.submit(producer.flush, max(0.0, deadline - time.monotonic()))
+            absorb_until = min(began + ABSORB_FOR_S, deadline)
+            while time.monotonic() < absorb_until:
+                concurrent.futures.wait([flushing], timeout=ABSORB_POLL_S)
+                if flushing.done():
+                    break
+                later = absorb(window)
+                if later is not None:
+                    start = len(window.records)
+                    window.absorb(later)
+                    self._produce_from(window, start, skip, deadline, delivered)
+            concurrent.futures.wait([flushing], timeout=max(0.0, deadline - time.monotonic()) + CALL_GRACE_S)
+            if not flushing.done():
+                raise _Wedged(f"flush did not return {CALL_GRACE_S:g} s after its timeout of {self._timeout_s:.1f} s")
+            flushing.result()  # raises what the flush raised
+        return producer.flush(max(0.0, deadline - time.monotonic()))
 
     def _produce(self, record: Record, deadline: float,
                  on_delivery: Callable[[KafkaError | None, Any], None] | None = None) -> None:

@@ -411,15 +411,9 @@ def create_app(service: RegionService) -> Any:
                       ) -> Response:
         service.region_config(region)
         first = first_event_id(body.event_id, len(body.entries))
-        ops = []
-        tx = service.transaction_for(region, first)
-        for i, (key, value) in enumerate(body.entries.items()):
-            service.check_key(region, key, f"entries.{key}")
-            data = service.encode_value(region, value, f"entries.{key}")
-            ops.append(Operation(Op.PUT_ALL, region, key, data,
-                                 body.event_id.to_event_id(i) if body.event_id else None, body.callback_argument,
-                                 transaction=tx))
-        return _bulk(await service.execute(ops, False), outcomes)
+        ops = service.put_all_operations(region, body.entries, first, body.callback_argument,
+                                         service.transaction_for(region, first))
+        return _bulk(await service.execute(ops, False, details=outcomes == "all"), outcomes)
 
     @app.post("/regions/{region}/remove_all", tags=["bulk"], summary="Destroy many entries; absent keys are skipped")
     async def remove_all(region: RegionName, body: KeysBody,
@@ -433,7 +427,7 @@ def create_app(service: RegionService) -> Any:
             ops.append(Operation(Op.REMOVE_ALL, region, key, None,
                                  body.event_id.to_event_id(i) if body.event_id else None, body.callback_argument,
                                  transaction=tx))
-        return _bulk(await service.execute(ops, False), outcomes)
+        return _bulk(await service.execute(ops, False, details=outcomes == "all"), outcomes)
 
     @app.post("/regions/{region}/clear", tags=["bulk"],
               summary="Clear the region: every entry of every bucket, each bucket at once; not sent to other "
@@ -501,7 +495,7 @@ def create_app(service: RegionService) -> Any:
                                  trace=[(TRACEPARENT, traceparent.encode())] if traceparent else None))
             where.append(i)
         if ops:
-            for i, outcome in zip(where, await service.execute(ops, False)):
+            for i, outcome in zip(where, await service.execute(ops, False, details=outcomes == "all")):
                 answers[i] = outcome
         return _bulk([o for o in answers if o is not None], outcomes)
 

@@ -78,7 +78,7 @@ from ..core.errors import (
 from ..core.events import EntryEvent, EventID
 from ..core.lifecycle import Service, ServiceState
 from ..core.webguard import is_loopback
-from ..core.kafka import kafka_errors, make_admin, topic_ids
+from ..core.kafka import kafka_errors, make_admin, partition_for_key, topic_ids
 from .directory import DirectoryPublisher
 from .standby import standby_buckets
 from .engine import Operation, OpResult, RegionEngine
@@ -171,6 +171,11 @@ def outcome_of(op: Operation, result: OpResult) -> Outcome:
     event = result.event
     assert event is not None
     return Outcome(op.key, "ok", operation=event.operation.value, event=event)
+
+
+#: The outcome of every operation simply applied, for a caller that lists only the others (a bulk
+#: answer with ``outcomes=exceptions``): counted, never rendered, so one object serves them all.
+APPLIED = Outcome("", "ok")
 
 
 def error_outcome(key: str, error: SluiceError) -> Outcome:
@@ -520,6 +525,34 @@ class RegionService(Service):
             raise EntryTooLarge(field, key, f"{n} bytes, larger than key_max_bytes={limit}")
         return key
 
+    def put_all_operations(self, region: str, entries: dict[str, Any], first: EventID | None,
+                           callback_argument: str | None, transaction: str | None) -> list[Operation]:
+        """The operations of a put_all: entry i gets ``first``'s sequence + i, its value as stored JSON,
+        its bucket.  Each key and value is checked as ``check_key`` and ``encode_value`` check them
+        (the first refused raises their error, naming ``entries.<key>``), with the region's limits
+        read once for the request rather than once per entry."""
+        config = self.region_config(region)
+        key_max, value_max, buckets = config.key_max_bytes, config.value_max_bytes, config.buckets
+        dumps = jsonvalue.dumps
+        member, thread, sequence = (first.member_id, first.thread_id, first.sequence_id) if first else ("", 0, 0)
+        ops = []
+        append = ops.append
+        for i, (key, value) in enumerate(entries.items()):
+            try:
+                key_bytes = key.encode("utf-8") if type(key) is str else None
+                data = dumps(value) if value is not None else None
+            except (UnicodeEncodeError, ValueError, TypeError):
+                key_bytes = data = None
+            if not key_bytes or len(key_bytes) > key_max or data is None or len(data) > value_max:
+                # Refused: the checks of a single write raise the error they would.
+                field = f"entries.{key}"
+                key_bytes = self.check_key(region, key, field).encode("utf-8")
+                data = self.encode_value(region, value, field)
+            append(Operation(Op.PUT_ALL, region, key, data,
+                             EventID(member, thread, sequence + i) if first is not None else None,
+                             callback_argument, partition_for_key(key_bytes, buckets), transaction=transaction))
+        return ops
+
     def forwarded_operation(self, *, op: Op, region: str, key: str, value: str | None, event_id: EventID | None,
                             callback_argument: str | None, remote: str | None, transaction: str | None,
                             bucket: int, traceparent: str | None, field: str, now_ms: int) -> Operation:
@@ -604,18 +637,20 @@ class RegionService(Service):
         timeout = httpx.USE_CLIENT_DEFAULT if deadline is None else max(0.05, deadline - time.monotonic())
         return await self.http_client().post(f"{url_join(url)}{path}", content=orjson.dumps(body), timeout=timeout)
 
-    async def execute(self, ops: list[Operation], forwarded: bool) -> list[Outcome]:
-        """Apply ``ops`` wherever their buckets are owned; one outcome per op, in order.
+    async def execute(self, ops: list[Operation], forwarded: bool, details: bool = True) -> list[Outcome]:
+        """Apply ``ops`` wherever their buckets are owned; one outcome per op, in order.  With
+        ``details`` False, an op applied here is answered ``APPLIED`` (its key and version are not
+        rendered) rather than an outcome of its own.
 
         With tracing on, the request is a span (``region.put`` ...) and each event
         another site applied is a span ``region.apply_remote``, child of the
         trace it came with; each op carries its span's ``traceparent``, which the
         engine writes as a header of its changelog and queue records."""
         if forwarded or not telemetry.tracing():
-            return await self._execute(ops, forwarded)
+            return await self._execute(ops, forwarded, details)
         spans = self._start_spans(ops)
         try:
-            outcomes = await self._execute(ops, forwarded)
+            outcomes = await self._execute(ops, forwarded, details)
         finally:
             for span in spans:
                 span.end()
@@ -645,13 +680,13 @@ class RegionService(Service):
             op.trace = None if traceparent is None else [(telemetry.TRACEPARENT, traceparent.encode())]
         return spans
 
-    async def _execute(self, ops: list[Operation], forwarded: bool) -> list[Outcome]:
+    async def _execute(self, ops: list[Operation], forwarded: bool, details: bool = True) -> list[Outcome]:
         outcomes: list[Outcome | None] = [None] * len(ops)
         todo = list(range(len(ops)))
         deadline = time.monotonic() + self.request_timeout_s
         delay = 0.02
         while todo:
-            await self._route(ops, todo, outcomes, forwarded)
+            await self._route(ops, todo, outcomes, forwarded, details)
             retry = [i for i in todo if _retry_routing(outcomes[i])]  # type: ignore[arg-type]
             if forwarded or not retry or time.monotonic() + delay > deadline:
                 break
@@ -660,17 +695,25 @@ class RegionService(Service):
             todo = retry
         return [o for o in outcomes if o is not None]
 
-    async def _route(self, ops: list[Operation], todo: list[int], outcomes: list[Outcome | None], forwarded: bool) -> None:
+    async def _route(self, ops: list[Operation], todo: list[int], outcomes: list[Outcome | None], forwarded: bool,
+                     details: bool = True) -> None:
         engine, directory = self.engine, self.directory
         assert engine is not None and directory is not None
         local: list[int] = []
         remote: dict[str, list[int]] = {}
+        # Asked once per bucket of the request (each ask takes the engine's lock); the engine checks
+        # ownership again, under its lock, when it applies the op.
+        owned: dict[tuple[str, int], bool] = {}
         for i in todo:
             op = ops[i]
             if op.bucket < 0:
                 op.bucket = engine.bucket_of(op.region, op.key)
             bucket = op.bucket
-            if engine.owns(op.region, bucket):
+            where = (op.region, bucket)
+            owns = owned.get(where)
+            if owns is None:
+                owns = owned[where] = engine.owns(op.region, bucket)
+            if owns:
                 local.append(i)
                 continue
             owner = directory.owner(op.region, bucket)
@@ -680,15 +723,20 @@ class RegionService(Service):
                 remote.setdefault(owner, []).append(i)
         tasks = []
         if local:
-            tasks.append(self._apply_local(ops, local, outcomes))
+            tasks.append(self._apply_local(ops, local, outcomes, details))
         for url, idx in remote.items():
             tasks.append(self._forward(url, ops, idx, outcomes))
         await asyncio.gather(*tasks)
 
-    async def _apply_local(self, ops: list[Operation], idx: list[int], outcomes: list[Outcome | None]) -> None:
+    async def _apply_local(self, ops: list[Operation], idx: list[int], outcomes: list[Outcome | None],
+                           details: bool = True) -> None:
         results = await self._submit_local(ops, idx)
         for i, res in zip(idx, results):
-            outcomes[i] = outcome_of(ops[i], res)
+            if details or res.event is None or res.error is not None or res.duplicate or res.conflict_lost \
+                    or res.skipped or ops[i].op in (Op.CLEAR, Op.DESTROY_REGION):
+                outcomes[i] = outcome_of(ops[i], res)
+            else:
+                outcomes[i] = APPLIED
 
     async def _submit_local(self, ops: list[Operation], idx: list[int]) -> list[OpResult]:
         """``ops[i]`` for each ``i`` of ``idx`` handed to this instance's engine, waiting (bounded) for

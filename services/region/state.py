@@ -225,7 +225,16 @@ class BucketState:
         version = self._next_version(previous, now_ms)
         event = new_entry_event(self.region, key, operation, value, event_id, version, self.dsid, self.bucket,
                                 now_ms, callback_argument)
-        self.replay(event)
+        # replay(event), with what is known here: an event of this site, a destroy only as DESTROY or
+        # REMOVEALL_DESTROY (their value is None already).
+        destroyed = operation is Operation.DESTROY or operation is Operation.REMOVEALL_DESTROY
+        self.entries[key] = tuple.__new__(Entry, (
+            value, version.dsid, version.timestamp, version.entry_version, version.member_id,
+            event_id.member_id, event_id.thread_id, event_id.sequence_id, destroyed))
+        stream = (event_id.member_id, event_id.thread_id)
+        if event_id.sequence_id > self.streams.get(stream, -1):
+            self.streams[stream] = event_id.sequence_id
+        self.stream_seen_ms[stream] = now_ms
         return event
 
     def _next_version(self, previous: Entry | None, now_ms: int) -> VersionTag:

@@ -760,3 +760,103 @@ def test_a_coordinator_call_that_never_returns_fails_the_window_as_wedged(monkey
     release.set()
     writer.close()
 
+
+
+# --- 6. a transaction takes in the window accepted while its records are acknowledged ----------------
+
+
+class SlowAcks(FakeTransactionalProducer):
+    """A producer whose flush waits, up to its timeout, until ``acked`` is set (the partitions of a
+    transaction wait for the coordinator to register them), and leaves a record unacknowledged if not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.acked = threading.Event()
+
+    def flush(self, timeout: float) -> int:
+        self.acked.wait(timeout)
+        super().flush(timeout)
+        return 0 if self.acked.is_set() else 1
+
+
+def a_later_window() -> Window:
+    """Bucket 5 again (its changelog's next record) and bucket 7, with a request waiting on each."""
+    w = Window()
+    w.add(("orders", 5, 1), 40, ("sluice.changelog.orders", 5, b"a", b"a3", None), [])
+    w.add(("orders", 7, 1), 12, ("sluice.changelog.orders", 7, b"c", b"c1", None),
+          [("sluice.queue.q", 1, b"c", b"qc1", None)])
+    w.waiting.append((Pending(lambda _: None), frozenset({("orders", 5, 1), ("orders", 7, 1)})))
+    return w
+
+
+def test_a_window_absorbs_a_later_one_after_its_own_records() -> None:
+    """Window.absorb: the later window's records follow in their order, its last changelog indexes move
+    with them, checkpoints and waiting requests join, and it counts as a window absorbed."""
+    window, later = a_window(), a_later_window()
+    window.absorb(later)
+    assert [r[3] for r, _ in window.records] == [b"a1", b"qa1", b"b1", b"a2", b"qa2", b"a3", b"c1", b"qc1"]
+    assert window.last_changelog == {("orders", 5, 1): 5, ("orders", 2, 1): 2, ("orders", 7, 1): 6}
+    assert window.checkpoints == {("orders", 5, 1): 40, ("orders", 2, 1): 0, ("orders", 7, 1): 12}
+    assert len(window.waiting) == 1 and window.absorbed == 1
+
+
+def test_records_accepted_while_a_window_is_acknowledged_join_its_transaction() -> None:
+    """While the first records wait to be acknowledged, the window accepted since is taken in: one
+    begin and one commit for both, its records produced after the first ones, every bucket's checkpoint
+    sent, and each bucket's last changelog offset the later window's."""
+    producer = SlowAcks()
+    window = a_window()
+    later = [a_later_window()]
+    asked: list[int] = []
+
+    def absorb(writing: Window) -> Window | None:
+        asked.append(len(writing.records))
+        if later:
+            return later.pop()
+        producer.acked.set()
+        return None
+
+    outcome = WindowWriter(producer, {"orders": "sluice.changelog.orders"}, timeout_s=5).write(
+        window, set(), GENERATION_3, absorb)
+    assert producer.calls.count("begin") == 1 and producer.calls[-2:] == ["send_offsets", "commit"]
+    assert asked[:2] == [5, 8]
+    assert [v for _, _, v in producer.produced] == [b"a1", b"qa1", b"b1", b"a2", b"qa2", b"a3", b"c1", b"qc1"]
+    assert producer.offsets == [("sluice.changelog.orders", 5, 40, TRANSACTIONAL_CHECKPOINT),
+                                ("sluice.changelog.orders", 2, 0, TRANSACTIONAL_CHECKPOINT),
+                                ("sluice.changelog.orders", 7, 12, TRANSACTIONAL_CHECKPOINT)]
+    assert outcome.committed == {("orders", 5, 1): 40, ("orders", 2, 1): 0, ("orders", 7, 1): 12}
+    assert outcome.last_offsets == {("orders", 5, 1): 102, ("orders", 2, 1): 100, ("orders", 7, 1): 100}
+    assert window.absorbed == 1 and len(window.waiting) == 1
+
+
+def test_a_window_with_nothing_to_take_in_commits_as_it_is() -> None:
+    """Nothing accepted since: the window's own records, its own checkpoints."""
+    producer = SlowAcks()
+
+    def absorb(_: Window) -> Window | None:
+        producer.acked.set()
+        return None
+
+    outcome = WindowWriter(producer, {"orders": "sluice.changelog.orders"}, timeout_s=5).write(
+        a_window(), set(), GENERATION_3, absorb)
+    assert [v for _, _, v in producer.produced] == [b"a1", b"qa1", b"b1", b"a2", b"qa2"]
+    assert outcome.committed == {("orders", 5, 1): 40, ("orders", 2, 1): 0}
+
+
+def test_a_transaction_takes_records_in_only_for_a_while(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Records never acknowledged: the writer stops asking for later windows after ABSORB_FOR_S and
+    aborts the window at its deadline, with nothing sent as offsets."""
+    monkeypatch.setattr(fanout, "ABSORB_FOR_S", 0.05)
+    producer = SlowAcks()
+    asked: list[float] = []
+    started = time.monotonic()
+
+    def absorb(_: Window) -> Window | None:
+        asked.append(time.monotonic() - started)
+        return None
+
+    outcome = WindowWriter(producer, {"orders": "sluice.changelog.orders"}, timeout_s=0.5).write(
+        a_window(), set(), GENERATION_3, absorb)
+    assert asked and max(asked) < 0.25
+    assert isinstance(outcome.error, BrokerUnavailable) and outcome.committed is None
+    assert "send_offsets" not in producer.calls and producer.calls[-1] == "abort"

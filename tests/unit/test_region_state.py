@@ -485,6 +485,7 @@ def test_replaying_prepared_events_rebuilds_the_same_state(script: list[Step]) -
         rebuilt.replay(event)
     assert rebuilt.entries == live.entries
     assert rebuilt.streams == live.streams
+    assert rebuilt.stream_seen_ms == live.stream_seen_ms
     assert sorted(rebuilt.keys()) == sorted(live.keys())
     assert rebuilt.size() == live.size()
     # Each key's versions in the changelog count 1, 2, 3, … and timestamps never go back.
