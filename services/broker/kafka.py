@@ -181,6 +181,19 @@ class _Reader:
         return raw.decode("utf-8")
 
 
+def _terminate(process: subprocess.Popen[bytes], timeout_s: float, paused: bool = False) -> None:
+    """SIGTERM (a clean shutdown), and SIGKILL if the process has not exited ``timeout_s`` later."""
+    process.send_signal(signal.SIGTERM)
+    if paused:
+        # A stopped process cannot act on SIGTERM until it runs again.
+        process.send_signal(signal.SIGCONT)
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 _die_with_parent_hook = die_with_parent  # SIGTERM the broker if its starter dies (see core/processes.py)
 
 
@@ -359,15 +372,7 @@ class BrokerProcess:
             if self._state is not BrokerState.NEW:
                 self._state = BrokerState.STOPPED
             return
-        process.send_signal(signal.SIGTERM)
-        if self._state is BrokerState.PAUSED:
-            # A stopped process cannot act on SIGTERM until it runs again.
-            process.send_signal(signal.SIGCONT)
-        try:
-            process.wait(timeout=self.stop_timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        _terminate(process, self.stop_timeout_s, paused=self._state is BrokerState.PAUSED)
         self._state = BrokerState.STOPPED
 
     def kill(self) -> None:
@@ -764,12 +769,7 @@ class EmbeddedKafka(BrokerProcess):
     def _stop_controller(self) -> None:
         controller, self._controller = self._controller, None
         if controller is not None and controller.poll() is None:
-            controller.send_signal(signal.SIGTERM)
-            try:
-                controller.wait(timeout=self.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                controller.kill()
-                controller.wait()
+            _terminate(controller, self.stop_timeout_s)
 
     def kill(self) -> None:
         if self.separate_controller and self.pid is not None:
