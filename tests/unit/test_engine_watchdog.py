@@ -8,7 +8,8 @@ import time
 import pytest
 
 from sluice.core.errors import BrokerUnavailable
-from sluice.region.engine import WEDGED_AFTER_FACTOR, RegionEngine
+from sluice.region.engine import RegionEngine
+from sluice.region.membership import WEDGED_AFTER_FACTOR
 
 
 def engine_writing_for(seconds: float | None, transaction_timeout_ms: int = 10_000) -> RegionEngine:

@@ -15,6 +15,7 @@ from sluice.core.errors import InvalidRequest
 from sluice.core.kafka import TopicPartition
 from sluice.core.lifecycle import ServiceState
 from sluice.region import engine as engine_module
+from sluice.region import membership as membership_module
 from sluice.region.engine import BucketStatus, RegionEngine
 from sluice.region.state import BucketState
 
@@ -79,7 +80,7 @@ def test_assign_revoke_and_lose_reach_the_protocol_and_its_actions_are_performed
     with engine._lock:
         ob = engine._ownership.loaded("orders", 0, 1, BucketState("orders", 0, 1, "m1"), 5, 7, 0)
         assert ob is not None and engine._ownership.answering("orders", 0, 1, 7)
-    monkeypatch.setattr(engine_module, "partition_end", lambda *_, **__: (0, 7, 7))
+    monkeypatch.setattr(membership_module, "partition_end", lambda *_, **__: (0, 7, 7))
     engine.on_revoke(group, tps(0, 1))  # type: ignore[arg-type]
     assert group.assigned == set() and claims[-1] == [] and engine.stats["buckets_revoked"] == 2
     assert set(engine._parked) == {("orders", 0)}  # the READY one is kept; the loading one is not

@@ -22,6 +22,7 @@ from sluice.core.config import SiteConfig, parse_config
 from sluice.core.errors import BrokerUnavailable
 from sluice.core.events import EventID
 from sluice.region import engine as engine_module
+from sluice.region import membership as membership_module
 from sluice.region import loading as loading_module
 from sluice.region import service as service_module
 from sluice.region.engine import Operation, OwnedBucket, RegionEngine
@@ -190,6 +191,7 @@ def test_store_checkpoint_interval_is_how_often_quiet_buckets_are_made_clean(
     """Over 10 s of the group thread, owned buckets are checkpointed every store_checkpoint_interval_s."""
     clock = Clock()
     monkeypatch.setattr(engine_module, "time", clock)
+    monkeypatch.setattr(membership_module, "time", clock)
     region = engine(checkpoint_interval_s=interval_s)
     region._store = SimpleNamespace()  # type: ignore[assignment]
     done: list[float] = []
